@@ -1,0 +1,112 @@
+"""Sampling parameters with vLLM's field names and semantics.
+
+Pure Python (the engine core imports it): no torch here. Every field is
+validated at construction; a bad value raises ValueError naming the field, so
+the serving layer can turn it into a 400 without touching the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every output carries the whole text so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's completion (vLLM's ``SamplingParams``).
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 disables top-k.
+    ``max_tokens=None`` means "up to the model's context length". ``logprobs``
+    and ``prompt_logprobs`` ask for that many top alternatives per position
+    (the sampled / actual token is always included on top of them).
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    bad_words: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        # Accept the loose input types vLLM accepts, store one canonical form.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        elif self.stop is None:
+            object.__setattr__(self, "stop", [])
+        else:
+            object.__setattr__(self, "stop", list(self.stop))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        object.__setattr__(self, "bad_words", list(self.bad_words or []))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", list(self.allowed_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        _check(self.repetition_penalty > 0.0,
+               f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        _check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        _check(self.max_tokens is None or self.max_tokens >= 1,
+               f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}.")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        _check(self.logprobs is None or self.logprobs >= -1,
+               f"logprobs must be non-negative or -1 (whole vocabulary), got {self.logprobs}.")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+               f"prompt_logprobs must be non-negative or -1 (whole vocabulary), got {self.prompt_logprobs}.")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be non-negative integers.")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
+        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+               "allowed_token_ids must not be empty.")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy with some fields changed (used to fan out ``n`` > 1)."""
+        return replace(self, **changes)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
