@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
+# Temperatures below this sample greedily (vLLM's threshold); dividing by them would overflow.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries the whole text so far
@@ -95,12 +98,15 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be non-negative integers.")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
+        _check(all(isinstance(w, str) and w for w in self.bad_words), "bad_words must be non-empty strings.")
+        _check(self.logit_bias is None or all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+               "logit_bias values must be in [-100, 100].")
         _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
                "allowed_token_ids must not be empty.")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def clone(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (used to fan out ``n`` > 1)."""

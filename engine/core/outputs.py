@@ -1,0 +1,96 @@
+"""Plain data that crosses the boundary between the engine core and workers.
+
+Everything here is a dataclass of builtins so it pickles cheaply across
+processes and Ray actors. The scheduler only hands out token counts and block
+ids; the model runner builds tensors from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (or dropped when it was preempted)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only for a request resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already cached (prefix-cache hit), before this step
+
+
+@dataclass
+class CachedRequestData:
+    """Deltas for requests the workers already hold, one list entry per request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # The tokens this step computes, at positions num_computed_tokens[i] onward. Workers write
+    # them into their copy of the sequence (which lacks the tokens sampled since the last step).
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's schedule: how many tokens each request computes, and the deltas workers need."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the workers must drop before this step: preempted here, or finished since the last step.
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Top logprobs for some positions: row i holds (token ids, logprobs, rank of the first id)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step of the model produced, for the requests of a SchedulerOutput.
+
+    ``sampled_token_ids[i]`` belongs to ``req_ids[i]``; it is empty for a
+    request whose prefill chunk did not reach the end of its prompt.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] | None = None
+    prompt_logprobs: dict[str, LogprobsLists] | None = None
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one request got from one step: new tokens, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    stop_reason: int | str | None = None
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,101 @@
+"""One request and the state the engine core keeps for it.
+
+A ``Request`` is owned by the scheduler: only the scheduler and the KV cache
+manager mutate it. Workers never see it; they get plain data in
+``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished; keep FINISHED_* last.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status >= RequestStatus.FINISHED_STOPPED
+
+
+# The OpenAI finish_reason of each finished status.
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A prompt, the tokens generated for it so far, and its scheduling state.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache (or is
+    being written by the step just scheduled). ``all_token_ids`` is the prompt
+    followed by the output; ``block_hashes`` holds the chained hash of every
+    full block of ``all_token_ids`` computed so far (filled by the KV cache
+    manager).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"Request {request_id!r}: the prompt is empty; at least one token is required.")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Set by the scheduler from max_tokens and max_model_len when added.
+        self.max_tokens = sampling_params.max_tokens
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 = not yet scheduled
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def get_finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")

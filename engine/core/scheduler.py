@@ -1,0 +1,280 @@
+"""The continuous-batching scheduler (vLLM V1 design).
+
+There are no prefill and decode phases. Each step hands every request the
+number of tokens that brings its ``num_computed_tokens`` toward its
+``num_tokens`` (a whole prompt, a prompt chunk, or one decode token), within
+the step's token budget and ``max_num_seqs``: running requests first, then
+waiting ones. When the KV pool runs dry, running requests are preempted (their
+blocks freed, to be recomputed later) and nothing new is admitted that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from engine.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                 SchedulerOutput)
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import make_request_queue
+from engine.core.stop_conditions import check_stop
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_preemptions: int  # since start
+    prefix_cache_stats: PrefixCacheStats
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self._check_pool_holds_one_sequence()
+        self.kv_cache_manager = KVCacheManager(cache_config, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Finished or aborted since the last schedule(): the workers must drop them.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    def _check_pool_holds_one_sequence(self) -> None:
+        # Otherwise one long request could preempt everything, then itself, forever.
+        num_blocks = self.cache_config.num_blocks
+        if num_blocks is None:
+            raise ValueError("CacheConfig.num_blocks must be set before the scheduler is built.")
+        capacity = (num_blocks - 1) * self.cache_config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {capacity} tokens ({num_blocks - 1} usable blocks of "
+                f"{self.cache_config.block_size}), fewer than max_model_len={self.max_model_len}. "
+                "Give the cache more memory or lower max_model_len.")
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request. Raises ValueError (and changes nothing) if it can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {request.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}: "
+                "at least one token must fit after the prompt.")
+        room = self.max_model_len - request.num_prompt_tokens
+        request.max_tokens = room if request.sampling_params.max_tokens is None else request.sampling_params.max_tokens
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+        self.requests[request.request_id] = request
+
+    def abort_requests(self, request_ids) -> None:
+        """Finishes the given requests as aborted and frees their blocks; unknown ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ----------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Decides this step: how many tokens each request computes."""
+        config = self.scheduler_config
+        token_budget = config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        threshold = config.long_prefill_token_threshold
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            # Inlined _num_tokens_to_compute: this loop runs once per running request per step.
+            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
+            if threshold > 0 and num_new_tokens > threshold:
+                num_new_tokens = threshold
+            if num_new_tokens > token_budget:
+                num_new_tokens = token_budget
+            if num_new_tokens == 0:  # nothing new since the last step (its output is not in yet)
+                index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                if victim_index < index:  # only the priority policy picks an already scheduled victim
+                    index -= 1
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id)
+            if new_blocks is None:
+                break  # ``request`` itself was preempted; everything after it has been too
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
+            token_budget -= num_new_tokens
+            index += 1
+
+        scheduled_new: list[Request] = []
+        if not preempted:
+            token_budget = self._admit_waiting(token_budget, scheduled_new, num_scheduled_tokens)
+
+        return self._build_output(scheduled_new, scheduled_running, num_scheduled_tokens, new_block_ids,
+                                  preempted, config.max_num_batched_tokens - token_budget)
+
+    def _num_tokens_to_compute(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new_tokens = min(num_new_tokens, threshold)
+        return min(num_new_tokens, token_budget)
+
+    def _admit_waiting(self, token_budget: int, scheduled_new: list[Request],
+                       num_scheduled_tokens: dict[str, int]) -> int:
+        """Moves waiting requests to running while budget, seats and blocks last."""
+        kv = self.kv_cache_manager
+        while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
+            request = self.waiting.peek()
+            # Waiting requests (new or preempted) hold no blocks: start from the prefix cache.
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_wanted = request.num_tokens - num_hit_tokens
+            if not self.scheduler_config.enable_chunked_prefill and num_wanted > token_budget:
+                break
+            num_new_tokens = self._num_tokens_to_compute(request, num_hit_tokens, token_budget)
+            if kv.allocate_slots(request, num_new_tokens, num_hit_tokens, computed_blocks) is None:
+                break
+            kv.record_prefix_cache_query(request, num_hit_tokens)
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            scheduled_new.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+        return token_budget
+
+    def _pick_victim(self) -> Request:
+        if self.scheduler_config.policy == "priority":
+            return max(self.running, key=lambda request: (request.priority, request.arrival_time))
+        return self.running[-1]  # FCFS: the most recently admitted
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _build_output(self, scheduled_new: list[Request], scheduled_running: list[Request],
+                      num_scheduled_tokens: dict[str, int], new_block_ids: dict[str, list[int]],
+                      preempted: list[Request], total_num_scheduled_tokens: int) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs_data = [
+            NewRequestData(req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                           output_token_ids=list(request.output_token_ids),
+                           sampling_params=request.sampling_params,
+                           block_ids=kv.get_block_ids(request.request_id),
+                           num_computed_tokens=request.num_computed_tokens)
+            for request in scheduled_new]
+        cached = CachedRequestData()
+        for request in scheduled_running:
+            num_computed = request.num_computed_tokens
+            num_new_tokens = num_scheduled_tokens[request.request_id]
+            cached.req_ids.append(request.request_id)
+            cached.new_token_ids.append(request.all_token_ids[num_computed:num_computed + num_new_tokens])
+            cached.new_block_ids.append(new_block_ids[request.request_id])
+            cached.num_computed_tokens.append(num_computed)
+        # The step will compute these tokens; count them now so the next schedule() moves on.
+        for request in scheduled_running:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        for request in scheduled_new:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens, total_num_scheduled_tokens=total_num_scheduled_tokens,
+            preempted_req_ids={request.request_id for request in preempted},
+            finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        return output
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, finishes requests that hit a stop condition, frees their blocks.
+
+        Returns one output per request that got tokens or prompt logprobs.
+        Requests aborted since ``schedule()`` are skipped.
+        """
+        outputs: list[EngineCoreOutput] = []
+        logprobs = model_runner_output.logprobs or {}
+        prompt_logprobs = model_runner_output.prompt_logprobs or {}
+        any_finished = False
+        requests = self.requests
+        for req_id, sampled in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
+            request = requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            new_token_ids = self._append_until_stop(request, sampled) if sampled else sampled
+            new_prompt_logprobs = prompt_logprobs.get(req_id)
+            if not new_token_ids and new_prompt_logprobs is None:
+                continue
+            output = EngineCoreOutput(
+                request_id=req_id, new_token_ids=new_token_ids, finish_reason=request.get_finish_reason(),
+                stop_reason=request.stop_reason, new_logprobs=logprobs.get(req_id),
+                new_prompt_logprobs=new_prompt_logprobs, num_cached_tokens=request.num_cached_tokens)
+            outputs.append(output)
+            if output.finish_reason is not None:
+                any_finished = True
+                self._free_request(request)
+        if any_finished:
+            self.running = [request for request in self.running if request.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
+        for num_accepted, token_id in enumerate(sampled_token_ids, start=1):
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            if check_stop(request, self.max_model_len):
+                return sampled_token_ids[:num_accepted]
+        return sampled_token_ids
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ------------------------------------------------------------------- stats
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=self.num_preemptions,
+            prefix_cache_stats=self.kv_cache_manager.prefix_cache_stats)
