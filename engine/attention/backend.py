@@ -1,0 +1,62 @@
+"""Attention backend interface and registry.
+
+A backend owns the KV-cache layout and the paged attention computation. One
+backend instance serves every layer; each layer passes its own cache tensor.
+
+Contract of ``forward(kv_cache, q, k, v, attn_metadata, scale)``:
+
+* ``q``: [num_tokens, num_heads, head_dim]; ``k``, ``v``: [num_tokens, num_kv_heads, head_dim]
+  (rope already applied), tokens flattened as described in ``metadata.py``;
+* first writes the new K/V of *all* tokens into ``kv_cache`` at
+  ``attn_metadata.slot_mapping``, then computes causal attention of each
+  request's new tokens over its whole cached sequence (so a request may read
+  blocks another request of the same step just filled);
+* returns [num_tokens, num_heads * head_dim] in ``q.dtype``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+
+    @abstractmethod
+    def forward(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """See the module docstring."""
+
+    def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+                           ) -> list[torch.Tensor]:
+        """One zeroed cache tensor per layer."""
+        shape = self.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    """Make ``get_attention_backend(name)`` return ``factory()`` (e.g. a Triton backend)."""
+    _BACKENDS[name] = factory
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    """A new backend instance by name; ``"torch"`` (CPU/any device, plain torch) is the default."""
+    if name not in _BACKENDS and name == "torch":
+        import engine.attention.torch_paged  # noqa: F401  (registers itself)
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS) or ['torch']}")
+    return _BACKENDS[name]()

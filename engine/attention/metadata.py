@@ -1,0 +1,104 @@
+"""Per-step attention metadata, built by the model runner and shared by all layers.
+
+Tokens of all requests in a step are flattened into one batch, request after
+request (no padding). For request ``i``:
+
+* its new tokens are ``query_start_loc[i] : query_start_loc[i+1]`` of the batch;
+* ``seq_lens[i]`` counts the tokens of its sequence once this step is done
+  (already-cached context + new tokens), so ``context_lens = seq_lens - query_lens``;
+* the new token ``j`` sits at absolute position ``context_lens[i] + j`` and sees
+  keys ``0 .. context_lens[i] + j`` (causal);
+* ``block_tables[i, b]`` is the KV-cache block holding positions
+  ``b*block_size .. (b+1)*block_size-1``; unused entries are 0 (the null block).
+
+``slot_mapping[t] = block_id * block_size + offset`` is where token ``t``'s new
+K/V are written. ``query_lens_cpu`` / ``seq_lens_cpu`` are the same numbers as
+plain Python lists so backends can plan without device syncs. Requests may come
+in any order: the torch backend treats every request with one new token as a
+decode and batches those together (it is fastest when decodes come first, as a
+contiguous slice, but does not require it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_actual_tokens: int                 # tokens in the batch (= query_start_loc[-1])
+    query_start_loc: torch.Tensor          # int32 [num_reqs + 1], cumulative new-token counts
+    seq_lens: torch.Tensor                 # int32 [num_reqs], context + new tokens
+    block_tables: torch.Tensor             # int32 [num_reqs, max_num_blocks_per_req], 0-padded
+    slot_mapping: torch.Tensor             # int64 [num_tokens], where each new K/V is written
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int] = field(default_factory=list)  # new tokens per request
+    seq_lens_cpu: list[int] = field(default_factory=list)    # == seq_lens.tolist()
+    num_decodes: int = -1  # hint: requests [0, num_decodes) have query_len 1; -1 = unknown
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def context_lens_cpu(self) -> list[int]:
+        return [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]
+
+    @property
+    def context_lens(self) -> torch.Tensor:
+        return self.seq_lens - (self.query_start_loc[1:] - self.query_start_loc[:-1])
+
+    def to(self, device: torch.device | str) -> "AttentionMetadata":
+        """A copy with the tensors moved to ``device`` (Python-side fields shared)."""
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return AttentionMetadata(
+            self.num_actual_tokens, move(self.query_start_loc), move(self.seq_lens),
+            move(self.block_tables), move(self.slot_mapping), self.max_query_len, self.max_seq_len,
+            self.query_lens_cpu, self.seq_lens_cpu, self.num_decodes)
+
+
+def _leading_decodes(query_lens: Sequence[int]) -> int:
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n
+
+
+def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
+                             block_tables: Sequence[Sequence[int]], block_size: int,
+                             device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Build metadata from Python lists (one entry per request, in batch order).
+
+    ``block_tables[i]`` lists request ``i``'s block ids, covering at least
+    ``seq_lens[i]`` tokens; rows are 0-padded to the longest. The slot mapping
+    is derived: new tokens of request ``i`` occupy positions
+    ``seq_lens[i] - query_lens[i] .. seq_lens[i] - 1``.
+    """
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables need one entry per request")
+    slots: list[int] = []
+    for q, s, blocks in zip(query_lens, seq_lens, block_tables):
+        if not 0 < q <= s or len(blocks) * block_size < s:
+            raise ValueError(f"bad request: query_len={q} seq_len={s} blocks={len(blocks)}x{block_size}")
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(s - q, s))
+    width = max((len(b) for b in block_tables), default=0)
+    table = [list(b) + [0] * (width - len(b)) for b in block_tables]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    return AttentionMetadata(
+        num_actual_tokens=starts[-1],
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device).reshape(len(table), width),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        num_decodes=_leading_decodes(query_lens),
+    )

@@ -1,0 +1,154 @@
+"""The architecture of a checkpoint, read once from its Hugging Face ``config.json``.
+
+``ModelArchConfig`` is the only view of the HF config the rest of the engine
+sees: a frozen dataclass with every field the model code, the KV cache sizing
+and the tokenizer glue need, normalised across transformers 4.x / 5.x spellings
+(5.x writes ``rope_parameters`` holding ``rope_theta``; 4.x writes top-level
+``rope_theta`` plus an optional ``rope_scaling`` dict, sometimes with ``type``
+instead of ``rope_type``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Rope types this engine implements (see layers/rotary.py).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+# Architectures whose q/k/v projections always carry a bias (o_proj never does).
+_QKV_BIAS_ARCHS = ("Qwen2ForCausalLM",)
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float": torch.float32, "half": torch.float16, "fp32": torch.float32,
+           "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Merge ``rope_parameters`` / ``rope_scaling`` / ``rope_theta`` into one flat dict.
+
+    The result always has ``rope_type`` and ``rope_theta``; llama3 and yarn also
+    get ``original_max_position_embeddings`` (defaulting like transformers does).
+    """
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.pop("type", None)
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    if params["rope_type"] in ("llama3", "yarn"):
+        params.setdefault("original_max_position_embeddings",
+                          cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope_type {params['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (None, 1.0):
+        raise NotImplementedError("partial_rotary_factor != 1 is not supported")
+    return params
+
+
+def _first_id(value: Any) -> int | None:
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Architecture hyper-parameters of one decoder-only checkpoint (immutable)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # full rope dict, incl. rope_type
+    qkv_bias: bool = False          # bias on q/k/v projections
+    o_proj_bias: bool = False       # bias on o_proj
+    mlp_bias: bool = False          # bias on gate/up/down (llama's ``mlp_bias``)
+    has_qk_norm: bool = False       # per-head RMSNorm on q and k before rope (qwen3)
+    sliding_window: int | None = None  # recorded only; attention is always full (see report)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: torch.dtype | None = None  # dtype the checkpoint was saved in
+    hidden_act: str = "silu"
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling.get("rope_type", "default")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArchConfig":
+        """Build from the parsed ``config.json`` dict; raises ``ValueError`` if it lacks fields."""
+        cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"})
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry")
+        arch = archs[0]
+        heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        use_sliding = cfg.get("use_sliding_window", True)
+        rope = _rope_params(cfg)
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope["rope_theta"]),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=rope,
+            qkv_bias=attention_bias or arch in _QKV_BIAS_ARCHS,
+            o_proj_bias=attention_bias and arch not in _QKV_BIAS_ARCHS,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            has_qk_norm=arch in _QK_NORM_ARCHS,
+            sliding_window=cfg.get("sliding_window") if use_sliding else None,
+            bos_token_id=_first_id(cfg.get("bos_token_id")),
+            eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+            torch_dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
+            hidden_act=cfg.get("hidden_act", "silu"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> "ModelArchConfig":
+        """Read ``<model_dir>/config.json``."""
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in {model_dir!r}")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_hf_config(json.load(f))

@@ -1,0 +1,196 @@
+"""Linear and embedding layers with a tensor-parallel loading seam.
+
+Every parameter carries ``param.weight_loader(param, loaded, shard_id=None)``:
+the loader hands it the *full* checkpoint tensor and the layer copies the part
+that belongs to its rank (``tp_rank`` of ``tp_size``, default 0 of 1) into the
+right place (for packed layers, the right shard: ``"q"/"k"/"v"`` or ``0/1``).
+Copying casts to the parameter's dtype.
+
+Only the loading is tensor-parallel today. With ``tp_size > 1`` the forward of
+``RowParallelLinear`` / ``VocabEmbedding`` / ``LMHead`` additionally needs a
+collective; they call ``self.reduce`` / ``self.gather`` which a TP runner sets
+(default: raise), so the single-rank path never touches torch.distributed.
+
+Weights are allocated with ``torch.empty`` (no random init): construction is
+cheap and every value comes from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _no_collective(x: torch.Tensor) -> torch.Tensor:
+    raise NotImplementedError("tp_size > 1 needs a collective; set layer.reduce / layer.gather")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a whole tensor; shapes must match exactly."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def _param(shape: tuple[int, ...], loader: Callable) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+class LinearBase(nn.Module):
+    """y = x @ W.T + b with W of shape [out_local, in_local]."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.in_features, self.out_features = in_local, out_local
+        self.weight = _param((out_local, in_local), self.weight_loader)
+        self.bias = _param((out_local,), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(in_features, out_features, bias, tp_rank, tp_size)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split across ranks: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        assert out_features % tp_size == 0, (out_features, tp_size)
+        super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed along dim 0 (e.g. gate_up_proj, shard ids 0, 1)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def shard_ids(self) -> list:
+        return list(range(len(self.output_sizes)))
+
+    def _shard_range(self, shard_id) -> tuple[int, int]:
+        """(offset, size) of ``shard_id`` inside this rank's packed output."""
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        return sum(sizes[:shard_id]), sizes[shard_id]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # an already-packed checkpoint tensor
+            return ColumnParallelLinear.weight_loader(self, param, loaded)
+        offset, size = self._shard_range(shard_id)
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k, v projections packed as [q_heads*D | kv_heads*D | kv_heads*D] (shard ids "q", "k", "v").
+
+    KV heads are replicated when ``tp_size > num_kv_heads``.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        assert num_heads % tp_size == 0
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        sizes = [self.num_heads * head_dim * tp_size] + [self.num_kv_heads * head_dim * tp_size] * 2
+        super().__init__(hidden_size, sizes, bias, tp_rank, tp_size)
+
+    def shard_ids(self) -> list:
+        return ["q", "k", "v"]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            return ColumnParallelLinear.weight_loader(self, param, loaded)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split across ranks; partial outputs are summed by ``self.reduce``.
+
+    The bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+        assert in_features % tp_size == 0, (in_features, tp_size)
+        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _no_collective
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: replicated
+            return default_weight_loader(param, loaded)
+        size = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding, vocab split across ranks (rows [r*V/tp, (r+1)*V/tp))."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        assert vocab_size % tp_size == 0, (vocab_size, tp_size)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.vocab_size, self.local_vocab = vocab_size, vocab_size // tp_size
+        self.vocab_start = tp_rank * self.local_vocab
+        self.weight = _param((self.local_vocab, hidden_size), self.weight_loader)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _no_collective
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded.narrow(0, self.vocab_start, self.local_vocab))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.local_vocab)
+        out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight) * mine.unsqueeze(-1)
+        return self.reduce(out)
+
+
+class LMHead(nn.Module):
+    """Vocab-parallel output projection; ``gather`` concatenates rank shards along vocab.
+
+    With tied embeddings it reuses ``embedding.weight`` (the same Parameter).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1,
+                 tied_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.tp_size = tp_size
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            emb = VocabEmbedding(vocab_size, hidden_size, tp_rank, tp_size)
+            self.weight = emb.weight  # keeps emb's vocab-sharding weight_loader
+        self.gather: Callable[[torch.Tensor], torch.Tensor] = _no_collective
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        return logits if self.tp_size == 1 else self.gather(logits)

@@ -1,0 +1,27 @@
+"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate/up packed as ``gate_up_proj``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class SwiGLUMLP(nn.Module):
+    """[T, hidden] -> [T, hidden]. HF names ``gate_proj``/``up_proj`` load into ``gate_up_proj`` shards 0/1."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 hidden_act: str = "silu", tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        if hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {hidden_act!r} (only 'silu')")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I_local]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

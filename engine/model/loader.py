@@ -1,0 +1,146 @@
+"""Build a model from a local Hugging Face directory and load its safetensors weights.
+
+Weights are read lazily, tensor by tensor, with ``safetensors.safe_open``
+(one ``model.safetensors`` or the shards listed in
+``model.safetensors.index.json``) and handed to each parameter's
+``weight_loader(param, tensor, shard_id=None)``, which copies (and casts) the
+part this tensor-parallel rank owns. Loading fails listing every missing and
+unexpected checkpoint weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.model.config import ModelArchConfig, parse_dtype
+from engine.model.layers.linear import default_weight_loader
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightLoadingError(RuntimeError):
+    """The checkpoint does not match the model's parameters."""
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint files of ``model_dir`` (index first, then the single file, then any *.safetensors)."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    single = os.path.join(model_dir, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir!r}")
+    return files
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) one at a time; never materialises a whole file."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _map_name(name: str, packed: list[tuple[str, str, object]]) -> tuple[str, object]:
+    """Checkpoint name -> (model parameter name, shard id or None)."""
+    for packed_part, ckpt_part, shard_id in packed:
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{packed_part}."), shard_id
+    return name, None
+
+
+def _expected_shards(model: nn.Module) -> dict[str, list]:
+    """Parameter name -> shard ids it must receive ([None] for plain parameters)."""
+    names = {n for n, _ in model.named_parameters()}  # deduplicated: tied weights appear once
+    expected: dict[str, list] = {}
+    for mod_name, module in model.named_modules():
+        shard_ids = module.shard_ids() if hasattr(module, "shard_ids") else [None]
+        for p_name, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if full in names:
+                expected[full] = shard_ids
+    return expected
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       packed: list[tuple[str, str, object]], skip_suffixes: Iterable[str] = ()) -> None:
+    """Load checkpoint (name, tensor) pairs into ``model``; raise ``WeightLoadingError`` on any mismatch."""
+    params = dict(model.named_parameters())
+    expected = _expected_shards(model)
+    skip = tuple(skip_suffixes)
+    loaded: set[tuple[str, object]] = set()
+    unexpected: list[str] = []
+    for ckpt_name, tensor in weights:
+        if skip and ckpt_name.endswith(skip):
+            continue
+        target, shard_id = _map_name(ckpt_name, packed)
+        param = params.get(target)
+        if param is None:
+            unexpected.append(ckpt_name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise WeightLoadingError(f"cannot load {ckpt_name!r}: {e}") from None
+        shards = expected[target] if shard_id is None else [shard_id]
+        loaded.update((target, s) for s in shards)
+    missing = sorted(_display(n, s) for n, ids in expected.items() for s in ids if (n, s) not in loaded)
+    if missing or unexpected:
+        raise WeightLoadingError(
+            f"checkpoint does not match {type(model).__name__}: "
+            f"missing weights {missing or 'none'}; unexpected weights {sorted(unexpected) or 'none'}")
+
+
+def _display(name: str, shard_id: object) -> str:
+    """Name a missing packed shard by its checkpoint name (qkv_proj + 'k' -> k_proj)."""
+    if shard_id is None:
+        return name
+    part = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}.get(shard_id, shard_id)
+    packed = name.split(".")[-2]
+    return name.replace(f".{packed}.", f".{part}.")
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(model_dir: str, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu", *,
+              attn_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+    """Build the model for ``model_dir``, load its weights cast to ``dtype``, return it in eval mode.
+
+    ``dtype`` defaults to the checkpoint's (float32 if unrecorded). The result
+    follows the interface documented on ``LlamaForCausalLM``.
+    """
+    from engine.attention.backend import get_attention_backend
+    from engine.model.registry import get_model_class
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        hf_config = json.load(f)
+    model_cls = get_model_class((hf_config.get("architectures") or ["<none>"])[0])
+    arch = ModelArchConfig.from_hf_config(hf_config)
+    dtype = parse_dtype(dtype) or arch.torch_dtype or torch.float32
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(arch, get_attention_backend(attn_backend), tp_rank=tp_rank, tp_size=tp_size)
+    model.load_weights(iter_safetensors(model_dir))
+    return model.eval()
