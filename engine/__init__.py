@@ -1,0 +1,27 @@
+"""Serval's inference engine.
+
+``from engine import LLM, SamplingParams`` is the offline API. Heavy modules
+(torch, transformers) load on first use, so ``engine.core`` stays importable
+without them.
+"""
+
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+        return LLMEngine
+    if name == "EngineArgs":
+        from engine.engine_args import EngineArgs
+        return EngineArgs
+    if name in ("RequestOutput", "CompletionOutput"):
+        import engine.outputs
+        return getattr(engine.outputs, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -7,13 +7,15 @@ YAML keys a user writes map 1:1 to these field names.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _FrozenConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # protected_namespaces=() allows fields named model_* (ModelConfig.model).
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, protected_namespaces=())
 
 
 class SchedulerConfig(_FrozenConfig):
@@ -48,5 +50,55 @@ class CacheConfig(_FrozenConfig):
     num_blocks: int | None = Field(None, ge=2, description="Blocks in the pool, including the null block.")
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: Literal["sha256", "blake2b"] = "sha256"
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="Exact KV budget; overrides the fractions.")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU: share of device memory to use.")
+    cpu_kv_cache_fraction: float = Field(0.25, gt=0.0, le=0.9, description="CPU: share of free RAM for KV.")
+
+
+class ModelConfig(_FrozenConfig):
+    """Which checkpoint to serve and how to run it."""
+
+    model: str = Field(..., description="A local Hugging Face checkpoint directory.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model's.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: int = Field(..., ge=2)
+    seed: int = 0
+    attention_backend: str = "torch"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+
+class ParallelConfig(_FrozenConfig):
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["uni", "ray"] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """"uni" for one device, "ray" for several unless the user chose."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "ray")
+
+
+class DeviceConfig(_FrozenConfig):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; None = all cores.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs, built once from EngineArgs (each part validated on its own).
+
+    A plain dataclass: pydantic reserves the name ``model_config``.
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig

@@ -1,0 +1,38 @@
+# Serval: `make serve` runs the main job, `make test` the whole test suite.
+# Both set up everything from nothing: the virtualenv, the packages and the models they use.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODELS := models
+
+.PHONY: venv test serve models clean bench-scheduler
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 is the CPU wheel on these machines; a looser request could pull a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+# The embedded default model: a deterministic random-weight checkpoint made locally (no downloads).
+$(MODELS)/tiny-llama/serval_model_spec.json: | venv
+	$(VENV)/bin/serval make-model $(MODELS)/tiny-llama --arch llama --size small
+
+models: $(MODELS)/tiny-llama/serval_model_spec.json
+
+serve: venv models
+	$(VENV)/bin/serval demo --model $(MODELS)/tiny-llama
+
+bench-scheduler: venv
+	$(PY) benchmarks/bench_scheduler.py --num-running 256 1024
+
+clean:
+	rm -rf $(VENV) $(MODELS)

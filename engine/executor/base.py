@@ -1,0 +1,58 @@
+"""The executor interface the engine core drives, and its selection by configuration.
+
+``engine/`` never imports Ray: the Ray executor lives in ``cluster/`` and is
+found by import path when ``distributed_executor_backend`` is ``"ray"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+from engine.config import EngineConfig
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+EXECUTOR_IMPORT_PATHS = {
+    "uni": "engine.executor.uniproc:UniProcExecutor",
+    "ray": "cluster.ray_executor:RayExecutor",
+}
+
+
+class Executor(ABC):
+    """Owns the workers of one engine: builds them, sizes their KV caches, runs steps."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        backend = config.parallel_config.executor_backend
+        module_name, _, class_name = EXECUTOR_IMPORT_PATHS[backend].partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"Executor backend {backend!r} is not available: {error}") from error
+        return getattr(module, class_name)
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Starts the workers and loads the model on them."""
+
+    @abstractmethod
+    def determine_num_available_blocks(self) -> int:
+        """The number of KV blocks every worker can hold (the minimum across workers)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocates ``num_blocks`` KV blocks on every worker."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step on all workers; returns the sampled tokens."""
+
+    def check_health(self) -> None:
+        """Raises if a worker is gone."""
+
+    def shutdown(self) -> None:
+        """Releases the workers."""

@@ -1,0 +1,98 @@
+"""The synchronous engine front end: tokenize, validate, step the core, detokenize.
+
+``LLM`` (offline) drives it in a loop; the async front end (serving) wraps the
+same pieces around a background busy loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from engine.config import EngineConfig
+from engine.engine_args import EngineArgs
+from engine.engine_core import EngineCore
+from engine.executor.base import Executor
+from engine.model.config import ModelArchConfig
+from engine.output_processor import OutputProcessor, ParentRequest
+from engine.outputs import RequestOutput
+from engine.processor import Processor, PromptType
+from engine.sampling_params import SamplingParams
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def resolve_eos_token_ids(model_dir: str, arch: ModelArchConfig) -> list[int]:
+    """EOS ids from generation_config.json when present (it may list several), else config.json."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return list(arch.eos_token_ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+        self.config = config
+        model_dir = config.model_config.model
+        arch = ModelArchConfig.from_dir(model_dir)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+        self.engine_core = EngineCore(config, executor_class)
+        self.processor = Processor(config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.core_ids_of: dict[str, list[str]] = {}  # user request id -> the core's ids (n of them)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        """Queues a request (``n`` > 1 fans out into n core requests). Raises ValueError on bad input."""
+        if request_id in self.core_ids_of:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        prompt_text, prompt_token_ids = self.processor.tokenize_prompt(prompt)
+        if params.n == 1:
+            children = [(request_id, params)]
+            parent = None
+        else:
+            # vLLM's convention: child i of a seeded request uses seed + i.
+            children = [(f"{i}_{request_id}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
+                        for i in range(params.n)]
+            parent = ParentRequest(request_id, params.n)
+        requests = [self.processor.make_request(core_id, prompt_token_ids, child_params, priority, cache_salt)
+                    for core_id, child_params in children]  # validates everything before queueing anything
+        for index, request in enumerate(requests):
+            self.output_processor.add_request(request.request_id, request_id, index, prompt_text, prompt_token_ids,
+                                              children[index][1], parent)
+            self.engine_core.add_request(request)
+        self.core_ids_of[request_id] = [request.request_id for request in requests]
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        core_ids = [core_id for request_id in request_ids for core_id in self.core_ids_of.pop(request_id, [])]
+        for core_id in core_ids:
+            self.output_processor.abort(core_id)
+        self.engine_core.abort_requests(core_ids)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, stopped_by_string = self.output_processor.process_outputs(self.engine_core.step())
+        if stopped_by_string:
+            self.engine_core.abort_requests(stopped_by_string)
+        for output in outputs:
+            if output.finished:
+                self.core_ids_of.pop(output.request_id, None)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,159 @@
+"""Turns the core's token-level outputs into user-facing RequestOutputs.
+
+Per request it keeps the detokenizer (text, stop strings), the logprobs
+gathered so far and, for ``n`` > 1, the parent that joins the ``n`` child
+completions. A stop string ends a request here, in the front end: its id is
+returned so the caller aborts it in the core and the blocks are freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.outputs import EngineCoreOutput, LogprobsLists
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ParentRequest:
+    """Joins the ``n`` children of one user request."""
+
+    request_id: str
+    num_children: int
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_finished: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str  # the core's id (a child's id for n > 1)
+    user_request_id: str
+    index: int  # which of the n completions
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    parent: ParentRequest | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_sent_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, user_request_id: str, index: int, prompt: str | None,
+                    prompt_token_ids: list[int], params: SamplingParams, parent: ParentRequest | None) -> None:
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                       if params.detokenize else None)
+        state = RequestState(request_id, user_request_id, index, prompt, prompt_token_ids, params, detokenizer,
+                             parent)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first prompt token has no context
+        self.states[request_id] = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def abort(self, request_id: str) -> RequestState | None:
+        return self.states.pop(request_id, None)
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """(outputs to deliver, ids the core must abort because a stop string ended them)."""
+        request_outputs: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for core_output in core_outputs:
+            state = self.states.get(core_output.request_id)
+            if state is None:  # aborted by the user meanwhile
+                continue
+            if self._update(state, core_output):
+                to_abort.append(state.request_id)
+            if state.finish_reason is not None:
+                del self.states[state.request_id]
+            request_output = self._make_output(state)
+            if request_output is not None:
+                request_outputs.append(request_output)
+        return request_outputs, to_abort
+
+    def _update(self, state: RequestState, core_output: EngineCoreOutput) -> bool:
+        """Applies one step's tokens; True if a stop string ended the request here."""
+        state.num_cached_tokens = core_output.num_cached_tokens
+        if core_output.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+            state.prompt_logprobs.extend(self._to_positions(core_output.new_prompt_logprobs))
+        new_token_ids = core_output.new_token_ids
+        state.token_ids.extend(new_token_ids)
+        if core_output.new_logprobs is not None and state.logprobs is not None:
+            positions = self._to_positions(core_output.new_logprobs)
+            state.logprobs.extend(positions)
+            for token_id, position in zip(new_token_ids, positions):
+                state.cumulative_logprob += position[token_id].logprob
+        finish_reason = core_output.finish_reason
+        is_stop_token = finish_reason == "stop"
+        stop_string = None
+        if state.detokenizer is not None and new_token_ids:
+            stop_string = state.detokenizer.update(new_token_ids, is_finished=finish_reason is not None,
+                                                   is_stop_token=is_stop_token)
+        if stop_string is not None and finish_reason is None:
+            state.finish_reason, state.stop_reason = "stop", stop_string
+            return True
+        if finish_reason is not None:
+            state.finish_reason = finish_reason
+            state.stop_reason = stop_string if stop_string is not None else core_output.stop_reason
+        return False
+
+    def _to_positions(self, lists: LogprobsLists) -> list[PositionLogprobs]:
+        positions = []
+        for ids, values, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+            # Column 0 is the chosen token (its rank given), columns 1.. the top-N in rank order.
+            position = {ids[0]: Logprob(values[0], rank, self.tokenizer.decode([ids[0]]))}
+            for top_rank, (token_id, value) in enumerate(zip(ids[1:], values[1:]), start=1):
+                position.setdefault(token_id, Logprob(value, top_rank, self.tokenizer.decode([token_id])))
+            positions.append(position)
+        return positions
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = state.finish_reason is not None
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = self._make_completion(state, delta=kind == RequestOutputKind.DELTA)
+        parent = state.parent
+        if parent is None:
+            outputs, all_finished = [completion], finished
+        else:
+            parent.completions[state.index] = completion
+            parent.num_finished += finished
+            all_finished = parent.num_finished == parent.num_children
+            if kind == RequestOutputKind.FINAL_ONLY:
+                if not all_finished:
+                    return None
+                outputs = [parent.completions[i] for i in sorted(parent.completions)]
+            else:
+                outputs = [completion]
+        return RequestOutput(request_id=state.user_request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids, outputs=outputs, finished=all_finished,
+                             prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens)
+
+    def _make_completion(self, state: RequestState, delta: bool) -> CompletionOutput:
+        finished = state.finish_reason is not None
+        text = state.detokenizer.get_next_output_text(finished, delta) if state.detokenizer else ""
+        if delta:
+            token_ids = state.token_ids[state.num_sent_tokens:]
+            logprobs = state.logprobs[state.num_sent_tokens:] if state.logprobs is not None else None
+            state.num_sent_tokens = len(state.token_ids)
+        else:
+            token_ids, logprobs = list(state.token_ids), state.logprobs
+        return CompletionOutput(index=state.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=state.finish_reason, stop_reason=state.stop_reason)

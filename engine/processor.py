@@ -1,0 +1,64 @@
+"""Turns user input (text or token ids plus SamplingParams) into engine-core Requests.
+
+All validation that can be done before a request touches the engine happens
+here and raises ValueError, so a bad request is refused without disturbing
+the ones already running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.sampling_params import SamplingParams
+from engine.sample.metadata import validate_token_ids
+
+PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} / {"prompt": "text"}
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        # Further EOS ids (checkpoints may list several) stop generation like stop tokens.
+        self.extra_stop_token_ids = eos_token_ids[1:]
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text if given, token ids)."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(f"A prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
+                         f"got {type(prompt).__name__}.")
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_model_len = self.config.scheduler_config.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty; at least one token is required.")
+        if len(prompt_token_ids) >= max_model_len:
+            raise ValueError(f"The prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
+                             f"{max_model_len}: at least one token must fit after the prompt.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"The prompt contains token ids outside the vocabulary (size {self.vocab_size}): "
+                             f"{bad[:8]}.")
+        validate_token_ids(params, self.vocab_size)
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids contains ids outside the vocabulary: {bad_stop[:8]}.")
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+        self.validate(prompt_token_ids, params)
+        if self.extra_stop_token_ids and not params.ignore_eos:
+            params = params.clone(stop_token_ids=list(params.stop_token_ids) + self.extra_stop_token_ids)
+        return Request(request_id, prompt_token_ids, params, self.eos_token_id, priority=priority,
+                       arrival_time=arrival_time or time.time(), cache_salt=cache_salt)

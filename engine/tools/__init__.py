@@ -1,0 +1,1 @@
+"""Developer tools: checkpoint generation (``serval make-model``) and friends."""

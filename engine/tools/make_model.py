@@ -1,0 +1,204 @@
+"""``serval make-model``: write small random-weight Hugging Face checkpoints.
+
+The machines running Serval cannot download weights, so tests and benchmarks
+build their own checkpoints: a transformers config (from HF's own config
+classes), deterministic random safetensors weights (see
+:mod:`engine.tools.weights` for the init scheme) and a byte-level BPE
+tokenizer trained on the local Python stdlib (see
+:mod:`engine.tools.tokenizer_trainer`).  The result loads offline with
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``.
+
+Usage::
+
+    serval make-model /tmp/llama-tiny --arch llama --size tiny
+    python -m engine.tools.make_model /tmp/qwen-w1 --arch qwen2 --size w1 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SUMMARY = "Write a small random-weight Hugging Face checkpoint (offline, deterministic)."
+SPEC_FILE = "serval_model_spec.json"
+SPEC_VERSION = 1
+# Files a (re)build may delete from an existing output directory.
+_OUTPUT_NAME = re.compile(
+    r"config\.json|generation_config\.json|tokenizer(_config)?\.json|chat_template\.jinja"
+    r"|special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?"
+    r"|serval_model_spec\.json")
+MAX_POSITION_EMBEDDINGS = 4096
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class SizePreset:
+    """Shape of one model size (head_dim = hidden // heads)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+
+SIZES: dict[str, SizePreset] = {
+    "tiny": SizePreset(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512),
+    "small": SizePreset(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=352, vocab=2048),
+    "w2": SizePreset(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, vocab=8192),
+    "w1": SizePreset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=16384),
+}
+
+# arch -> (config class, architectures entry, tied by default, tokenizer adds BOS, rope_theta).
+# rope_theta follows the real families (not HF's 10000 default) so engines
+# that hardcode it fail fidelity tests.
+ARCHS: dict[str, tuple[str, str, bool, bool, float]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", False, True, 500000.0),
+    "mistral": ("MistralConfig", "MistralForCausalLM", False, True, 1000000.0),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", True, False, 1000000.0),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", True, False, 1000000.0),
+}
+
+
+def build_config(arch: str, size: str, dtype: str = "float32",
+                 tie_word_embeddings: bool | None = None, vocab_size: int | None = None):
+    """Return the transformers ``PretrainedConfig`` for ``arch``/``size``."""
+    import transformers
+
+    from engine.tools.tokenizer_trainer import BOS_ID, EOS_ID, PAD_ID
+
+    class_name, architecture, default_tie, _, rope_theta = ARCHS[arch]
+    preset = SIZES[size]
+    head_dim = preset.hidden // preset.heads
+    kwargs = dict(
+        hidden_size=preset.hidden, num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
+        intermediate_size=preset.intermediate, vocab_size=vocab_size or preset.vocab,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS, rms_norm_eps=1e-6,
+        tie_word_embeddings=default_tie if tie_word_embeddings is None else tie_word_embeddings,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        architectures=[architecture], dtype=dtype,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+    )
+    if arch in ("llama", "mistral", "qwen3"):
+        kwargs["head_dim"] = head_dim  # Qwen3 otherwise defaults to 128
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    if arch == "qwen3":
+        kwargs["attention_bias"] = False
+    return getattr(transformers, class_name)(**kwargs)
+
+
+def _spec(arch, size, seed, dtype, max_shard_size, tie_word_embeddings, vocab_size) -> dict:
+    return {"spec_version": SPEC_VERSION, "arch": arch, "size": size, "seed": seed,
+            "dtype": dtype, "max_shard_size": max_shard_size, "vocab_size": vocab_size,
+            "tie_word_embeddings": tie_word_embeddings}
+
+
+def _is_complete(path: Path, spec: dict) -> bool:
+    spec_path = path / SPEC_FILE
+    if not spec_path.is_file():
+        return False
+    stored = json.loads(spec_path.read_text())
+    return {k: v for k, v in stored.items() if k != "num_parameters"} == spec
+
+
+def _clear_output(path: Path) -> None:
+    """Create ``path`` or empty it of checkpoint files; refuse to touch anything else."""
+    path.mkdir(parents=True, exist_ok=True)
+    entries = list(path.iterdir())
+    foreign = [e.name for e in entries if not (e.is_file() and _OUTPUT_NAME.fullmatch(e.name))]
+    if foreign:
+        raise FileExistsError(f"{path} contains files make-model did not write: {sorted(foreign)[:5]}")
+    for entry in entries:
+        entry.unlink()
+
+
+def make_model(path, arch: str = "llama", size: str = "tiny", seed: int = 0,
+               dtype: str = "float32", max_shard_size: int | None = None,
+               tie_word_embeddings: bool | None = None, force: bool = False,
+               vocab_size: int | None = None, quiet: bool = False) -> Path:
+    """Write a random-weight HF checkpoint to ``path`` and return it as a Path.
+
+    Deterministic in ``(arch, size, seed, dtype, tie_word_embeddings,
+    vocab_size)``.  Skips work when ``path`` already holds a complete
+    checkpoint with the same spec, unless ``force``.  ``vocab_size`` overrides
+    the preset's vocabulary (tokenizer and embedding alike).
+    """
+    if arch not in ARCHS or size not in SIZES or dtype not in DTYPES:
+        raise ValueError(f"unknown arch/size/dtype: {arch!r}/{size!r}/{dtype!r}")
+    path = Path(path)
+    tie = ARCHS[arch][2] if tie_word_embeddings is None else tie_word_embeddings
+    vocab = vocab_size or SIZES[size].vocab
+    spec = _spec(arch, size, seed, dtype, max_shard_size, tie, vocab)
+    if not force and _is_complete(path, spec):
+        if not quiet:
+            print(f"serval make-model: {path} already up to date ({arch}/{size}, seed {seed})")
+        return path
+    from engine.tools.tokenizer_trainer import build_hf_tokenizer
+    from engine.tools.weights import write_weights
+
+    _clear_output(path)
+    config = build_config(arch, size, dtype, tie, vocab)
+    config.save_pretrained(path)
+    _write_generation_config(path, config)
+    # save_jinja_files=False keeps the chat template inside tokenizer_config.json
+    # (transformers 5 would otherwise write a separate chat_template.jinja).
+    build_hf_tokenizer(config.vocab_size, ARCHS[arch][3], MAX_POSITION_EMBEDDINGS).save_pretrained(
+        path, save_jinja_files=False)
+    n_params = write_weights(path, config, seed, dtype, max_shard_size)
+    # Written last: its presence marks the checkpoint as complete.
+    (path / SPEC_FILE).write_text(json.dumps({**spec, "num_parameters": n_params}, indent=2) + "\n")
+    if not quiet:
+        tied = "tied" if config.tie_word_embeddings else "untied"
+        print(f"serval make-model: {arch}/{size} {n_params / 1e6:.2f}M params ({tied}), "
+              f"{dtype}, seed {seed} -> {path}")
+    return path
+
+
+def _write_generation_config(path: Path, config) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``make-model`` options on ``parser``."""
+    parser.add_argument("path", type=Path, help="output checkpoint directory")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    parser.add_argument("--size", choices=list(SIZES), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES",
+                        help="split weights into shards of at most BYTES (default: one file)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="override the preset's vocabulary size")
+    parser.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction,
+                        default=None, help="default: tied for qwen2/qwen3, untied for llama/mistral")
+    parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``make-model`` for parsed ``args``; returns the exit code."""
+    make_model(args.path, arch=args.arch, size=args.size, seed=args.seed, dtype=args.dtype,
+               max_shard_size=args.max_shard_size, tie_word_embeddings=args.tie_word_embeddings,
+               force=args.force, vocab_size=args.vocab_size)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for ``python -m engine.tools.make_model``."""
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.make_model",
+                                     description=SUMMARY)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The model runner: turns a SchedulerOutput into tensors, runs the model, samples.
+
+It is the only place that builds tensors from the scheduler's plain data.
+Per step: drop finished/preempted requests, apply the deltas, flatten every
+scheduled token into one batch, run one forward over the mixed batch of
+prefill chunks and decodes, and sample one token for each request whose
+prompt is fully computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.config import EngineConfig
+from engine.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from engine.model import get_model
+from engine.sample import Sampler, SamplingMetadata, make_generator
+from engine.sample.logprobs import compute_prompt_logprobs
+from engine.worker.request_state import BlockTable, CachedRequestState
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened batch; rows of ``sample_indices`` are where logits are read."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    sampled_req_ids: list[str]  # requests that get a token this step, in logits-row order
+    sample_indices: torch.Tensor  # [num_sampled] index of each one's last token in the batch
+    token_offsets: list[int]  # where each request's tokens start in the batch (len num_reqs + 1)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.block_size = config.cache_config.block_size
+        scheduler_config = config.scheduler_config
+        self.max_num_blocks_per_req = -(-scheduler_config.max_model_len // self.block_size)
+        self.block_table = BlockTable(scheduler_config.max_num_seqs, self.max_num_blocks_per_req)
+        self.requests: dict[str, CachedRequestState] = {}
+        # Generators of preempted requests survive until the request finishes, so a seeded
+        # request draws the same tokens whether or not it was preempted.
+        self._parked_generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler()
+        self.model = None
+        self.kv_caches: list[torch.Tensor] = []
+        self._tokenizer = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def load_model(self) -> None:
+        self.model = get_model(self.config.model_config.model, dtype=self.dtype, device=self.device,
+                               attn_backend=self.config.model_config.attention_backend,
+                               tp_rank=self.tp_rank, tp_size=self.tp_size)
+        self.vocab_size = self.model.arch_config.vocab_size
+        self.eos_token_ids = list(self.model.arch_config.eos_token_ids)
+
+    def get_kv_cache_block_bytes(self) -> int:
+        """Bytes one block takes across all layers on this rank."""
+        shape = self.model.get_kv_cache_shape(1, self.block_size)
+        num_elements = 1
+        for dim in shape:
+            num_elements *= dim
+        return num_elements * self.model.arch_config.num_hidden_layers * self.dtype.itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward of a full token budget, to find (on GPU) the activation peak."""
+        num_tokens = min(self.config.scheduler_config.max_num_batched_tokens,
+                         self.config.scheduler_config.max_model_len - 1)
+        num_blocks = -(-num_tokens // self.block_size)
+        kv_caches = self.model.make_kv_caches(num_blocks + 1, self.block_size)
+        from engine.attention.metadata import build_attention_metadata
+        metadata = build_attention_metadata([num_tokens], [num_tokens], [list(range(1, num_blocks + 1))],
+                                            self.block_size, device=self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(input_ids, positions, kv_caches, metadata)
+        self.model.compute_logits(hidden[-1:])
+        del kv_caches, hidden
+
+    # -------------------------------------------------------------------- step
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden)
+        sampled_tokens: dict[str, list[int]] = {}
+        logprobs = None
+        if inputs.sampled_req_ids:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sampled, vocab]
+            sampled_tokens, logprobs = self._sample(inputs.sampled_req_ids, logits)
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids, sampled_token_ids=[sampled_tokens.get(r, []) for r in inputs.req_ids],
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self._remove_request(req_id)
+            self._parked_generators.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids:
+            state = self._remove_request(req_id)
+            if state is not None and state.generator is not None:
+                self._parked_generators[req_id] = state.generator
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = self._parked_generators.pop(new.req_id, None)
+            if generator is None and params.seed is not None and not params.is_greedy:
+                generator = make_generator(params.seed, self.device)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=new.prompt_token_ids, sampling_params=params,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_computed_tokens=new.num_computed_tokens, slot=self.block_table.add_request(new.block_ids),
+                generator=generator, bad_words_token_ids=self._tokenize_bad_words(params))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            state.write_tokens(state.num_computed_tokens, cached.new_token_ids[i])
+            self.block_table.append(state.slot, cached.new_block_ids[i])
+
+    def _remove_request(self, req_id: str) -> CachedRequestState | None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_table.remove_request(state.slot)
+        return state
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        slots: list[int] = []
+        token_offsets = [0]
+        sampled_req_ids: list[str] = []
+        sample_indices: list[int] = []
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            num_new = scheduler_output.num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            slots.append(state.slot)
+            token_offsets.append(token_offsets[-1] + num_new)
+            if end == len(state.token_ids):  # the prompt is done: this request gets a token
+                sampled_req_ids.append(req_id)
+                sample_indices.append(token_offsets[-1] - 1)
+            state.num_computed_tokens = end
+        device = self.device
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int32)
+        slots_t = torch.tensor(slots, dtype=torch.long)
+        max_num_blocks = -(-max(seq_lens) // self.block_size)
+        block_tables = self.block_table.table[slots_t, :max_num_blocks]  # [num_reqs, max_num_blocks]
+        # Each token's KV slot: its request's block for that position, offset within the block.
+        token_rows = torch.repeat_interleave(torch.arange(len(req_ids)), query_lens_t)  # [num_tokens]
+        token_blocks = block_tables[token_rows, positions_t // self.block_size].long()
+        slot_mapping = token_blocks * self.block_size + positions_t % self.block_size
+        metadata = AttentionMetadata(
+            num_actual_tokens=len(input_ids),
+            query_start_loc=torch.tensor(token_offsets, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device), slot_mapping=slot_mapping.to(device),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        return StepInputs(
+            req_ids=req_ids, input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=positions_t.to(device), attn_metadata=metadata, sampled_req_ids=sampled_req_ids,
+            sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
+            token_offsets=token_offsets)
+
+    def _sample(self, req_ids: list[str], logits: torch.Tensor
+                ) -> tuple[dict[str, list[int]], dict[str, LogprobsLists] | None]:
+        states = [self.requests[req_id] for req_id in req_ids]
+        metadata = SamplingMetadata.from_requests(
+            [(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states],
+            self.vocab_size, self.eos_token_ids, device=self.device,
+            bad_words_token_ids=[s.bad_words_token_ids for s in states])
+        output = self.sampler(logits, metadata)
+        token_ids = output.sampled_token_ids.tolist()
+        for state, token_id in zip(states, token_ids):
+            state.token_ids.append(token_id)
+        sampled = {req_id: [token_id] for req_id, token_id in zip(req_ids, token_ids)}
+        if output.logprobs is None:
+            return sampled, None
+        ids, values, ranks = output.logprob_token_ids.tolist(), output.logprobs.tolist(), output.sampled_token_ranks.tolist()
+        logprobs = {}
+        for row, state in enumerate(states):
+            num = state.sampling_params.logprobs
+            if num is None:
+                continue
+            width = len(ids[row]) if num == -1 else num + 1
+            logprobs[state.req_id] = LogprobsLists([ids[row][:width]], [values[row][:width]], [ranks[row]])
+        return sampled, logprobs
+
+    def _compute_prompt_logprobs(self, scheduler_output: SchedulerOutput, inputs: StepInputs,
+                                 hidden: torch.Tensor) -> dict[str, LogprobsLists] | None:
+        """Logprobs of each prompt token given the ones before it, for this step's prompt positions."""
+        result = {}
+        for index, req_id in enumerate(inputs.req_ids):
+            state = self.requests[req_id]
+            num = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens - scheduler_output.num_scheduled_tokens[req_id]
+            if num is None or start >= state.num_prompt_tokens - 1:
+                continue
+            # Positions start..last predict prompt tokens start+1..last+1 (the last prompt
+            # position predicts the first output token, which is not a prompt logprob).
+            last = min(state.num_computed_tokens, state.num_prompt_tokens - 1) - 1
+            offset = inputs.token_offsets[index]
+            rows = hidden[offset:offset + last - start + 1]
+            next_ids = torch.tensor(state.prompt_token_ids[start + 1:last + 2], device=self.device)
+            tensors = compute_prompt_logprobs(self.model.compute_logits(rows), next_ids, num)
+            result[req_id] = LogprobsLists(tensors.token_ids.tolist(), tensors.logprobs.tolist(),
+                                           tensors.ranks.tolist())
+        return result or None
+
+    def _tokenize_bad_words(self, params) -> list[list[int]] | None:
+        if not params.bad_words:
+            return None
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_config.tokenizer_path)
+        from engine.sample.masks import tokenize_bad_words
+        return tokenize_bad_words(params.bad_words, self._tokenizer)

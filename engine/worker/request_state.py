@@ -1,0 +1,72 @@
+"""The model runner's persistent view of the requests it is running.
+
+The scheduler sends a request's full data once (``NewRequestData``) and deltas
+afterwards (``CachedRequestData``); this module keeps what those build up: the
+token ids, the block table row, the sampling generator. Nothing here is
+rebuilt per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    token_ids: list[int]  # prompt + outputs known to this worker
+    num_computed_tokens: int
+    slot: int  # row of the block table
+    generator: torch.Generator | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def write_tokens(self, start: int, token_ids: list[int]) -> None:
+        """Places ``token_ids`` at positions ``start...`` (idempotent for tokens already known)."""
+        end = start + len(token_ids)
+        if end > len(self.token_ids):
+            del self.token_ids[start:]
+            self.token_ids.extend(token_ids)
+        else:
+            self.token_ids[start:end] = token_ids
+
+
+class BlockTable:
+    """One row of block ids per request slot, kept across steps and updated by deltas."""
+
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int) -> None:
+        self.table = torch.zeros((max_num_reqs, max_num_blocks_per_req), dtype=torch.int32)
+        self.num_blocks = [0] * max_num_reqs
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+
+    def add_request(self, block_ids: list[int]) -> int:
+        """Takes a free slot for a request; returns it."""
+        if not self._free_slots:
+            raise RuntimeError("More concurrent requests than max_num_seqs.")
+        slot = self._free_slots.pop()
+        self.num_blocks[slot] = 0
+        self.append(slot, block_ids)
+        return slot
+
+    def append(self, slot: int, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        start = self.num_blocks[slot]
+        self.table[slot, start:start + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.num_blocks[slot] = start + len(block_ids)
+
+    def remove_request(self, slot: int) -> None:
+        self._free_slots.append(slot)

@@ -1,0 +1,105 @@
+"""A worker: one device, its model runner, and the sizing of its KV cache.
+
+Executors drive workers through this interface only (in-process for one
+device; as Ray actors in ``cluster/`` for several), so the two paths run the
+same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.model.config import parse_dtype
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is visible.")
+    return torch.device(name)
+
+
+def resolve_dtype(config: EngineConfig) -> torch.dtype:
+    """``auto`` means the checkpoint's dtype (float32 if it records none)."""
+    if config.model_config.dtype != "auto":
+        return parse_dtype(config.model_config.dtype)
+    from engine.model.config import ModelArchConfig
+    return ModelArchConfig.from_dir(config.model_config.model).torch_dtype or torch.float32
+
+
+def available_cpu_memory_bytes() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.device_config.device)
+        self.dtype = resolve_dtype(config)
+        self.model_runner = ModelRunner(config, self.device, self.dtype, tp_rank=tp_rank, tp_size=tp_size)
+
+    def init_device(self) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.config.device_config.num_threads or os.cpu_count() or 1)
+        else:
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.config.model_config.seed)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_available_blocks(self) -> int:
+        """How many KV blocks fit this worker's budget, after loading and a profiling forward.
+
+        The budget is ``kv_cache_memory_bytes`` if set; else on GPU
+        ``gpu_memory_utilization`` of the device minus what the weights and the
+        profiled activation peak use; on CPU ``cpu_kv_cache_fraction`` of the
+        RAM still available. Capped at the blocks ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens could ever hold at once.
+        """
+        cache_config = self.config.cache_config
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.model_runner.profile_run()
+        if cache_config.kv_cache_memory_bytes is not None:
+            budget = cache_config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+            # In use now (weights, other processes) plus the activations a full step needs on top.
+            budget = int(total * cache_config.gpu_memory_utilization) - (total - free) - activation_peak
+        else:
+            budget = int(available_cpu_memory_bytes() * cache_config.cpu_kv_cache_fraction)
+        block_bytes = self.model_runner.get_kv_cache_block_bytes()
+        scheduler_config = self.config.scheduler_config
+        max_useful = scheduler_config.max_num_seqs * self.model_runner.max_num_blocks_per_req + 1
+        num_blocks = min(budget // block_bytes, max_useful)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cache_config.block_size,
+                    num_blocks * block_bytes / GiB)
+        return max(num_blocks, 0)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def check_health(self) -> None:
+        return None
