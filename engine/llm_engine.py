@@ -65,6 +65,10 @@ class LLMEngine:
             children = [(f"{i}_{request_id}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
                         for i in range(params.n)]
             parent = ParentRequest(request_id, params.n)
+        # n > 1 children are named "i_<id>": they must not take over another request's id (nor the reverse).
+        for core_id, _ in children:
+            if core_id in self.output_processor.states:
+                raise ValueError(f"Request id {request_id!r} would reuse the in-flight request id {core_id!r}.")
         requests = [self.processor.make_request(core_id, prompt_token_ids, child_params, priority, cache_salt)
                     for core_id, child_params in children]  # validates everything before queueing anything
         for index, request in enumerate(requests):

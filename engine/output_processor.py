@@ -104,12 +104,14 @@ class OutputProcessor:
         if state.detokenizer is not None and new_token_ids:
             stop_string = state.detokenizer.update(new_token_ids, is_finished=finish_reason is not None,
                                                    is_stop_token=is_stop_token)
-        if stop_string is not None and finish_reason is None:
+        if stop_string is not None:
+            # A matched stop string ends the request as "stop" even when the core finished it in
+            # the same step (e.g. on its last allowed token, which would otherwise say "length").
             state.finish_reason, state.stop_reason = "stop", stop_string
-            return True
+            return finish_reason is None  # still running in the core: the caller aborts it there
         if finish_reason is not None:
             state.finish_reason = finish_reason
-            state.stop_reason = stop_string if stop_string is not None else core_output.stop_reason
+            state.stop_reason = core_output.stop_reason
         return False
 
     def _to_positions(self, lists: LogprobsLists) -> list[PositionLogprobs]:

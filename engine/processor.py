@@ -7,6 +7,7 @@ the ones already running.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Mapping
 
@@ -33,7 +34,7 @@ class Processor:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), _as_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise ValueError(f"A prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
@@ -50,6 +51,8 @@ class Processor:
         if bad:
             raise ValueError(f"The prompt contains token ids outside the vocabulary (size {self.vocab_size}): "
                              f"{bad[:8]}.")
+        if params.stop and not params.detokenize:
+            raise ValueError("Stop strings need detokenize=True (they are matched in the text).")
         validate_token_ids(params, self.vocab_size)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
@@ -62,3 +65,13 @@ class Processor:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + self.extra_stop_token_ids)
         return Request(request_id, prompt_token_ids, params, self.eos_token_id, priority=priority,
                        arrival_time=arrival_time or time.time(), cache_salt=cache_salt)
+
+
+def _as_token_ids(token_ids) -> list[int]:
+    """``prompt_token_ids`` as a list of ints; anything but integers (floats, a string) is a ValueError."""
+    if not isinstance(token_ids, (str, bytes)):
+        try:
+            return [operator.index(t) for t in token_ids]
+        except TypeError:
+            pass
+    raise ValueError(f"prompt_token_ids must be a sequence of integer token ids, got {token_ids!r:.80}.")

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+import engine.detokenizer
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.sampling_params import SamplingParams
 
@@ -22,6 +23,14 @@ CORPUS = [
 ] * 4
 
 SPECIAL_TOKENS = ["<eos>", "<pad>", "<sep>"]
+
+
+@pytest.fixture(autouse=True, params=["decode_stream", "windowed"])
+def decode_path(request, monkeypatch):
+    """Every test runs on both paths: the tokenizers DecodeStream and the windowed decode."""
+    if request.param == "windowed":
+        monkeypatch.setattr(engine.detokenizer, "_make_decode_stream", lambda tokenizer, skip: None)
+    return request.param
 
 
 @functools.cache

@@ -39,6 +39,8 @@ class AttentionMetadata:
     query_lens_cpu: list[int] = field(default_factory=list)  # new tokens per request
     seq_lens_cpu: list[int] = field(default_factory=list)    # == seq_lens.tolist()
     num_decodes: int = -1  # hint: requests [0, num_decodes) have query_len 1; -1 = unknown
+    # Whatever the backend derives from the batch layout on the first layer and reuses on the others.
+    backend_plan: object | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -58,7 +60,7 @@ class AttentionMetadata:
         return AttentionMetadata(
             self.num_actual_tokens, move(self.query_start_loc), move(self.seq_lens),
             move(self.block_tables), move(self.slot_mapping), self.max_query_len, self.max_seq_len,
-            self.query_lens_cpu, self.seq_lens_cpu, self.num_decodes)
+            self.query_lens_cpu, self.seq_lens_cpu, self.num_decodes)  # the plan is rebuilt on the device
 
 
 def _leading_decodes(query_lens: Sequence[int]) -> int:

@@ -10,19 +10,51 @@ Forward plan (see ``backend.py`` for the contract):
 
 1. write the K/V of every new token at ``slot_mapping`` (one ``index_copy_``);
 2. decodes (requests with one new token): sorted by length, gathered from the
-   block table into padded [n, S, Hk, D] tensors in chunks bounded by
-   ``decode_chunk_elems``, one masked SDPA call per chunk;
+   block table into padded [n, S, Hk, D] tensors (``index_select`` over whole
+   blocks, the fast gather on CPU) in chunks bounded by ``decode_chunk_elems``,
+   one masked SDPA call per chunk, in float32 (bf16 products with a single
+   query row are pathologically slow on CPUs);
 3. prefills (chunks, with or without cached context): one SDPA call per
    request, ``is_causal`` when nothing is cached, an explicit mask otherwise.
+
+Everything that depends only on the batch layout (the decode chunks, their
+block indices and masks) is planned once per step, on the first layer, and
+cached on the metadata for the other layers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, register_backend
 from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _DecodeChunk:
+    tokens: slice | torch.Tensor  # the chunk's query tokens in the batch
+    block_ids: torch.Tensor  # [n * num_blocks] flattened, for index_select
+    num_reqs: int
+    num_blocks: int
+    mask: torch.Tensor  # [n, 1, 1, S] True where a key exists
+
+
+@dataclass
+class _Prefill:
+    start: int
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor | None  # the request's blocks when it has cached context
+    mask: torch.Tensor | None  # [Q, S] causal mask with context offset; None = plain causal
+
+
+@dataclass
+class _StepPlan:
+    decode_chunks: list[_DecodeChunk]
+    prefills: list[_Prefill]
 
 
 def _cpu_lists(md: AttentionMetadata) -> tuple[list[int], list[int]]:
@@ -58,86 +90,107 @@ class TorchPagedAttention(AttentionBackend):
         n = md.num_actual_tokens
         q, k, v = q[:n], k[:n], v[:n]
         self.write_kv(kv_cache, k, v, md.slot_mapping[:n])
+        if md.backend_plan is None:
+            md.backend_plan = self._plan(md, kv_cache.shape[2], kv_cache.shape[3] * kv_cache.shape[4])
+        plan = md.backend_plan
+        out = torch.empty_like(q)  # [T, H, D]
+        for chunk in plan.decode_chunks:
+            out[chunk.tokens] = self._decode_chunk(kv_cache, q[chunk.tokens], chunk, scale)
+        for prefill in plan.prefills:
+            s, e = prefill.start, prefill.end
+            out[s:e] = self._prefill(kv_cache, q[s:e], k[s:e], v[s:e], prefill, scale)
+        return out.reshape(n, -1)  # [T, H*D]
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self, md: AttentionMetadata, block_size: int, row_elems: int) -> _StepPlan:
         query_lens, seq_lens = _cpu_lists(md)
         starts = [0]
-        for ql in query_lens:
-            starts.append(starts[-1] + ql)
-        out = torch.empty_like(q)  # [T, H, D]
-        decodes = [i for i, ql in enumerate(query_lens) if ql == 1]
-        if decodes:
-            self._decodes(kv_cache, q, out, decodes, starts, seq_lens, md.block_tables, scale)
-        for i, ql in enumerate(query_lens):
-            if ql > 1:
-                s = starts[i]
-                out[s:s + ql] = self._prefill(kv_cache, q[s:s + ql], k[s:s + ql], v[s:s + ql],
-                                              seq_lens[i], md.block_tables[i], scale)
-        return out.reshape(n, -1)  # [T, H*D]
+        for query_len in query_lens:
+            starts.append(starts[-1] + query_len)
+        device = md.block_tables.device
+        decodes = [i for i, query_len in enumerate(query_lens) if query_len == 1]
+        chunks = [self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, device)
+                  for chunk in self._decode_chunks(decodes, seq_lens, block_size, row_elems)]
+        prefills = [self._plan_prefill(i, starts, query_lens[i], seq_lens[i], md.block_tables, block_size, device)
+                    for i, query_len in enumerate(query_lens) if query_len > 1]
+        return _StepPlan(chunks, prefills)
 
     def _decode_chunks(self, decodes: list[int], seq_lens: list[int], block_size: int,
                        row_elems: int) -> list[list[int]]:
         """Group decode requests (sorted by length) so each padded gather stays under the budget."""
         order = sorted(decodes, key=lambda i: seq_lens[i])
         chunks: list[list[int]] = []
-        cur: list[int] = []
+        current: list[int] = []
         for i in order:
             padded = -(-seq_lens[i] // block_size) * block_size
-            if cur and (len(cur) + 1) * padded * row_elems > self.decode_chunk_elems:
-                chunks.append(cur)
-                cur = []
-            cur.append(i)
-        return chunks + [cur] if cur else chunks
-
-    def _decodes(self, kv_cache, q, out, decodes, starts, seq_lens, block_tables, scale) -> None:
-        block_size, hk, d = kv_cache.shape[2:]
-        for chunk in self._decode_chunks(decodes, seq_lens, block_size, hk * d):
-            contiguous = chunk == list(range(chunk[0], chunk[0] + len(chunk))) and \
-                starts[chunk[0] + len(chunk)] - starts[chunk[0]] == len(chunk)
-            if contiguous:
-                tok = slice(starts[chunk[0]], starts[chunk[0]] + len(chunk))
-            else:
-                tok = torch.tensor([starts[i] for i in chunk], dtype=torch.long, device=q.device)
-            max_len = max(seq_lens[i] for i in chunk)  # chunk is sorted: the last one
-            nblk = -(-max_len // block_size)
-            reqs = torch.tensor(chunk, dtype=torch.long, device=q.device)
-            lens = torch.tensor([seq_lens[i] for i in chunk], device=q.device)
-            res = self._decode_chunk(kv_cache, q[tok], block_tables[reqs, :nblk].long(), lens, scale)
-            out[tok] = res
+            if current and (len(current) + 1) * padded * row_elems > self.decode_chunk_elems:
+                chunks.append(current)
+                current = []
+            current.append(i)
+        return chunks + [current] if current else chunks
 
     @staticmethod
-    def _decode_chunk(kv_cache, q, blocks, lens, scale) -> torch.Tensor:
-        """q [n, H, D], blocks [n, nblk], lens [n] -> [n, H, D]."""
-        n, nblk = blocks.shape
-        _, _, block_size, hk, d = kv_cache.shape
-        keys = kv_cache[0][blocks].view(n, nblk * block_size, hk, d).transpose(1, 2)  # [n, Hk, S, D]
-        vals = kv_cache[1][blocks].view(n, nblk * block_size, hk, d).transpose(1, 2)
-        pos = torch.arange(nblk * block_size, device=q.device)
-        mask = (pos[None, :] < lens[:, None])[:, None, None, :]  # [n, 1, 1, S]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask,
-                                           scale=scale,
-                                           enable_gqa=q.shape[1] != hk)  # [n, H, 1, D]
-        return o.squeeze(2)
+    def _plan_decode_chunk(chunk: list[int], starts: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+                           block_size: int, device) -> _DecodeChunk:
+        first = chunk[0]
+        is_contiguous = chunk == list(range(first, first + len(chunk))) and \
+            starts[first + len(chunk)] - starts[first] == len(chunk)
+        tokens = (slice(starts[first], starts[first] + len(chunk)) if is_contiguous
+                  else torch.tensor([starts[i] for i in chunk], dtype=torch.long, device=device))
+        lens = [seq_lens[i] for i in chunk]
+        num_blocks = -(-max(lens) // block_size)
+        rows = torch.tensor(chunk, dtype=torch.long, device=device)
+        block_ids = block_tables[rows, :num_blocks].reshape(-1).long()
+        positions = torch.arange(num_blocks * block_size, device=device)
+        mask = positions[None, :] < torch.tensor(lens, device=device)[:, None]  # [n, S]
+        return _DecodeChunk(tokens, block_ids, len(chunk), num_blocks, mask[:, None, None, :])
 
     @staticmethod
-    def _prefill(kv_cache, q, k, v, seq_len: int, block_row: torch.Tensor, scale: float) -> torch.Tensor:
+    def _plan_prefill(i: int, starts: list[int], query_len: int, seq_len: int, block_tables: torch.Tensor,
+                      block_size: int, device) -> _Prefill:
+        context_len = seq_len - query_len
+        if context_len == 0:
+            return _Prefill(starts[i], starts[i] + query_len, seq_len, None, None)
+        block_ids = block_tables[i, :-(-seq_len // block_size)].long()
+        key_positions = torch.arange(seq_len, device=device)
+        query_positions = torch.arange(context_len, seq_len, device=device)
+        mask = key_positions[None, :] <= query_positions[:, None]  # [Q, S]
+        return _Prefill(starts[i], starts[i] + query_len, seq_len, block_ids, mask)
+
+    # ------------------------------------------------------------------ compute
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """cache [num_blocks, block_size, Hk, D] -> [len(block_ids) * block_size, Hk, D]."""
+        num_blocks, block_size, hk, d = cache.shape
+        rows = cache.view(num_blocks, block_size * hk * d).index_select(0, block_ids)
+        return rows.view(-1, hk, d)
+
+    def _decode_chunk(self, kv_cache: torch.Tensor, q: torch.Tensor, chunk: _DecodeChunk,
+                      scale: float) -> torch.Tensor:
+        """q [n, H, D] -> [n, H, D]: each row attends to its own cached sequence."""
+        n, hk = chunk.num_reqs, kv_cache.shape[3]
+        keys = self._gather(kv_cache[0], chunk.block_ids).view(n, -1, hk, q.shape[2]).transpose(1, 2)  # [n, Hk, S, D]
+        vals = self._gather(kv_cache[1], chunk.block_ids).view(n, -1, hk, q.shape[2]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.float().unsqueeze(2), keys.float(), vals.float(), attn_mask=chunk.mask,
+                                             scale=scale, enable_gqa=q.shape[1] != hk)  # [n, H, 1, D]
+        return out.squeeze(2).to(q.dtype)
+
+    def _prefill(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 prefill: _Prefill, scale: float) -> torch.Tensor:
         """One request: q [Q, H, D] (new tokens k, v [Q, Hk, D]) over its seq_len keys -> [Q, H, D]."""
-        ql = q.shape[0]
-        ctx = seq_len - ql
         hk = kv_cache.shape[3]
-        if ctx == 0:
-            keys, vals, mask = k, v, None
+        if prefill.block_ids is None:
+            keys, vals = k, v
         else:
-            block_size, d = kv_cache.shape[2], kv_cache.shape[4]
-            blocks = block_row[: -(-seq_len // block_size)].long()
-            keys = kv_cache[0][blocks].view(-1, hk, d)[:seq_len]  # [S, Hk, D]
-            vals = kv_cache[1][blocks].view(-1, hk, d)[:seq_len]
-            key_pos = torch.arange(seq_len, device=q.device)
-            q_pos = torch.arange(ctx, seq_len, device=q.device)
-            mask = key_pos[None, :] <= q_pos[:, None]  # [Q, S]
-        o = F.scaled_dot_product_attention(
+            keys = self._gather(kv_cache[0], prefill.block_ids)[:prefill.seq_len]  # [S, Hk, D]
+            vals = self._gather(kv_cache[1], prefill.block_ids)[:prefill.seq_len]
+        out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            vals.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=mask is None,
+            vals.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=prefill.mask, is_causal=prefill.mask is None,
             scale=scale, enable_gqa=q.shape[1] != hk)  # [1, H, Q, D]
-        return o[0].transpose(0, 1)
+        return out[0].transpose(0, 1)
 
 
 register_backend("torch", TorchPagedAttention)

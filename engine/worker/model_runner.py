@@ -50,6 +50,9 @@ class ModelRunner:
         # Generators of preempted requests survive until the request finishes, so a seeded
         # request draws the same tokens whether or not it was preempted.
         self._parked_generators: dict[str, torch.Generator] = {}
+        # Prompt positions whose logprobs went out, per request; kept across a preemption (the
+        # recompute would otherwise send them again) and dropped when the request finishes.
+        self._num_prompt_logprobs_sent: dict[str, int] = {}
         self.sampler = Sampler()
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
@@ -114,6 +117,7 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self._remove_request(req_id)
             self._parked_generators.pop(req_id, None)
+            self._num_prompt_logprobs_sent.pop(req_id, None)
         for req_id in scheduler_output.preempted_req_ids:
             state = self._remove_request(req_id)
             if state is not None and state.generator is not None:
@@ -220,18 +224,23 @@ class ModelRunner:
         for index, req_id in enumerate(inputs.req_ids):
             state = self.requests[req_id]
             num = state.sampling_params.prompt_logprobs
-            start = state.num_computed_tokens - scheduler_output.num_scheduled_tokens[req_id]
-            if num is None or start >= state.num_prompt_tokens - 1:
+            if num is None:
                 continue
+            chunk_start = state.num_computed_tokens - scheduler_output.num_scheduled_tokens[req_id]
+            # After a preemption the prompt is recomputed from position 0: skip what was sent.
+            start = max(chunk_start, self._num_prompt_logprobs_sent.get(req_id, 0))
             # Positions start..last predict prompt tokens start+1..last+1 (the last prompt
             # position predicts the first output token, which is not a prompt logprob).
             last = min(state.num_computed_tokens, state.num_prompt_tokens - 1) - 1
-            offset = inputs.token_offsets[index]
+            if start > last:
+                continue
+            offset = inputs.token_offsets[index] + start - chunk_start
             rows = hidden[offset:offset + last - start + 1]
             next_ids = torch.tensor(state.prompt_token_ids[start + 1:last + 2], device=self.device)
             tensors = compute_prompt_logprobs(self.model.compute_logits(rows), next_ids, num)
             result[req_id] = LogprobsLists(tensors.token_ids.tolist(), tensors.logprobs.tolist(),
                                            tensors.ranks.tolist())
+            self._num_prompt_logprobs_sent[req_id] = last + 1
         return result or None
 
     def _tokenize_bad_words(self, params) -> list[list[int]] | None:

@@ -1,0 +1,146 @@
+"""Shared session fixtures for the end-to-end engine tests (tests/test_llm_*.py).
+
+* ``tiny_checkpoint(arch, tie=None)``: the path of a tiny random-weight
+  checkpoint (``engine.tools.make_model``, float32, seed 0), built once per
+  session under a temporary directory.
+* ``hf_reference(arch, tie=None)``: an :class:`HFReference` around the
+  Hugging Face transformers model of that checkpoint (float32, eval), loaded
+  once per session, with cached greedy continuations and log-softmaxes.
+
+Plus plain helpers for the tests (``assert_pool_clean``, ``token_prompt``).
+Everything is built lazily: a test module that never asks for a checkpoint
+pays nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import pytest
+
+ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3")
+# Tokens 0..4 are the specials (BOS, EOS, <|im_start|>, <|im_end|>, pad); random prompts avoid them.
+FIRST_ORDINARY_TOKEN = 5
+TINY_VOCAB = 512
+
+
+def checkpoint_name(arch: str, tie: bool | None = None) -> str:
+    return arch if tie is None else f"{arch}-{'tied' if tie else 'untied'}"
+
+
+def random_token_ids(rng: random.Random, length: int, vocab_size: int = TINY_VOCAB) -> list[int]:
+    return [rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(length)]
+
+
+def token_prompt(token_ids) -> dict:
+    return {"prompt_token_ids": list(token_ids)}
+
+
+def assert_pool_clean(llm) -> None:
+    """No request left anywhere, the KV pool consistent, and every block back in the free queue."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    scheduler = engine.engine_core.scheduler
+    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.requests, f"requests left in the scheduler: {list(scheduler.requests)}"
+    kv = scheduler.kv_cache_manager
+    kv.check_integrity()
+    assert not kv.req_to_blocks, f"blocks still held by {list(kv.req_to_blocks)}"
+    pool = kv.block_pool
+    assert pool.num_free_blocks == pool.num_blocks - 1, (
+        f"{pool.num_free_blocks} free blocks of {pool.num_blocks - 1} usable")
+
+
+class HFReference:
+    """Hugging Face transformers as the reference for one checkpoint (float32, CPU, no padding).
+
+    Results are cached per prompt, so several test modules and configurations
+    share one computation.
+    """
+
+    def __init__(self, path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.path = path
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = self.model.config.vocab_size
+        # transformers 5 renamed the forward's ``past_key_values`` to ``cache``.
+        parameters = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._greedy: dict[tuple, list[int]] = {}
+        self._logprobs: dict[tuple, object] = {}
+
+    def greedy(self, prompt_token_ids, max_new_tokens: int) -> list[int]:
+        """Greedy continuation (argmax each step, HF's KV cache); EOS does not stop it (``ignore_eos``).
+
+        Equivalent to ``generate(do_sample=False)`` without EOS handling, which
+        ``generate`` cannot turn off: it falls back on the checkpoint's
+        generation_config.
+        """
+        import torch
+        from transformers import DynamicCache
+
+        key = (tuple(prompt_token_ids), max_new_tokens)
+        if key not in self._greedy:
+            tokens: list[int] = []
+            with torch.no_grad():
+                cache = DynamicCache(config=self.model.config)
+                input_ids = torch.tensor([list(prompt_token_ids)])
+                for _ in range(max_new_tokens):
+                    logits = self.model(input_ids, use_cache=True, **{self._cache_kwarg: cache}).logits
+                    tokens.append(int(logits[0, -1].argmax()))
+                    input_ids = torch.tensor([[tokens[-1]]])
+            self._greedy[key] = tokens
+        return self._greedy[key]
+
+    def log_softmax(self, token_ids):
+        """``[len(token_ids), vocab]`` float32: row ``j`` is the next-token distribution after ``token_ids[:j+1]``."""
+        import torch
+
+        key = tuple(token_ids)
+        if key not in self._logprobs:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([list(token_ids)])).logits[0]
+            self._logprobs[key] = logits.float().log_softmax(dim=-1)
+        return self._logprobs[key]
+
+    def next_token_logits(self, prompt_token_ids):
+        import torch
+
+        with torch.no_grad():
+            return self.model(torch.tensor([list(prompt_token_ids)])).logits[0, -1].float()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(arch, tie=None) -> str``: a tiny float32 checkpoint, built once per session."""
+    from engine.tools.make_model import make_model
+
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    paths: dict[tuple, str] = {}
+
+    def get(arch: str, tie: bool | None = None) -> str:
+        key = (arch, tie)
+        if key not in paths:
+            paths[key] = str(make_model(root / checkpoint_name(arch, tie), arch=arch, size="tiny", seed=0,
+                                        dtype="float32", tie_word_embeddings=tie, quiet=True))
+        return paths[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_checkpoint):
+    """``hf_reference(arch, tie=None) -> HFReference``, loaded once per session."""
+    references: dict[tuple, HFReference] = {}
+
+    def get(arch: str, tie: bool | None = None) -> HFReference:
+        key = (arch, tie)
+        if key not in references:
+            references[key] = HFReference(tiny_checkpoint(arch, tie))
+        return references[key]
+
+    return get
