@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, build_attention_metadata, get_attention_backend
+from engine.attention.cpu_kernels import load_cpu_kernels
 from engine.attention.torch_paged import TorchPagedAttention
 
 
@@ -68,10 +69,12 @@ class Batch:
 MIXED = [(0, 7), (5, 1), (12, 6), (0, 1), (9, 1), (3, 5), (30, 1), (16, 16)]
 
 
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["native-decode", "torch-decode"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batch_matches_dense_reference(num_heads, num_kv_heads, block_size):
+def test_mixed_batch_matches_dense_reference(num_heads, num_kv_heads, block_size, use_cpu_kernel):
     b = Batch(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
+    b.backend = TorchPagedAttention(use_cpu_kernel=use_cpu_kernel)
     out, _ = b.run()
     assert out.shape == (sum(q for _, q in MIXED), num_heads * 8)
     torch.testing.assert_close(out.double(), b.reference(), atol=1e-5, rtol=1e-5)
@@ -86,8 +89,26 @@ def test_decodes_first_and_small_decode_chunks():
     torch.testing.assert_close(out.double(), b.reference(), atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16():
+def test_the_native_decode_kernel_builds_here():
+    """CI machines have a compiler: the fast path must be what the tests above exercise."""
+    assert load_cpu_kernels() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])  # compile-time sizes and the generic path
+def test_native_decode_kernel_matches_dense_reference(dtype, head_dim):
+    specs = [(ctx, 1) for ctx in (0, 3, 15, 16, 17, 40, 63)]
+    b = Batch(specs, num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype)
+    out, _ = b.run()
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), b.reference(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["native-decode", "torch-decode"])
+def test_bfloat16(use_cpu_kernel):
     b = Batch(MIXED, dtype=torch.bfloat16)
+    b.backend = TorchPagedAttention(use_cpu_kernel=use_cpu_kernel)
     out, _ = b.run()
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), b.reference(), atol=3e-2, rtol=3e-2)

@@ -9,11 +9,13 @@ padded key positions are masked but still multiplied.
 Forward plan (see ``backend.py`` for the contract):
 
 1. write the K/V of every new token at ``slot_mapping`` (one ``index_copy_``);
-2. decodes (requests with one new token): sorted by length, gathered from the
-   block table into padded [n, S, Hk, D] tensors (``index_select`` over whole
-   blocks, the fast gather on CPU) in chunks bounded by ``decode_chunk_elems``,
-   one masked SDPA call per chunk, in float32 (bf16 products with a single
-   query row are pathologically slow on CPUs);
+2. decodes (requests with one new token): on CPU, one call of the compiled
+   kernel (``csrc/paged_decode.cpp``) that reads keys and values through the
+   block table. Elsewhere, or without a compiler: sorted by length, gathered
+   into padded [n, S, Hk, D] tensors (``index_select`` over whole blocks, the
+   fast gather on CPU) in chunks bounded by ``decode_chunk_elems``, one masked
+   SDPA call per chunk, in float32 (bf16 products with a single query row are
+   pathologically slow on CPUs);
 3. prefills (chunks, with or without cached context): one SDPA call per
    request, ``is_causal`` when nothing is cached, an explicit mask otherwise.
 
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, register_backend
+from engine.attention.cpu_kernels import load_cpu_kernels
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -43,6 +46,15 @@ class _DecodeChunk:
 
 
 @dataclass
+class _NativeDecode:
+    """All decodes of the step, for the compiled CPU kernel (reads the block table directly)."""
+
+    tokens: slice | torch.Tensor
+    block_tables: torch.Tensor  # [n, max_blocks] int32
+    seq_lens: torch.Tensor  # [n] int32
+
+
+@dataclass
 class _Prefill:
     start: int
     end: int
@@ -53,7 +65,8 @@ class _Prefill:
 
 @dataclass
 class _StepPlan:
-    decode_chunks: list[_DecodeChunk]
+    native_decode: _NativeDecode | None
+    decode_chunks: list[_DecodeChunk]  # the plain-torch decode path, when the kernel is not used
     prefills: list[_Prefill]
 
 
@@ -68,9 +81,10 @@ def _cpu_lists(md: AttentionMetadata) -> tuple[list[int], list[int]]:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self, decode_chunk_elems: int = 1 << 24):
+    def __init__(self, decode_chunk_elems: int = 1 << 24, use_cpu_kernel: bool = True):
         # Upper bound on gathered K (or V) elements per decode SDPA call.
         self.decode_chunk_elems = decode_chunk_elems
+        self.use_cpu_kernel = use_cpu_kernel
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -94,6 +108,10 @@ class TorchPagedAttention(AttentionBackend):
             md.backend_plan = self._plan(md, kv_cache.shape[2], kv_cache.shape[3] * kv_cache.shape[4])
         plan = md.backend_plan
         out = torch.empty_like(q)  # [T, H, D]
+        if plan.native_decode is not None:
+            native = plan.native_decode
+            out[native.tokens] = load_cpu_kernels().paged_decode_attention(
+                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale)
         for chunk in plan.decode_chunks:
             out[chunk.tokens] = self._decode_chunk(kv_cache, q[chunk.tokens], chunk, scale)
         for prefill in plan.prefills:
@@ -110,11 +128,26 @@ class TorchPagedAttention(AttentionBackend):
             starts.append(starts[-1] + query_len)
         device = md.block_tables.device
         decodes = [i for i, query_len in enumerate(query_lens) if query_len == 1]
-        chunks = [self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, device)
-                  for chunk in self._decode_chunks(decodes, seq_lens, block_size, row_elems)]
+        native_decode, chunks = None, []
+        if decodes and self.use_cpu_kernel and device.type == "cpu" and load_cpu_kernels() is not None:
+            native_decode = self._plan_native_decode(decodes, starts, md)
+        elif decodes:
+            chunks = [self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, device)
+                      for chunk in self._decode_chunks(decodes, seq_lens, block_size, row_elems)]
         prefills = [self._plan_prefill(i, starts, query_lens[i], seq_lens[i], md.block_tables, block_size, device)
                     for i, query_len in enumerate(query_lens) if query_len > 1]
-        return _StepPlan(chunks, prefills)
+        return _StepPlan(native_decode, chunks, prefills)
+
+    @staticmethod
+    def _plan_native_decode(decodes: list[int], starts: list[int], md: AttentionMetadata) -> _NativeDecode:
+        if decodes == list(range(len(decodes))):  # the runner puts running decodes first
+            tokens: slice | torch.Tensor = slice(0, len(decodes))
+            block_tables, seq_lens = md.block_tables[:len(decodes)], md.seq_lens[:len(decodes)]
+        else:
+            rows = torch.tensor(decodes, dtype=torch.long)
+            tokens = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
+            block_tables, seq_lens = md.block_tables[rows], md.seq_lens[rows]
+        return _NativeDecode(tokens, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous())
 
     def _decode_chunks(self, decodes: list[int], seq_lens: list[int], block_size: int,
                        row_elems: int) -> list[list[int]]:
