@@ -299,3 +299,21 @@ def test_tensor_parallel_weight_loader_slices(tmp_path, tp_rank):
     torch.testing.assert_close(mlp.gate_up_proj.weight[half:], sd[pre + "mlp.up_proj.weight"][tp_rank * half:(tp_rank + 1) * half])
     torch.testing.assert_close(model.lm_head.weight, sd["lm_head.weight"][tp_rank * 128:(tp_rank + 1) * 128])
     assert model.get_kv_cache_shape(10, 4) == (2, 10, 4, 1, 16)
+
+
+def test_prepacked_bf16_linears_match_plain_linears(tmp_path):
+    """The oneDNN-prepacked bf16 path gives what F.linear gives (it only changes the weight layout)."""
+    from engine.model.layers.cpu_prepack import can_prepack, prepack_linears
+    from engine.model.layers.linear import LinearBase
+
+    layer = LinearBase(64, 96, bias=True, tp_rank=0, tp_size=1).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    if not can_prepack(layer.weight):
+        pytest.fail("this CPU lacks oneDNN bf16 support; the prepacked path would go untested")
+    for num_rows in (1, 7, 64, 300):
+        x = torch.randn(num_rows, 64, dtype=torch.bfloat16)
+        expected = layer(x)
+        assert prepack_linears(layer) == 1 and layer.packed_weight is not None
+        torch.testing.assert_close(layer(x).float(), expected.float(), atol=2e-2, rtol=2e-2)
+        layer.packed_weight = None

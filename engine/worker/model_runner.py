@@ -17,6 +17,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.config import EngineConfig
 from engine.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.model import get_model
+from engine.model.layers.cpu_prepack import prepack_linears
 from engine.sample import Sampler, SamplingMetadata, make_generator
 from engine.sample.logprobs import compute_prompt_logprobs
 from engine.worker.request_state import BlockTable, CachedRequestState
@@ -64,6 +65,7 @@ class ModelRunner:
         self.model = get_model(self.config.model_config.model, dtype=self.dtype, device=self.device,
                                attn_backend=self.config.model_config.attention_backend,
                                tp_rank=self.tp_rank, tp_size=self.tp_size)
+        prepack_linears(self.model)  # bf16 on CPU: oneDNN layouts once, not per call
         self.vocab_size = self.model.arch_config.vocab_size
         self.eos_token_ids = list(self.model.arch_config.eos_token_ids)
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.layers.cpu_prepack import linear
+
 
 def _no_collective(x: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError("tp_size > 1 needs a collective; set layer.reduce / layer.gather")
@@ -50,12 +52,13 @@ class LinearBase(nn.Module):
         self.in_features, self.out_features = in_local, out_local
         self.weight = _param((out_local, in_local), self.weight_loader)
         self.bias = _param((out_local,), self.weight_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack.prepack_linears
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ReplicatedLinear(LinearBase):
@@ -145,8 +148,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.reduce(linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -189,8 +192,9 @@ class LMHead(nn.Module):
         else:
             emb = VocabEmbedding(vocab_size, hidden_size, tp_rank, tp_size)
             self.weight = emb.weight  # keeps emb's vocab-sharding weight_loader
+        self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack.prepack_linears
         self.gather: Callable[[torch.Tensor], torch.Tensor] = _no_collective
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         return logits if self.tp_size == 1 else self.gather(logits)
