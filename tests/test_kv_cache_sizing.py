@@ -1,0 +1,38 @@
+"""The worker sizes the KV pool from a memory budget, after loading the model and a profiling forward."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+
+def num_blocks_of(llm) -> int:
+    return llm.llm_engine.engine_core.cache_config.num_blocks
+
+
+def block_bytes_of(llm) -> int:
+    return llm.llm_engine.engine_core.executor.worker.model_runner.get_kv_cache_block_bytes()
+
+
+def test_explicit_budget_sets_the_pool(tiny_checkpoint):
+    # tiny llama: 2 layers x (K, V) x 16 slots x 2 KV heads x head_dim 16 x 4 bytes = 8 KiB per block
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=256, max_num_seqs=8,
+              kv_cache_memory_bytes=320 * 1024)
+    assert block_bytes_of(llm) == 2 * 2 * 16 * 2 * 16 * 4
+    assert num_blocks_of(llm) == 40
+    kv_caches = llm.llm_engine.engine_core.executor.worker.model_runner.kv_caches
+    assert len(kv_caches) == 2 and kv_caches[0].shape == (2, 40, 16, 2, 16)
+    # The pool works at that size: more requests than fit at once still all finish.
+    outputs = llm.generate([{"prompt_token_ids": list(range(5, 105))}] * 6,
+                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
+
+
+def test_default_budget_is_capped_at_what_can_be_used(tiny_checkpoint):
+    """Free RAM would hold millions of tiny blocks; the pool stops at max_num_seqs full-length sequences."""
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=256, max_num_seqs=4)
+    assert num_blocks_of(llm) == 4 * (256 // 16) + 1
+
+
+def test_a_budget_below_one_sequence_is_a_clear_error(tiny_checkpoint):
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 * 1024)
