@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig
 from engine.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.model import get_model
@@ -87,7 +87,6 @@ class ModelRunner:
                          self.config.scheduler_config.max_model_len - 1)
         num_blocks = -(-num_tokens // self.block_size)
         kv_caches = self.model.make_kv_caches(num_blocks + 1, self.block_size)
-        from engine.attention.metadata import build_attention_metadata
         metadata = build_attention_metadata([num_tokens], [num_tokens], [list(range(1, num_blocks + 1))],
                                             self.block_size, device=self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -148,6 +147,7 @@ class ModelRunner:
         return state
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """Flattens the step's tokens into one batch; advances each request's num_computed_tokens."""
         req_ids = list(scheduler_output.num_scheduled_tokens)
         input_ids: list[int] = []
         positions: list[int] = []
