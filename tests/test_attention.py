@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, build_attention_metadata, get_attention_backend
-from engine.attention.cpu_kernels import load_cpu_kernels
+from engine.kernels.cpu import load_cpu_kernels
 from engine.attention.torch_paged import TorchPagedAttention
 
 

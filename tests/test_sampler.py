@@ -272,3 +272,25 @@ def test_prompt_logprobs_chunk():
     expected_ranks = (raw > raw[torch.arange(5), next_ids][:, None]).sum(-1) + 1
     assert torch.equal(result.ranks, expected_ranks)
     assert compute_prompt_logprobs(logits, next_ids, -1).token_ids.shape == (5, 31)
+
+
+def test_native_argmax_matches_torch_including_ties_and_non_finite_values():
+    from engine.kernels.cpu import load_cpu_kernels
+    from engine.sample.sampler import argmax
+
+    assert load_cpu_kernels() is not None, "the native CPU ops must build on CI machines"
+    generator = torch.Generator().manual_seed(0)
+    for num_rows, vocab_size in [(1, 1), (3, 7), (64, 8192), (5, 16385)]:
+        logits = torch.randn(num_rows, vocab_size, generator=generator)
+        assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    logits = torch.zeros(6, 40)
+    logits[0, [3, 9]] = 5.0  # a tie: the first index wins
+    logits[1, 17] = float("nan")  # NaN is the maximum
+    logits[1, 30] = float("nan")
+    logits[2, 11] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, 0] = 1.0
+    logits[5, 39] = 1.0
+    assert argmax(logits).tolist() == [3, 17, 11, 0, 0, 39] == logits.argmax(dim=-1).tolist()
+    strided = torch.randn(40, 8, generator=generator).t()  # non-contiguous rows
+    assert torch.equal(argmax(strided), strided.argmax(dim=-1))

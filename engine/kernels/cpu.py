@@ -15,7 +15,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 # -march=native: the build is cached per machine, so it may use every vector unit this CPU has.
 # The reassociation flags let the compiler vectorize the float dot products and sums.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
@@ -24,7 +24,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-signe
 
 @functools.cache
 def load_cpu_kernels():
-    """The compiled module (``paged_decode_attention``), or None if it cannot be built here."""
+    """The compiled module (``paged_decode_attention``, ``argmax_rows``), or None if it cannot be built here."""
     if os.environ.get("SERVAL_DISABLE_CPU_KERNELS") == "1":
         return None
     try:
@@ -34,5 +34,5 @@ def load_cpu_kernels():
         return load(name="serval_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, no ninja, ...: plain torch still works
-        logger.warning("Serval's CPU attention kernel could not be built (%s); using plain torch.", error)
+        logger.warning("Serval's CPU kernels could not be built (%s); using plain torch.", error)
         return None
