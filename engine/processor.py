@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 
 from engine.config import EngineConfig
-from engine.core.request import Request
+from engine.core.request import Request, check_prompt_fits
 from engine.sampling_params import SamplingParams
 from engine.sample.metadata import validate_token_ids
 
@@ -44,9 +44,7 @@ class Processor:
         max_model_len = self.config.scheduler_config.max_model_len
         if not prompt_token_ids:
             raise ValueError("The prompt is empty; at least one token is required.")
-        if len(prompt_token_ids) >= max_model_len:
-            raise ValueError(f"The prompt has {len(prompt_token_ids)} tokens, but max_model_len is "
-                             f"{max_model_len}: at least one token must fit after the prompt.")
+        check_prompt_fits(len(prompt_token_ids), max_model_len)
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"The prompt contains token ids outside the vocabulary (size {self.vocab_size}): "

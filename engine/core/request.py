@@ -35,6 +35,13 @@ FINISH_REASONS = {
 }
 
 
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
+    """Raises ValueError unless at least one token fits after the prompt."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"The prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len}: "
+                         "at least one token must fit after the prompt.")
+
+
 class Request:
     """A prompt, the tokens generated for it so far, and its scheduling state.
 
@@ -89,9 +96,9 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def get_finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)

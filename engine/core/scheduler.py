@@ -16,7 +16,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from engine.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                  SchedulerOutput)
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, check_prompt_fits
 from engine.core.request_queue import make_request_queue
 from engine.core.stop_conditions import check_stop
 
@@ -62,10 +62,7 @@ class Scheduler:
         """Queues a new request. Raises ValueError (and changes nothing) if it can never run."""
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"The prompt has {request.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}: "
-                "at least one token must fit after the prompt.")
+        check_prompt_fits(request.num_prompt_tokens, self.max_model_len)
         room = self.max_model_len - request.num_prompt_tokens
         request.max_tokens = room if request.sampling_params.max_tokens is None else request.sampling_params.max_tokens
         request.status = RequestStatus.WAITING
@@ -260,8 +257,7 @@ class Scheduler:
 
     def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
         for num_accepted, token_id in enumerate(sampled_token_ids, start=1):
-            request.output_token_ids.append(token_id)
-            request.all_token_ids.append(token_id)
+            request.append_output_token_id(token_id)
             if check_stop(request, self.max_model_len):
                 return sampled_token_ids[:num_accepted]
         return sampled_token_ids
