@@ -28,6 +28,9 @@ class SchedulerConfig(_FrozenConfig):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="Most tokens one request gets per step; 0 means no cap.")
+    # Enforced by the async front end (AsyncLLM), not by the scheduler: past it, new requests are refused.
+    max_num_queued_reqs: int | None = Field(
+        None, ge=1, description="Most requests waiting to run (queued, not yet scheduled); None = unlimited.")
 
     @model_validator(mode="after")
     def _budget_fits_a_prompt(self) -> "SchedulerConfig":
