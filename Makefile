@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODELS := models
 
-.PHONY: venv test serve models clean bench-scheduler
+.PHONY: venv test serve stop models clean bench-scheduler
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,13 @@ $(MODELS)/tiny-llama/serval_model_spec.json: | venv
 
 models: $(MODELS)/tiny-llama/serval_model_spec.json
 
+# The main job: a local Ray head on loopback serving configs/serve/default.yaml; `make stop` ends it.
+SERVE_CONFIG ?= configs/serve/default.yaml
 serve: venv models
-	$(VENV)/bin/serval demo --model $(MODELS)/tiny-llama
+	$(PY) -m deployments.launcher up --config $(SERVE_CONFIG)
+
+stop: venv
+	$(PY) -m deployments.launcher down
 
 bench-scheduler: venv
 	$(PY) benchmarks/bench_scheduler.py --num-running 256 1024

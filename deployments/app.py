@@ -1,0 +1,40 @@
+"""The Serve application builder that ``serve run`` / ``serve deploy`` reach through ``import_path``.
+
+    import_path: deployments.app:build_openai_app
+    args: {llm_configs: [...], ingress_deployment_config: {...}}
+
+One ``LLMServer:<model id>`` deployment per model (its replicas are the
+data-parallel copies) behind one ``OpenAiIngress`` deployment that routes by
+the request's ``model``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.ingress import OpenAiIngress
+from deployments.llm_config import LLMConfig, LLMServingArgs
+from deployments.llm_server import LLMServer
+
+INGRESS_DEPLOYMENT_NAME = "OpenAiIngress"
+
+
+def build_llm_server(llm_config: LLMConfig) -> Application:
+    """One model's LLM-server deployment, named ``LLMServer:<model id>`` and bound to its config."""
+    options = llm_config.deployment_config.to_options()
+    if llm_config.runtime_env is not None:
+        options["ray_actor_options"] = {**options.get("ray_actor_options", {}), "runtime_env": llm_config.runtime_env}
+    deployment = serve.deployment(LLMServer).options(name=llm_config.server_deployment_name(), **options)
+    return deployment.bind(llm_config)
+
+
+def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
+    """Validates ``args`` (unknown keys are an error here, at deploy time) and builds the app."""
+    serving_args = args if isinstance(args, LLMServingArgs) else LLMServingArgs.model_validate(args)
+    servers = {config.model_id: build_llm_server(config) for config in serving_args.llm_configs}
+    ingress = serve.deployment(OpenAiIngress).options(
+        name=INGRESS_DEPLOYMENT_NAME, **serving_args.ingress_deployment_config.to_options())
+    return ingress.bind(servers)

@@ -1,0 +1,138 @@
+"""What a user writes under ``args:`` of a Serve application, with Ray Serve LLM's vocabulary.
+
+    applications:
+    - name: llm
+      import_path: deployments.app:build_openai_app
+      args:
+        llm_configs:
+        - model_loading_config: {model_id: tiny-llama, model_source: models/tiny-llama}
+          engine_kwargs: {max_model_len: 2048, max_num_seqs: 64}
+          deployment_config: {num_replicas: 1, max_ongoing_requests: 256, ray_actor_options: {num_cpus: 1}}
+
+Every model rejects unknown keys, and ``engine_kwargs`` is checked against
+``EngineArgs`` here, so a typo fails the deploy with a message naming the key
+instead of surfacing later inside a replica.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.engine_args import EngineArgs
+
+# Relative model sources are resolved against the Serval checkout (the directory holding deployments/),
+# so that the same YAML works from `make serve`, `serve deploy` and replicas whose cwd is elsewhere.
+SERVAL_ROOT = Path(__file__).resolve().parent.parent
+SERVER_NAME_PREFIX = "LLMServer:"
+
+
+class _StrictModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+
+class ModelLoadingConfig(_StrictModel):
+    model_id: str = Field(min_length=1, description="The name clients pass as `model`.")
+    model_source: str | None = Field(None, description="Local checkpoint directory; defaults to model_id.")
+
+    def resolved_source(self) -> str:
+        source = Path(os.path.expanduser(self.model_source or self.model_id))
+        return str(source if source.is_absolute() else SERVAL_ROOT / source)
+
+
+class AutoscalingConfig(_StrictModel):
+    """Serve's autoscaling knobs (a subset with its names); see ray.serve.config.AutoscalingConfig."""
+
+    min_replicas: int = Field(1, ge=0)
+    initial_replicas: int | None = Field(None, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    metrics_interval_s: float = Field(10.0, gt=0)
+    look_back_period_s: float = Field(30.0, gt=0)
+
+
+class DeploymentConfig(_StrictModel):
+    """Options of one Serve deployment, passed to ``Deployment.options`` under the same names."""
+
+    num_replicas: int | Literal["auto"] | None = Field(None, description="None: 1, or autoscaling's choice.")
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests one replica takes at once.")
+    max_queued_requests: int = Field(-1, ge=-1, description="Requests a caller queues per deployment; -1: no cap.")
+    autoscaling_config: AutoscalingConfig | None = None
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0, description="How long a draining replica waits "
+                                               "for its in-flight streams (scale-down, redeploys).")
+
+    @model_validator(mode="after")
+    def _one_way_to_scale(self) -> "DeploymentConfig":
+        if isinstance(self.num_replicas, int) and self.autoscaling_config is not None:
+            raise ValueError("Set either num_replicas or autoscaling_config, not both.")
+        return self
+
+    def to_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``Deployment.options`` (unset fields keep Serve's defaults)."""
+        options = self.model_dump(exclude_none=True)
+        if self.autoscaling_config is not None:
+            options["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
+        return options
+
+
+class LLMConfig(_StrictModel):
+    """One served model: where it comes from, how its engine runs and how it is deployed."""
+
+    model_loading_config: ModelLoadingConfig
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    runtime_env: dict[str, Any] | None = None
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _engine_kwargs_are_engine_args(cls, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+        if "model" in engine_kwargs:
+            raise ValueError("Set the checkpoint in model_loading_config.model_source, not engine_kwargs.model.")
+        # Field-level check only (no checkpoint access: the deploying machine may not hold the model).
+        EngineArgs.model_validate({"model": "-", **engine_kwargs})
+        return engine_kwargs
+
+    @property
+    def model_id(self) -> str:
+        return self.model_loading_config.model_id
+
+    def engine_args(self) -> EngineArgs:
+        return EngineArgs(model=self.model_loading_config.resolved_source(), **self.engine_kwargs)
+
+    def server_deployment_name(self) -> str:
+        """``LLMServer:<model id>`` with characters Serve and URLs dislike replaced."""
+        return SERVER_NAME_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "--", self.model_id)
+
+
+class LLMServingArgs(_StrictModel):
+    """The builder's ``args``: the models, plus options for the ingress deployment."""
+
+    llm_configs: list[LLMConfig | str] = Field(min_length=1, description="Configs, or paths to YAML files of one.")
+    ingress_deployment_config: DeploymentConfig = Field(
+        default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1}))
+
+    @field_validator("llm_configs")
+    @classmethod
+    def _load_paths_and_check_ids(cls, configs: list[LLMConfig | str]) -> list[LLMConfig]:
+        loaded = [load_llm_config_file(c) if isinstance(c, str) else c for c in configs]
+        model_ids = [c.model_id for c in loaded]
+        duplicates = sorted({m for m in model_ids if model_ids.count(m) > 1})
+        if duplicates:
+            raise ValueError(f"Duplicate model_id in llm_configs: {duplicates}.")
+        return loaded
+
+
+def load_llm_config_file(path: str) -> LLMConfig:
+    resolved = Path(path) if Path(path).is_absolute() else SERVAL_ROOT / path
+    with open(resolved, encoding="utf-8") as f:
+        return LLMConfig.model_validate(yaml.safe_load(f))

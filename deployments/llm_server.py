@@ -1,0 +1,64 @@
+"""The LLM-server deployment: one data-parallel copy of one model.
+
+Each replica owns an ``AsyncLLM`` (the engine's busy loop runs on its own
+thread inside the replica) and the OpenAI serving logic for its model. The
+ingress reaches it through a Serve handle; Serve's router balances requests
+across the replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from deployments.llm_config import LLMConfig
+from engine.async_llm import AsyncLLM
+from engine.entrypoints.openai.serving import OpenAIServing
+
+logger = logging.getLogger("ray.serve")
+
+# The OpenAI endpoints a replica answers, by the name the ingress uses; each is an async generator of
+# picklable items (see engine.entrypoints.openai.serving.OpenAIServing).
+SERVING_METHODS = ("completions", "chat", "tokenize", "detokenize")
+
+
+class LLMServer:
+    def __init__(self, llm_config: LLMConfig) -> None:
+        self.model_id = llm_config.model_id
+        self.engine = AsyncLLM.from_engine_args(llm_config.engine_args())
+        self.serving = OpenAIServing(self.engine, self.model_id)
+        logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
+
+    async def call(self, method_name: str, request: Any) -> AsyncIterator[Any]:
+        """Streams the items of one OpenAI endpoint call (one item for non-streamed calls).
+
+        The caller closing the stream (a client disconnect cancels the ingress
+        request, and Serve cancels this call) closes the serving generator,
+        which aborts the engine request and frees its KV blocks.
+        """
+        if method_name not in SERVING_METHODS:
+            raise ValueError(f"Unknown serving method {method_name!r}.")
+        async for item in getattr(self.serving, method_name)(request):
+            yield item
+
+    async def model_card(self) -> Any:
+        return self.serving.model_card()
+
+    async def stats(self) -> dict:
+        """This replica's engine statistics, tagged with the replica's id."""
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        return {"replica_id": replica_id, "model_id": self.model_id,
+                **dataclasses.asdict(self.engine.get_stats())}
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising marks the replica unhealthy and Serve replaces it."""
+        await self.engine.check_health()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,99 @@
+"""Helpers for the serving tests: ports, listening sockets, Serve configs and their deployment.
+
+Deployments go through the dashboard's REST API, as ``serve deploy`` and
+``make serve`` (``deployments.launcher``) do.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+
+from deployments import launcher
+
+LOOPBACK = "127.0.0.1"
+OBJECT_STORE_BYTES = 200 * 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def listening_addresses() -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket on this machine, from /proc/net/tcp{,6}."""
+    found = set()
+    for path, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(path, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A":  # TCP_LISTEN
+                    continue
+                address_hex, port_hex = fields[1].split(":")
+                found.add((_decode_address(address_hex, width), int(port_hex, 16)))
+    return found
+
+
+def _decode_address(address_hex: str, width: int) -> str:
+    raw = bytes.fromhex(address_hex)
+    if width == 8:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    # /proc/net/tcp6 stores four little-endian 32-bit words.
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def is_loopback(address: str) -> bool:
+    return address in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+@dataclass
+class RayHead:
+    gcs_port: int
+    dashboard_port: int
+    http_port: int
+    new_listeners: set[tuple[str, int]]
+
+    @property
+    def dashboard_url(self) -> str:
+        return launcher.dashboard_url(self.dashboard_port)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+
+def serve_config(http_port: int, llm_configs: list[dict], **app_fields) -> dict:
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": LOOPBACK, "port": http_port},
+        "applications": [{"name": "llm", "route_prefix": "/", "import_path": "deployments.app:build_openai_app",
+                          "args": {"llm_configs": llm_configs}, **app_fields}],
+    }
+
+
+def llm_config(model_id: str, model_source: str, num_replicas: int = 1, **engine_kwargs) -> dict:
+    return {
+        "model_loading_config": {"model_id": model_id, "model_source": model_source},
+        "engine_kwargs": {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 64, **engine_kwargs},
+        "deployment_config": {"num_replicas": num_replicas, "max_ongoing_requests": 256,
+                              "ray_actor_options": {"num_cpus": 0.5}, "graceful_shutdown_timeout_s": 60},
+    }
+
+
+def deploy_and_wait(head: RayHead, config: dict, timeout_s: float = 300.0) -> None:
+    launcher.deploy(config, head.dashboard_port)
+    launcher.wait_until_running(head.dashboard_port, [app["name"] for app in config["applications"]], timeout_s)
+
+
+def app_status(head: RayHead, app_name: str = "llm") -> dict:
+    return launcher.http_json("GET", f"{head.dashboard_url}/api/serve/applications/")["applications"][app_name]
+
+
+def serve_shutdown(head: RayHead) -> None:
+    subprocess.run([launcher.ray_bin("serve"), "shutdown", "-y", "--address", head.dashboard_url],
+                   env=launcher.ray_env(), check=True, capture_output=True)

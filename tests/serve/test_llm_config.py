@@ -1,0 +1,65 @@
+"""The serve YAML's `args` (Ray Serve LLM's vocabulary): validated at deploy time, unknown keys named."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deployments.llm_config import SERVAL_ROOT, LLMConfig, LLMServingArgs
+
+MINIMAL = {"model_loading_config": {"model_id": "tiny-llama", "model_source": "models/tiny-llama"}}
+
+
+def test_default_yaml_validates_and_maps_to_engine_args():
+    with open(SERVAL_ROOT / "configs/serve/default.yaml", encoding="utf-8") as f:
+        app = yaml.safe_load(f)["applications"][0]
+    assert app["import_path"] == "deployments.app:build_openai_app"
+    args = LLMServingArgs.model_validate(app["args"])
+    config = args.llm_configs[0]
+    assert config.model_id == "tiny-llama"
+    assert config.server_deployment_name() == "LLMServer:tiny-llama"
+    assert config.deployment_config.to_options()["num_replicas"] == 1
+    # Relative sources resolve against the checkout, whatever the replica's working directory.
+    assert config.model_loading_config.resolved_source() == str(SERVAL_ROOT / "models/tiny-llama")
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({**MINIMAL, "engine_kwarg": {}}, "engine_kwarg"),
+    ({**MINIMAL, "engine_kwargs": {"max_num_seq": 8}}, "max_num_seq"),
+    ({**MINIMAL, "deployment_config": {"num_replica": 2}}, "num_replica"),
+    ({"model_loading_config": {"model_id": "m", "source": "x"}}, "source"),
+])
+def test_unknown_keys_are_an_error_naming_the_key(bad, key):
+    with pytest.raises(ValidationError, match=key):
+        LLMServingArgs.model_validate({"llm_configs": [bad]})
+
+
+def test_bad_values_and_duplicates_are_refused():
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {"max_num_seqs": 0}})
+    with pytest.raises(ValidationError, match="model_source"):
+        LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {"model": "x"}})
+    with pytest.raises(ValidationError, match="Duplicate model_id"):
+        LLMServingArgs.model_validate({"llm_configs": [MINIMAL, MINIMAL]})
+    with pytest.raises(ValidationError, match="not both"):
+        LLMConfig.model_validate({**MINIMAL, "deployment_config": {
+            "num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}})
+    with pytest.raises(ValidationError, match="llm_configs"):
+        LLMServingArgs.model_validate({"llm_configs": []})
+
+
+def test_model_ids_become_safe_deployment_names():
+    config = LLMConfig.model_validate({"model_loading_config": {"model_id": "meta-llama/Llama-3.1-8B"}})
+    assert config.server_deployment_name() == "LLMServer:meta-llama--Llama-3.1-8B"
+    assert config.model_loading_config.resolved_source() == str(SERVAL_ROOT / "meta-llama/Llama-3.1-8B")
+
+
+def test_llm_configs_may_be_yaml_files(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text(yaml.safe_dump({**MINIMAL, "deployment_config": {"autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}}}))
+    config = LLMServingArgs.model_validate({"llm_configs": [str(path)]}).llm_configs[0]
+    options = config.deployment_config.to_options()
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"]["max_replicas"] == 4
