@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,13 @@ import yaml
 LOOPBACK = "127.0.0.1"
 DEFAULT_CONFIG = "configs/serve/default.yaml"
 TERMINAL_FAILURES = ("DEPLOY_FAILED", "UNHEALTHY")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
 
 
 def ray_env() -> dict[str, str]:

@@ -6,22 +6,14 @@ Deployments go through the dashboard's REST API, as ``serve deploy`` and
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 
 from deployments import launcher
 
 LOOPBACK = "127.0.0.1"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def listening_addresses() -> set[tuple[str, int]]:

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from deployments import launcher
-from tests.serve.cluster import LOOPBACK, OBJECT_STORE_BYTES, RayHead, free_port, listening_addresses
+from deployments.launcher import free_port
+from tests.serve.cluster import LOOPBACK, OBJECT_STORE_BYTES, RayHead, listening_addresses
 
 
 @pytest.fixture(scope="session")
