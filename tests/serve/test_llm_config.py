@@ -63,3 +63,16 @@ def test_llm_configs_may_be_yaml_files(tmp_path):
     options = config.deployment_config.to_options()
     assert "num_replicas" not in options
     assert options["autoscaling_config"]["max_replicas"] == 4
+
+
+@pytest.mark.parametrize("path", sorted((SERVAL_ROOT / "configs/serve").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_serve_config_is_valid(path):
+    from ray.serve.schema import ServeDeploySchema
+
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    ServeDeploySchema.model_validate(config)  # what `serve deploy` checks
+    for app in config["applications"]:
+        args = LLMServingArgs.model_validate(app["args"])  # what the builder checks
+        names = {c.server_deployment_name() for c in args.llm_configs}
+        assert {d["name"] for d in app.get("deployments", [])} <= names
