@@ -1,0 +1,284 @@
+"""The OpenAI HTTP routes: handler functions of ``(router, raw_request)`` and ``build_app``.
+
+The handlers parse and validate the body (malformed JSON or invalid fields
+-> 400 in OpenAI's error shape), pick the model (unknown -> 404; omitted ->
+the only one served), and turn the router's item stream into a response by
+its first item: an ``ErrorResponse`` -> that status; a ``str`` -> an SSE
+stream of it and the rest; anything else -> a JSON body. A client that
+disconnects closes the item stream, which aborts the engine requests.
+
+They are free functions so the Ray ingress can register them on its own
+app with a router that calls Ray handles; ``build_app(LocalModelRouter(...))``
+serves in-process models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from http import HTTPStatus
+from typing import Any, Protocol
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from engine.entrypoints.openai.errors import ErrorResponse, bad_request, from_exception, from_validation_error, \
+    make_error, model_not_found
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
+    TokenizeChatRequest, TokenizeCompletionRequest
+from engine.entrypoints.openai.responses import ModelList
+from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
+from engine.entrypoints.openai.streaming import DONE_EVENT, sse_event
+
+logger = logging.getLogger(__name__)
+
+# Returned (never sent) when the client went away before the first item.
+HTTP_CLIENT_CLOSED_REQUEST = 499
+
+
+class ModelRouter(Protocol):
+    """Where the handlers send a validated request: one ``OpenAIServing`` per model id, local or remote."""
+
+    def model_ids(self) -> list[str]:
+        """The served model ids."""
+
+    def call(self, model_id: str, method_name: str, request: BaseModel) -> AsyncGenerator[Any, None]:
+        """The items of ``OpenAIServing.<method_name>(request)`` for that model.
+
+        ``aclose()`` on the returned generator must stop the call (and so abort
+        its engine requests); a remote router wraps its response stream in an
+        async generator whose ``finally`` cancels it.
+        """
+
+    async def model_card(self, model_id: str) -> BaseModel:
+        """That model's ``/v1/models`` entry (``OpenAIServing.model_card()``)."""
+
+    async def check_health(self, model_id: str) -> None:
+        """Raises if that model's engine can no longer serve."""
+
+
+class LocalModelRouter:
+    """Serves ``OpenAIServing`` objects living in this process."""
+
+    def __init__(self, servings: dict[str, OpenAIServing]) -> None:
+        self.servings = dict(servings)
+
+    def model_ids(self) -> list[str]:
+        return list(self.servings)
+
+    def call(self, model_id: str, method_name: str, request: BaseModel) -> AsyncGenerator[Any, None]:
+        if method_name not in ENDPOINT_METHODS:
+            raise ValueError(f"Unknown serving method {method_name!r}.")
+        return getattr(self.servings[model_id], method_name)(request)
+
+    async def model_card(self, model_id: str) -> BaseModel:
+        return self.servings[model_id].model_card()
+
+    async def check_health(self, model_id: str) -> None:
+        await self.servings[model_id].check_health()
+
+
+# ---------------------------------------------------------------------------------------------- route handlers
+
+
+async def handle_completions(router: ModelRouter, raw_request: Request) -> Response:
+    return await _handle_endpoint(router, raw_request, "completions", CompletionRequest.model_validate)
+
+
+async def handle_chat(router: ModelRouter, raw_request: Request) -> Response:
+    return await _handle_endpoint(router, raw_request, "chat", ChatCompletionRequest.model_validate)
+
+
+async def handle_tokenize(router: ModelRouter, raw_request: Request) -> Response:
+    return await _handle_endpoint(router, raw_request, "tokenize", _parse_tokenize_request)
+
+
+async def handle_detokenize(router: ModelRouter, raw_request: Request) -> Response:
+    return await _handle_endpoint(router, raw_request, "detokenize", DetokenizeRequest.model_validate)
+
+
+async def handle_models(router: ModelRouter, raw_request: Request) -> Response:
+    try:
+        cards = await asyncio.gather(*(router.model_card(model_id) for model_id in router.model_ids()))
+    except Exception as exc:  # noqa: BLE001 - a replica failing to answer
+        return error_response(from_exception(exc))
+    return json_response(ModelList(data=list(cards)))
+
+
+async def handle_health(router: ModelRouter, raw_request: Request) -> Response:
+    """200 when every model's engine can serve, else 503."""
+    try:
+        await asyncio.gather(*(router.check_health(model_id) for model_id in router.model_ids()))
+    except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+        return error_response(make_error(f"Unhealthy: {exc}", HTTPStatus.SERVICE_UNAVAILABLE))
+    return Response(status_code=HTTPStatus.OK)
+
+
+async def handle_version(router: ModelRouter, raw_request: Request) -> Response:
+    try:
+        version = importlib.metadata.version("serval")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return Response(json.dumps({"version": version}), media_type="application/json")
+
+
+# (method, path, handler): build_app registers these; the Ray ingress registers the same on its app.
+ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response]]]] = [
+    ("POST", "/v1/completions", handle_completions),
+    ("POST", "/v1/chat/completions", handle_chat),
+    ("GET", "/v1/models", handle_models),
+    ("POST", "/tokenize", handle_tokenize),
+    ("POST", "/detokenize", handle_detokenize),
+    ("GET", "/health", handle_health),
+    ("GET", "/version", handle_version),
+]
+
+
+def build_app(router: ModelRouter) -> FastAPI:
+    """A FastAPI app serving ``ROUTES`` through ``router``; HTTP errors (404 route, 405) in OpenAI's shape."""
+    app = FastAPI(title="Serval OpenAI-compatible server")
+    for method, path, handler in ROUTES:
+        app.add_api_route(path, _bind(router, handler), methods=[method])
+    app.add_exception_handler(HTTPException, http_exception_handler)
+    return app
+
+
+async def http_exception_handler(raw_request: Request, exc: HTTPException) -> Response:
+    return error_response(make_error(str(exc.detail), HTTPStatus(exc.status_code)))
+
+
+def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitable[Response]]):
+    async def endpoint(raw_request: Request) -> Response:
+        return await handler(router, raw_request)
+
+    endpoint.__name__ = handler.__name__
+    return endpoint
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+
+
+def json_response(model: BaseModel, status_code: int = HTTPStatus.OK, headers: dict | None = None) -> Response:
+    return Response(model.model_dump_json(), status_code=status_code, headers=headers,
+                    media_type="application/json")
+
+
+def error_response(error: ErrorResponse) -> Response:
+    return Response(json.dumps(error.body()), status_code=error.status_code, headers=error.headers(),
+                    media_type="application/json")
+
+
+class EventStreamResponse(StreamingResponse):
+    """SSE; closes its item stream however the response ends (the client gone mid-stream included)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _handle_endpoint(router: ModelRouter, raw_request: Request, method_name: str,
+                           parse: Callable[[dict], BaseModel]) -> Response:
+    try:
+        request = parse(await _read_json_object(raw_request))
+    except ValidationError as exc:
+        return error_response(from_validation_error(exc))
+    except ValueError as exc:
+        return error_response(bad_request(str(exc)))
+    model_id = _resolve_model(router, getattr(request, "model", None))
+    if isinstance(model_id, ErrorResponse):
+        return error_response(model_id)
+    return await _respond(router.call(model_id, method_name, request), raw_request)
+
+
+async def _read_json_object(raw_request: Request) -> dict:
+    body = await raw_request.body()
+    try:
+        data = json.loads(body)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("The request body must be a JSON object.")
+    return data
+
+
+def _parse_tokenize_request(body: dict) -> BaseModel:
+    if "messages" in body:
+        return TokenizeChatRequest.model_validate(body)
+    return TokenizeCompletionRequest.model_validate(body)
+
+
+def _resolve_model(router: ModelRouter, model: str | None) -> str | ErrorResponse:
+    model_ids = router.model_ids()
+    if model is None:
+        if len(model_ids) == 1:
+            return model_ids[0]
+        return bad_request(f"The request has no `model`; this server serves {model_ids}.", param="model")
+    if model not in model_ids:
+        return model_not_found(model)
+    return model
+
+
+async def _respond(items: AsyncGenerator[Any, None], raw_request: Request) -> Response:
+    """The response the first item calls for (the stream is closed unless an SSE response takes it over)."""
+    try:
+        first = await _first_item_unless_disconnected(items, raw_request)
+    except StopAsyncIteration:
+        first = make_error("The model server returned no response.", HTTPStatus.INTERNAL_SERVER_ERROR)
+    except Exception as exc:  # noqa: BLE001 - e.g. a replica that died
+        first = from_exception(exc)
+    if isinstance(first, str):
+        return EventStreamResponse(_continue_stream(first, items))
+    await items.aclose()
+    if first is None:
+        return Response(status_code=HTTP_CLIENT_CLOSED_REQUEST)
+    if isinstance(first, ErrorResponse):
+        return error_response(first)
+    return json_response(first)
+
+
+async def _first_item_unless_disconnected(items: AsyncGenerator[Any, None], raw_request: Request) -> Any:
+    """The first item, or None if the client disconnected first (the pending call is then cancelled).
+
+    A long non-streamed generation would otherwise run to the end for nobody.
+    """
+    next_item = asyncio.ensure_future(anext(items))
+    disconnected = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({next_item, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        if not next_item.done():
+            next_item.cancel()  # runs the stream's cleanup (engine abort) before it is closed
+            await asyncio.wait({next_item})
+    if next_item.cancelled():
+        return None
+    return next_item.result()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _continue_stream(first: str, items: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None]:
+    async with contextlib.aclosing(items):
+        yield first
+        try:
+            async for item in items:
+                if isinstance(item, ErrorResponse):  # a router may report a late failure as an item
+                    yield sse_event(item.body()) + DONE_EVENT
+                    return
+                yield item
+        except Exception as exc:  # noqa: BLE001 - e.g. a replica that died mid-stream
+            yield sse_event(from_exception(exc).body()) + DONE_EVENT

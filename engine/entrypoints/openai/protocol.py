@@ -1,0 +1,263 @@
+"""OpenAI request models, with vLLM's extra sampling fields.
+
+Field names, defaults and bounds follow the OpenAI API and vLLM's server.
+Unknown fields are accepted and ignored (as vLLM does), with a debug log.
+Cross-field rules that OpenAI rejects (``suffix``, ``stream_options``
+without ``stream``, ...) raise here, so they surface as pydantic errors -> 400.
+Response models live in ``responses.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs, and vLLM's default max_logprobs
+MAX_N = 128  # completions per prompt one request may ask for
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                logger.debug("%s: ignoring unknown fields %s", cls.__name__, unknown)
+        return data
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    cache_salt: str | None = Field(None, min_length=1)
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true.")
+        return self
+
+    @property
+    def is_usage_streamed(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters; raises ValueError (-> 400) on a bad value."""
+        logit_bias = None
+        if self.logit_bias is not None:
+            try:
+                logit_bias = {int(token_id): bias for token_id, bias in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids (integers as strings).") from None
+        return SamplingParams(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            bad_words=self.bad_words or [], include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+
+
+PromptInput = list[int] | list[list[int]] | str | list[str]
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: one prompt or a batch (strings or token ids)."""
+
+    prompt: PromptInput
+    max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, prompt: Any) -> Any:
+        # One clear message instead of pydantic's error per union member.
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and (all(isinstance(item, str) for item in prompt)
+                                         or all(_is_token_id(item) for item in prompt)
+                                         or all(isinstance(item, list) and all(map(_is_token_id, item))
+                                                for item in prompt)):
+            return prompt
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) or a list "
+                         "of token-id lists.")
+
+    @model_validator(mode="after")
+    def _check_unsupported(self):
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must be unset or equal to n).")
+        return self
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The batch: a list of texts or a list of token-id lists (one element for a single prompt)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ValueError("prompt must not be empty.")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content_shape(cls, content: Any) -> Any:
+        # One clear message instead of pydantic's error per union member.
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            for part in content:
+                part_type = part.get("type") if isinstance(part, dict) else None
+                if part_type != "text":
+                    raise ValueError(f"content parts of type {part_type!r} are not supported; only "
+                                     "{'type': 'text', 'text': ...} parts are.")
+            return content
+        raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts.")
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)  # vLLM joins text parts with newlines
+
+
+class ChatTemplateFields(OpenAIBaseModel):
+    """How messages become a prompt (chat completions and chat tokenize share them)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template already holds the special tokens
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt_mode(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": message.role, "content": message.text()} for message in self.messages]
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
+    """``POST /v1/chat/completions``."""
+
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_unsupported(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true.")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported.")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools and tool_choice are not supported.")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token for SamplingParams (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    """``POST /tokenize`` with ``messages``: the chat template's rendering, tokenized."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]

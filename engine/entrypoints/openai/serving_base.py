@@ -1,0 +1,71 @@
+"""What the completions and chat servings share: the engine, the tokenizer,
+the context-length check and the chat template.
+
+Everything here runs before a request reaches the engine and raises
+ValueError on bad input, which the endpoints turn into a 400 without
+touching the requests already running.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Mapping, Sequence
+
+from engine.async_llm import AsyncLLM
+from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+# Keyword arguments of apply_chat_template the serving sets itself; a request's chat_template_kwargs can't.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt",
+                                       "continue_final_message", "chat_template", "tools", "documents"})
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class ServingBase:
+    """One served model: its engine and the name clients call it by."""
+
+    def __init__(self, engine: AsyncLLM, model_id: str) -> None:
+        self.engine = engine
+        self.model_id = model_id
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+
+    def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raises ValueError (vLLM's message) unless the prompt plus ``max_tokens`` fit the context."""
+        if num_prompt_tokens == 0:
+            raise ValueError("The prompt is empty; at least one token is required.")
+        if max_tokens is None:
+            if num_prompt_tokens >= self.max_model_len:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
+                    f"has {num_prompt_tokens} input tokens, which leaves no room for the completion. Please "
+                    "reduce the length of the messages.")
+            return
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.")
+
+    def render_chat(self, request: ChatTemplateFields) -> tuple[str, list[int]]:
+        """The conversation rendered by the tokenizer's chat template, and its token ids."""
+        template_kwargs = {key: value for key, value in (request.chat_template_kwargs or {}).items()
+                           if key not in _RESERVED_TEMPLATE_KWARGS}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                request.conversation(), tokenize=False, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, **template_kwargs)
+        except Exception as exc:  # noqa: BLE001 - a template failing on this input (jinja raises its own types)
+            raise ValueError(f"The chat template failed on these messages: {exc}") from exc
+        return text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+    def start_requests(self, request_id: str, prompts: Sequence[Mapping], params: SamplingParams,
+                       request: SamplingRequest) -> list[AsyncGenerator[RequestOutput, None]]:
+        """One engine request per prompt, ids ``<request_id>-<i>``; nothing runs until iterated."""
+        return [self.engine.generate(prompt, params, f"{request_id}-{index}", priority=request.priority,
+                                     cache_salt=request.cache_salt)
+                for index, prompt in enumerate(prompts)]
