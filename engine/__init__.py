@@ -7,8 +7,8 @@ without them.
 
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineArgs", "SamplingParams",
+           "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
@@ -18,6 +18,9 @@ def __getattr__(name: str):
     if name == "LLMEngine":
         from engine.llm_engine import LLMEngine
         return LLMEngine
+    if name in ("AsyncLLM", "EngineDeadError", "EngineOverloadedError"):
+        import engine.async_llm
+        return getattr(engine.async_llm, name)
     if name == "EngineArgs":
         from engine.engine_args import EngineArgs
         return EngineArgs
