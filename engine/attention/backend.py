@@ -12,6 +12,10 @@ Contract of ``forward(kv_cache, q, k, v, attn_metadata, scale)``:
   request's new tokens over its whole cached sequence (so a request may read
   blocks another request of the same step just filled);
 * returns [num_tokens, num_heads * head_dim] in ``q.dtype``.
+
+A backend whose ``accepts_written_kv`` is True also takes ``kv_is_written=True``:
+the caller has already stored the new K/V at ``slot_mapping`` (e.g. fused with
+rope, ``engine/kernels``), so the backend skips its own write.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from engine.attention.metadata import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    accepts_written_kv: bool = False  # see the module docstring
 
     @staticmethod
     @abstractmethod
@@ -34,7 +39,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, scale: float, kv_is_written: bool = False) -> torch.Tensor:
         """See the module docstring."""
 
     def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

@@ -80,6 +80,7 @@ def _cpu_lists(md: AttentionMetadata) -> tuple[list[int], list[int]]:
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+    accepts_written_kv = True
 
     def __init__(self, decode_chunk_elems: int = 1 << 24, use_cpu_kernel: bool = True):
         # Upper bound on gathered K (or V) elements per decode SDPA call.
@@ -99,19 +100,24 @@ class TorchPagedAttention(AttentionBackend):
         flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
     def forward(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, scale: float, kv_is_written: bool = False) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
         q, k, v = q[:n], k[:n], v[:n]
-        self.write_kv(kv_cache, k, v, md.slot_mapping[:n])
+        if not kv_is_written:
+            self.write_kv(kv_cache, k, v, md.slot_mapping[:n])
         if md.backend_plan is None:
             md.backend_plan = self._plan(md, kv_cache.shape[2], kv_cache.shape[3] * kv_cache.shape[4])
         plan = md.backend_plan
         out = torch.empty_like(q)  # [T, H, D]
         if plan.native_decode is not None:
             native = plan.native_decode
-            out[native.tokens] = load_cpu_kernels().paged_decode_attention(
-                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale)
+            if isinstance(native.tokens, slice):  # the usual case: the kernel writes straight into out
+                load_cpu_kernels().paged_decode_attention(q[native.tokens], kv_cache, native.block_tables,
+                                                          native.seq_lens, scale, out[native.tokens])
+            else:
+                out[native.tokens] = load_cpu_kernels().paged_decode_attention(
+                    q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale)
         for chunk in plan.decode_chunks:
             out[chunk.tokens] = self._decode_chunk(kv_cache, q[chunk.tokens], chunk, scale)
         for prefill in plan.prefills:

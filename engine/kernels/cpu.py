@@ -3,36 +3,79 @@
 The build (about a minute, once per machine; cached under
 ``~/.cache/torch_extensions``) needs a C++ compiler and ninja. Where either is
 missing, ``load_cpu_kernels()`` returns None and callers fall back to plain
-torch: the kernels are an optimisation, never a requirement.
+torch: the kernels are an optimisation, never a requirement. The fused
+elementwise ops (``fused_add_rms_norm``, ``rms_norm``, ``silu_and_mul``,
+``rotary_embedding_and_cache``) exist only where the compiler targets AVX-512;
+``fused_cpu_ops(x)`` returns the module when ``x`` can use them, else None.
+
+``SERVAL_DISABLE_CPU_KERNELS=1`` (read once) or ``use_cpu_kernels(False)``
+switches every native op off, so the plain-torch path can run and be tested
+anywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ["bindings.cpp", "decode_attention.cpp", "elementwise.cpp", "sampling.cpp"]
 # -march=native: the build is cached per machine, so it may use every vector unit this CPU has.
-# The reassociation flags let the compiler vectorize the float dot products and sums.
+# The reassociation flags let the compiler vectorize the float dot products and sums of the
+# generic loops; no contraction into FMAs, so that the fused elementwise ops round like torch's.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
-           "-ffp-contract=fast"]
+           "-ffp-contract=off"]
+_FUSED_OPS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "rotary_embedding_and_cache")
+
+_is_enabled = os.environ.get("SERVAL_DISABLE_CPU_KERNELS") != "1"
 
 
 @functools.cache
-def load_cpu_kernels():
-    """The compiled module (``paged_decode_attention``, ``argmax_rows``), or None if it cannot be built here."""
-    if os.environ.get("SERVAL_DISABLE_CPU_KERNELS") == "1":
-        return None
+def _build():
     try:
         import ninja  # the pip package carries the binary torch's loader looks for on PATH
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         from torch.utils.cpp_extension import load
-        return load(name="serval_cpu_kernels", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name="serval_cpu_kernels", sources=[str(_CSRC / s) for s in _SOURCES],
+                    extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                    verbose=False)
     except Exception as error:  # no compiler, no ninja, ...: plain torch still works
         logger.warning("Serval's CPU kernels could not be built (%s); using plain torch.", error)
         return None
+
+
+def load_cpu_kernels():
+    """The compiled module (``paged_decode_attention``, ``argmax_rows``, the fused ops where the CPU has
+    AVX-512), or None if it cannot be built here or native ops are switched off."""
+    return _build() if _is_enabled else None
+
+
+@functools.cache
+def _has_fused_ops() -> bool:
+    kernels = _build()
+    return kernels is not None and all(hasattr(kernels, name) for name in _FUSED_OPS)
+
+
+def fused_cpu_ops(x: torch.Tensor):
+    """The compiled module if ``x`` (an activation) may use the fused elementwise ops, else None."""
+    if not _is_enabled or x.device.type != "cpu" or x.dtype == torch.float64 or not _has_fused_ops():
+        return None
+    return _build()
+
+
+@contextlib.contextmanager
+def use_cpu_kernels(enabled: bool):
+    """Switch the native ops on or off within a block (tests run both paths in one process)."""
+    global _is_enabled
+    previous, _is_enabled = _is_enabled, enabled
+    try:
+        yield
+    finally:
+        _is_enabled = previous

@@ -41,9 +41,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, kv_cache, attn_metadata, cos_sin) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata, cos_sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, kv_cache, attn_metadata, cos_sin
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (mlp output, residual stream before it); the next norm adds them (vLLM's layout)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata, cos_sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -58,9 +66,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
         cos_sin = self.rotary.cos_sin_for(positions, attn_metadata.max_seq_len - 1)  # [T, 2, D]
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, attn_metadata, cos_sin)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, cos_sin)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

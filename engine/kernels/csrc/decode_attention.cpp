@@ -1,9 +1,13 @@
-// Serval's native CPU ops, built on first use by engine/kernels/cpu.py.
-//
 // Paged attention for decode tokens on CPU: one query token per request reads its keys and values
 // straight from the paged KV cache through the block table (no gather into padded tensors), with
-// float32 accumulation whatever the cache dtype. Parallel over requests; each task reads every cached
-// token row of its request once and serves all query heads (GQA groups share the row) from it.
+// float32 accumulation whatever the cache dtype.
+//
+// Fast path (AVX-512, head_dim 32/64/128): one task per (request, KV head) serves all query heads of
+// that KV head's GQA group, so each key/value row is read once. Per block of the cache: the block's
+// rows are widened to float once, the scores of all its tokens are computed with the query in
+// registers and summed across lanes by a register transpose (one vector of block_size scores), the
+// softmax uses a vectorized exp, and the values are accumulated with the probabilities broadcast.
+// Generic path (any head_dim, no AVX-512): one task per request, scalar-friendly loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -12,6 +16,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "vec.h"
 
 
 namespace {
@@ -95,24 +101,167 @@ void decode_one_request(const scalar_t* q, const scalar_t* k_cache, const scalar
   for (int64_t i = 0; i < num_heads * head_dim; ++i) out[i] = static_cast<scalar_t>(s.acc[i]);
 }
 
+
+#if SERVAL_AVX512
+
+// Lane t of the result = sum of the lanes of v[t] (16 dot-product partials -> 16 dot products).
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the partial sums of tokens 4j .. 4j+3
+    const __m512d a = _mm512_castps_pd(w[2 * j]), b = _mm512_castps_pd(w[2 * j + 1]);
+    x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Sum the four 128-bit lanes of each x[j] and place x[j]'s total in lane group j.
+  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+struct FastScratch {
+  std::vector<float> q, scores, rows, acc;
+};
+
+// Softmax numerators of one score row in place; returns their sum (the caller divides at the end).
+inline float exp_minus_max(float* scores, int64_t n) {
+  __m512 max_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t p = 0; p < n; p += 16) max_v = _mm512_mask_max_ps(max_v, serval::tail_mask(n - p), max_v,
+                                                                 _mm512_loadu_ps(scores + p));
+  const __m512 max_b = _mm512_set1_ps(_mm512_reduce_max_ps(max_v));
+  __m512 sum_v = _mm512_setzero_ps();
+  for (int64_t p = 0; p < n; p += 16) {
+    const __mmask16 m = serval::tail_mask(n - p);
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + p), max_b));
+    sum_v = _mm512_mask_add_ps(sum_v, m, sum_v, e);
+    _mm512_mask_storeu_ps(scores + p, m, e);
+  }
+  return _mm512_reduce_add_ps(sum_v);
+}
+
+// One (request, KV head): the `group` query heads q[group, D] -> out[group, D].
+// kChunks = head_dim / 16. Rows of one block for this KV head are `row_stride` elements apart.
+template <typename scalar_t, int kChunks>
+void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_t* v_base, const int32_t* block_row,
+                        int64_t seq_len, int64_t block_size, int64_t block_stride, int64_t row_stride, int64_t group,
+                        float scale, scalar_t* out, FastScratch& s) {
+  constexpr int64_t D = kChunks * 16;
+  const int64_t padded_len = (seq_len + 15) / 16 * 16;
+  s.q.resize(group * D);
+  s.scores.resize(group * padded_len);
+  s.rows.resize(16 * D);
+  s.acc.assign(group * D, 0.f);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < group * D; i += 16) _mm512_storeu_ps(&s.q[i], _mm512_mul_ps(serval::load16(q + i), scale_v));
+  // Pass 1: scores, 16 tokens at a time (a block of 16, or a 16-token slice of a bigger block).
+  for (int64_t start = 0; start < seq_len; start += 16) {
+    const int64_t count = std::min<int64_t>(16, seq_len - start);
+    const scalar_t* k_rows = k_base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
+    for (int64_t t = 0; t < count; ++t)
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&s.rows[t * D + c * 16], serval::load16(k_rows + t * row_stride + c * 16));
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 qv[kChunks], partial[16];
+      for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(&s.q[g * D + c * 16]);
+      for (int64_t t = 0; t < 16; ++t) {
+        partial[t] = _mm512_setzero_ps();
+        if (t < count)
+          for (int c = 0; c < kChunks; ++c) partial[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(&s.rows[t * D + c * 16]), partial[t]);
+      }
+      _mm512_mask_storeu_ps(&s.scores[g * padded_len + start], serval::tail_mask(count), transpose_sum16(partial));
+    }
+  }
+  std::vector<float> inv_sums(group);
+  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / exp_minus_max(&s.scores[g * padded_len], seq_len);
+  // Pass 2: acc[g] += p[g, t] * v[t].
+  for (int64_t start = 0; start < seq_len; start += 16) {
+    const int64_t count = std::min<int64_t>(16, seq_len - start);
+    const scalar_t* v_rows = v_base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
+    for (int64_t t = 0; t < count; ++t)
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&s.rows[t * D + c * 16], serval::load16(v_rows + t * row_stride + c * 16));
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[kChunks];
+      for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_loadu_ps(&s.acc[g * D + c * 16]);
+      const float* p = &s.scores[g * padded_len + start];
+      for (int64_t t = 0; t < count; ++t) {
+        const __m512 weight = _mm512_set1_ps(p[t]);
+        for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(&s.rows[t * D + c * 16]), acc[c]);
+      }
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&s.acc[g * D + c * 16], acc[c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sums[g]);
+    for (int c = 0; c < kChunks; ++c)
+      serval::store16(out + g * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(&s.acc[g * D + c * 16]), inv));
+  }
+}
+
+// The fast path for all requests; returns false (nothing done) where it does not apply.
+template <typename scalar_t>
+bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
+                 const int32_t* lens, int64_t n, int64_t max_blocks, int64_t block_size, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim, block_stride = block_size * row_stride;
+  // 16-token slices must not straddle blocks.
+  if (block_size % 16 != 0) return false;
+  auto run = [&](auto chunks_constant) {
+    constexpr int kChunks = decltype(chunks_constant)::value;
+    at::parallel_for(0, n * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      FastScratch scratch;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
+        const int64_t head_offset = kv_head * group * head_dim;
+        decode_one_kv_head<scalar_t, kChunks>(
+            q + i * num_heads * head_dim + head_offset, k_cache + kv_head * head_dim, v_cache + kv_head * head_dim,
+            tables + i * max_blocks, lens[i], block_size, block_stride, row_stride, group, scale,
+            out + i * out_stride + head_offset, scratch);
+      }
+    });
+  };
+  if (head_dim == 32) run(std::integral_constant<int, 2>{});
+  else if (head_dim == 64) run(std::integral_constant<int, 4>{});
+  else if (head_dim == 128) run(std::integral_constant<int, 8>{});
+  else return false;
+  return true;
+}
+
+template <typename scalar_t>
+bool try_decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
+                     const int32_t* lens, int64_t n, int64_t max_blocks, int64_t block_size, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride) {
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return false;
+  } else {
+    return decode_fast<scalar_t>(q, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
+                                 num_kv_heads, head_dim, scale, out, out_stride);
+  }
+}
+
+#endif  // SERVAL_AVX512
+
 }  // namespace
 
 // q: [n, H, D]; kv_cache: [2, num_blocks, block_size, Hk, D]; block_tables: [n, max_blocks] int32;
-// seq_lens: [n] int32 (keys per request, the new token included). Returns [n, H, D] in q's dtype.
+// seq_lens: [n] int32 (keys per request, the new token included). Returns [n, H, D] in q's dtype,
+// written into `out` when given (any [n, H, D] tensor whose rows are contiguous, e.g. a slice).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out_arg) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "q must be [n, H, D] and kv_cache [2, blocks, bs, Hk, D]");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   q = q.contiguous();
-  kv_cache = kv_cache.contiguous();
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
   const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && kv_cache.size(4) == head_dim, "head shapes do not match");
-  auto out = torch::empty_like(q);
+  TORCH_CHECK(block_tables.size(0) == n && seq_lens.size(0) == n, "one block table row and seq_len per query");
+  torch::Tensor out = out_arg.has_value() ? *out_arg : torch::empty_like(q);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1 &&
+              out.stride(1) == head_dim, "out must be [n, H, D] like q, with contiguous rows");
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1);
@@ -121,15 +270,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     const scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
     const scalar_t* v_cache = k_cache + num_blocks * block_size * num_kv_heads * head_dim;
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
+    const int64_t out_stride = out.stride(0);
+#if SERVAL_AVX512
+    if (try_decode_fast<scalar_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
+                                  num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride))
+      return;
+#endif
     auto run = [&](auto head_dim_constant) {
       constexpr int64_t kHeadDim = decltype(head_dim_constant)::value;
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         Scratch scratch;
         for (int64_t i = begin; i < end; ++i) {
-          const int64_t offset = i * num_heads * head_dim;
-          decode_one_request<scalar_t, kHeadDim>(q_ptr + offset, k_cache, v_cache, tables + i * max_blocks, lens[i],
-                                                 block_size, num_heads, num_kv_heads, head_dim,
-                                                 static_cast<float>(scale), out_ptr + offset, scratch);
+          decode_one_request<scalar_t, kHeadDim>(q_ptr + i * num_heads * head_dim, k_cache, v_cache,
+                                                 tables + i * max_blocks, lens[i], block_size, num_heads,
+                                                 num_kv_heads, head_dim, static_cast<float>(scale),
+                                                 out_ptr + i * out_stride, scratch);
         }
       });
     };
@@ -142,42 +297,4 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     }
   });
   return out;
-}
-
-// Row-wise argmax of float32 logits [n, V] -> int64 [n]; the first maximal index wins, as torch's.
-// torch's CPU argmax runs at about 1 GB/s; here a vectorized max pass and an early-exit search.
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "logits must be float32 [n, V]");
-  logits = logits.contiguous();
-  const int64_t n = logits.size(0), vocab = logits.size(1);
-  TORCH_CHECK(vocab > 0, "logits must have at least one column");
-  auto out = torch::empty({n}, logits.options().dtype(torch::kInt64));
-  const float* data = logits.data_ptr<float>();
-  int64_t* result = out.data_ptr<int64_t>();
-  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* row = data + i * vocab;
-      float best = row[0];
-      int has_nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : has_nan)
-      for (int64_t j = 0; j < vocab; ++j) {
-        best = row[j] > best ? row[j] : best;
-        has_nan |= row[j] != row[j];
-      }
-      int64_t index = 0;
-      if (has_nan) {  // torch treats NaN as the maximum: the first NaN wins
-        while (!(row[index] != row[index])) ++index;
-      } else {
-        while (!(row[index] == best)) ++index;
-      }
-      result[i] = index;
-    }
-  });
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("argmax_rows", &argmax_rows, "Row-wise argmax of float32 logits [n, V] -> int64 [n]");
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D])");
 }

@@ -7,6 +7,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.kernels.cpu import fused_cpu_ops
 from engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding
@@ -42,6 +43,18 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k, cos_sin)
-        out = self.backend.forward(kv_cache, q, k, v, attn_metadata, self.scale)  # [T, H*D]
+        if self._can_fuse_rope_and_cache(q, kv_cache, attn_metadata):
+            # One pass: rope on q and k in place, then k and v into their cache slots.
+            table = self.rotary.table(attn_metadata.max_seq_len - 1, q.device)
+            fused_cpu_ops(q).rotary_embedding_and_cache(positions, q, k, v, table, kv_cache,
+                                                        attn_metadata.slot_mapping[:t])
+            out = self.backend.forward(kv_cache, q, k, v, attn_metadata, self.scale, kv_is_written=True)
+        else:
+            q, k = self.rotary(positions, q, k, cos_sin)
+            out = self.backend.forward(kv_cache, q, k, v, attn_metadata, self.scale)  # [T, H*D]
         return self.o_proj(out)
+
+    def _can_fuse_rope_and_cache(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> bool:
+        return (self.backend.accepts_written_kv and fused_cpu_ops(q) is not None and kv_cache.dtype == q.dtype
+                and kv_cache.is_contiguous() and q.shape[0] == md.num_actual_tokens
+                and md.slot_mapping.dtype == torch.int64)

@@ -1,15 +1,26 @@
-"""RMSNorm, computed like Hugging Face (normalise in float32, scale in the input dtype)."""
+"""RMSNorm, computed like Hugging Face (normalise in float32, scale in the input dtype).
+
+With a ``residual`` it is vLLM's fused add + norm: ``residual = x + residual`` then the norm of that
+(the decoder layers carry the residual stream this way). On CPU with the native ops both forms are
+one pass each (``engine/kernels/csrc/elementwise.cpp``); elsewhere, plain torch.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.kernels.cpu import fused_cpu_ops
 from engine.model.layers.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)) over the last dim; any leading shape."""
+    """y = weight * (x / sqrt(mean(x^2) + eps)) over the last dim; any leading shape.
+
+    ``forward(x)`` returns the norm of x. ``forward(x, residual)`` returns ``(norm(x + residual),
+    x + residual)`` and may reuse the storage of ``x`` and ``residual`` for the results (callers
+    pass activations they no longer need).
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -17,7 +28,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = fused_cpu_ops(x) if x.dtype == self.weight.dtype else None
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps) if ops is not None else self._norm(x)
+        if ops is not None and x.is_contiguous() and residual.is_contiguous() and residual.dtype == x.dtype:
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place: x = norm, residual = sum
+            return x, residual
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

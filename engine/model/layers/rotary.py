@@ -136,14 +136,18 @@ class RotaryEmbedding(nn.Module):
             rows = torch.cat((self.cos_sin, rows.to(self.cos_sin.device)))
         self.cos_sin = rows
 
+    def table(self, max_position: int, device: torch.device) -> torch.Tensor:
+        """The whole cos/sin table [P, 2, D] float32 (row p: cos, sin at position p), P > max_position."""
+        self._ensure(max_position + 1)
+        if self.cos_sin.device != device:
+            self.cos_sin = self.cos_sin.to(device)
+        return self.cos_sin
+
     def cos_sin_for(self, positions: torch.Tensor, max_position: int | None = None) -> torch.Tensor:
         """[T] positions -> [T, 2, D] float32 (``max_position`` avoids a device sync)."""
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
-        self._ensure(max_position + 1)
-        if self.cos_sin.device != positions.device:
-            self.cos_sin = self.cos_sin.to(positions.device)
-        return self.cos_sin.index_select(0, positions)
+        return self.table(max_position, positions.device).index_select(0, positions)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,31 @@
+// Python bindings of Serval's native CPU ops (engine/kernels/cpu.py builds and loads them).
+#include <torch/extension.h>
+
+#include "vec.h"
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out);
+torch::Tensor argmax_rows(torch::Tensor logits);
+#if SERVAL_AVX512
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                torch::Tensor cos_sin, torch::Tensor kv_cache, torch::Tensor slot_mapping);
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "Row-wise argmax of float32 logits [n, V] -> int64 [n]");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D], written into out if given)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("out") = py::none());
+#if SERVAL_AVX512
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "In place: residual = x + residual; x = rms_norm(residual) * weight (rows of the last dim)");
+  m.def("rms_norm", &rms_norm, "rms_norm(x) * weight over the last dim, as Hugging Face computes it");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of gate_up [T, 2I] -> [T, I]");
+  m.def("rotary_embedding_and_cache", &rotary_embedding_and_cache,
+        "In place: rope on q [T, H, D] and k [T, Hk, D]; then k, v rows into kv_cache at slot_mapping");
+#endif
+}
