@@ -95,10 +95,12 @@ def test_the_native_decode_kernel_builds_here():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128, 24])  # compile-time sizes and the generic path
-def test_native_decode_kernel_matches_dense_reference(dtype, head_dim):
-    specs = [(ctx, 1) for ctx in (0, 3, 15, 16, 17, 40, 63)]
-    b = Batch(specs, num_heads=8, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=dtype)
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 24])  # the AVX-512 sizes and the generic path
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(8, 2, 16), (14, 2, 32), (4, 4, 16), (4, 2, 8)])
+def test_native_decode_kernel_matches_dense_reference(dtype, head_dim, num_heads, num_kv_heads, block_size):
+    specs = [(ctx, 1) for ctx in (0, 3, 15, 16, 17, 40, 63, 100)]
+    b = Batch(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+              dtype=dtype, num_blocks=128)
     out, _ = b.run()
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2

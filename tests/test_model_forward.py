@@ -14,6 +14,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import build_attention_metadata
+from engine.kernels.cpu import use_cpu_kernels
 from engine.model import ModelArchConfig, WeightLoadingError, get_model
 from engine.model.layers.rotary import RotaryEmbedding, compute_inv_freq
 
@@ -125,10 +126,12 @@ def check_fidelity(model_dir, hf, block_size=4):
             torch.testing.assert_close(got[rid], refs[rid][starts[rid]:starts[rid] + n], **TOL)
 
 
+@pytest.mark.parametrize("native_ops", [True, False], ids=["native-ops", "torch-ops"])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_logits_match_hf(tmp_path, arch):
+def test_logits_match_hf(tmp_path, arch, native_ops):
     hf = make_checkpoint(tmp_path, arch)
-    check_fidelity(str(tmp_path), hf, block_size=4)
+    with use_cpu_kernels(native_ops):
+        check_fidelity(str(tmp_path), hf, block_size=4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -233,6 +236,22 @@ def test_bfloat16_close_to_float32(tmp_path):
         r.add(0, toks)
         out[dtype] = torch.cat([r.step([(0, 11)])[0], r.step([(0, 1)])[0]])
     torch.testing.assert_close(out[torch.bfloat16], out[torch.float32], atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_bfloat16_native_ops_match_torch_ops(tmp_path, arch):
+    """In bf16 the fused CPU ops round like the torch layers: both paths give (nearly) the same logits."""
+    make_checkpoint(tmp_path, arch, hidden_size=128, intermediate_size=200, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32)
+    model = get_model(str(tmp_path), torch.bfloat16)
+    toks = _tokens(40, seed=5)
+    out = {}
+    for native_ops in (True, False):
+        with use_cpu_kernels(native_ops):
+            r = PagedRunner(model, block_size=16)
+            r.add(0, toks)
+            out[native_ops] = torch.cat([r.step([(0, 37)])[0], r.step([(0, 1)])[0], r.step([(0, 1)])[0]])
+    torch.testing.assert_close(out[True], out[False], atol=2e-2, rtol=2e-2)
 
 
 def _edit_weights(path, fn):

@@ -1,0 +1,122 @@
+"""The fused native CPU ops (engine/kernels/csrc/elementwise.cpp) against the plain-torch layers they replace.
+
+bf16: SiLU*mul and rope are bit-identical to torch, RMSNorm within one bf16 unit in the last place
+(its mean of squares is summed in another order). float32: within a few float32 ulps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention.torch_paged import TorchPagedAttention
+from engine.kernels.cpu import fused_cpu_ops, load_cpu_kernels, use_cpu_kernels
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.rotary import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+FLOAT32_TOL = dict(atol=1e-6, rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    x = torch.zeros(1)
+    assert fused_cpu_ops(x) is not None, "CI machines have AVX-512 and a compiler: the fused ops must build"
+    return load_cpu_kernels()
+
+
+def _randn(*shape, dtype, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _assert_matches(got, want, dtype, bf16_exact=True):
+    if dtype == torch.bfloat16 and bf16_exact:
+        assert torch.equal(got, want)
+    elif dtype == torch.bfloat16:  # at most one unit in the last place
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    else:
+        torch.testing.assert_close(got, want, **FLOAT32_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 8), (37, 688), (300, 100)])  # tails, decode and prefill sizes
+def test_silu_and_mul(ops, dtype, rows, width):
+    gate_up = _randn(rows, 2 * width, dtype=dtype, scale=4.0)
+    want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    _assert_matches(ops.silu_and_mul(gate_up), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 24), (64, 256), (300, 896)])
+def test_rms_norm_and_fused_add(ops, dtype, rows, width):
+    norm = RMSNorm(width, eps=1e-5).to(dtype)
+    norm.weight.copy_(_randn(width, dtype=dtype, seed=1) + 1)
+    x, residual = _randn(rows, width, dtype=dtype, seed=2), _randn(rows, width, dtype=dtype, seed=3)
+    _assert_matches(ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x), dtype, bf16_exact=False)
+    x_inout, residual_inout = x.clone(), residual.clone()
+    ops.fused_add_rms_norm(x_inout, residual_inout, norm.weight, norm.eps)
+    assert torch.equal(residual_inout, x + residual)
+    _assert_matches(x_inout, norm._norm(x + residual), dtype, bf16_exact=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_module_same_with_and_without_native_ops(dtype):
+    norm = RMSNorm(64).to(dtype)
+    x, residual = _randn(5, 3, 64, dtype=dtype, seed=4), _randn(5, 3, 64, dtype=dtype, seed=5)
+    with use_cpu_kernels(False):
+        want_plain, (want_normed, want_sum) = norm(x), norm(x.clone(), residual.clone())
+    got_plain, (got_normed, got_sum) = norm(x), norm(x.clone(), residual.clone())
+    assert torch.equal(got_sum, want_sum)
+    for got, want in ((got_plain, want_plain), (got_normed, want_normed)):
+        _assert_matches(got, want, dtype, bf16_exact=False)
+
+
+def _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
+    """q, k, v as the attention layer gets them: views into one packed qkv output."""
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=seed)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rope", [(64, {"rope_theta": 10000.0}), (16, {"rope_theta": 500.0}),
+                                           (128, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                  "original_max_position_embeddings": 64})])
+def test_rotary_embedding_and_cache(ops, dtype, head_dim, rope):
+    num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 11, 4, 2, 4, 8
+    rotary = RotaryEmbedding(head_dim, rope, 256)
+    q, k, v = _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=6)
+    positions = torch.randint(0, 256, (num_tokens,), generator=torch.Generator().manual_seed(7))
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(8))[:num_tokens]
+    want_q, want_k = rotary(positions, q, k)
+    want_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    got_cache = want_cache.clone()
+    TorchPagedAttention.write_kv(want_cache, want_k, v, slots)
+    ops.rotary_embedding_and_cache(positions, q, k, v, rotary.table(255, q.device), got_cache, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)  # rotated in place
+    assert torch.equal(got_cache, want_cache)  # k and v at their slots, nothing else touched
+
+
+def test_rotary_embedding_and_cache_rejects_bad_slots_before_writing(ops):
+    rotary = RotaryEmbedding(16, {"rope_theta": 10000.0}, 64)
+    q, k, v = _qkv_views(3, 2, 1, 16, torch.float32, seed=9)
+    cache = torch.zeros(2, 2, 4, 1, 16)
+    before = (q.clone(), k.clone())
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        ops.rotary_embedding_and_cache(torch.tensor([0, 1, 2]), q, k, v, rotary.table(63, q.device), cache,
+                                       torch.tensor([0, 1, 8]))
+    with pytest.raises(RuntimeError, match="outside the rope table"):
+        ops.rotary_embedding_and_cache(torch.tensor([0, 1, 64]), q, k, v, rotary.table(63, q.device), cache,
+                                       torch.tensor([0, 1, 2]))
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1]) and not cache.any()
+
+
+def test_use_cpu_kernels_switches_everything_off():
+    x = torch.zeros(2, 4)
+    with use_cpu_kernels(False):
+        assert load_cpu_kernels() is None and fused_cpu_ops(x) is None
+    assert load_cpu_kernels() is not None and fused_cpu_ops(x) is not None
+    assert fused_cpu_ops(x.double()) is None  # float64 stays in torch
