@@ -39,7 +39,7 @@ async def merge_outputs(
     The first batch waits until every generator has produced its first output,
     so an error any of them raises at the start (bad input, overload) comes
     before anything is yielded. The first exception a generator raises is
-    re-raised here. Closing this iterator (or an exception) cancels the drain
+    re-raised here (after a batch of what arrived before it). Closing this iterator (or an exception) cancels the drain
     tasks, which closes every generator: the engine aborts their requests.
     """
     queue: asyncio.Queue = asyncio.Queue()
@@ -49,17 +49,21 @@ async def merge_outputs(
         awaiting_first = set(range(len(tasks)))
         batch: list[tuple[int, RequestOutput]] = []
         while num_running:
+            error = None
             for index, item in await _get_all(queue):
+                if isinstance(item, BaseException):
+                    error = item
+                    break
                 awaiting_first.discard(index)
                 if item is _EXHAUSTED:
                     num_running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
                 else:
                     batch.append((index, item))
             if batch and not awaiting_first:
-                yield batch
+                yield batch  # what arrived before an error still goes out
                 batch = []
+            if error is not None:
+                raise error
     finally:
         for task in tasks:
             task.cancel()

@@ -1,0 +1,123 @@
+"""Fixtures for the OpenAI server tests: a real AsyncLLM on the tiny Qwen2 checkpoint behind
+``build_app(LocalModelRouter(...))``, served by uvicorn on 127.0.0.1 in a thread.
+
+* ``engine``: the session's AsyncLLM (``ENGINE_KWARGS``), served as ``MODEL``.
+* ``server`` / ``base_url`` / ``client``: the app, its URL, the official ``openai`` client.
+* ``offline``: the offline ``LLM`` on the same checkpoint, the reference for greedy text.
+* ``ServerThread``: serve any app (tests build their own for other engines / routers).
+* ``wait_until_idle(engine)``: no request left and every KV block free again.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+ARCH = "qwen2"
+MODEL = "tiny-qwen"
+LOOPBACK = "127.0.0.1"
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=2048, max_num_seqs=8, seed=0, num_gpu_blocks_override=512)
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1 (a free port) in a daemon thread; a context manager."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind((LOOPBACK, 0))
+        self.base_url = f"http://{LOOPBACK}:{self._socket.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True,
+                                       name="uvicorn-test-server")
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self._socket.close()
+        assert not self.thread.is_alive(), "the test server did not stop"
+
+
+def make_async_llm(path: str, **overrides):
+    from engine.async_llm import AsyncLLM
+    from engine.engine_args import EngineArgs
+
+    return AsyncLLM.from_engine_args(EngineArgs(model=path, **{**ENGINE_KWARGS, **overrides}))
+
+
+def serve_models(servings: dict) -> ServerThread:
+    from engine.entrypoints.openai.api_server import LocalModelRouter, build_app
+
+    return ServerThread(build_app(LocalModelRouter(servings)))
+
+
+def make_client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def wait_until_idle(engine, timeout_s: float = 30.0) -> None:
+    """Waits until the engine runs and queues nothing and every KV block is free (no leak)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine.get_stats()
+        if (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0) \
+                and stats.num_free_blocks == stats.num_total_blocks:
+            return
+        assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def model_path(tiny_checkpoint) -> str:
+    return tiny_checkpoint(ARCH)
+
+
+@pytest.fixture(scope="session")
+def engine(model_path):
+    llm = make_async_llm(model_path)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serving(engine):
+    from engine.entrypoints.openai.serving import OpenAIServing
+
+    return OpenAIServing(engine, MODEL)
+
+
+@pytest.fixture(scope="session")
+def base_url(serving):
+    with serve_models({MODEL: serving}) as server:
+        yield server.base_url
+
+
+@pytest.fixture(scope="session")
+def client(base_url) -> openai.OpenAI:
+    return make_client(base_url)
+
+
+@pytest.fixture(scope="session")
+def offline(model_path):
+    from engine import LLM
+
+    return LLM(model=model_path, **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine):
+    return engine.tokenizer
