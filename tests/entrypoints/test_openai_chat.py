@@ -60,7 +60,8 @@ def test_the_prompt_is_the_chat_template_with_a_generation_prompt(base_url, clie
 
 
 def test_text_parts_equal_the_joined_string(client):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]}]
+    parts = [{"role": "user",
+              "content": [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]}]
     joined = [{"role": "user", "content": "Name three\ncolours."}]
     assert greedy_chat(client, 12, parts).choices[0].message.content == \
         greedy_chat(client, 12, joined).choices[0].message.content

@@ -81,3 +81,39 @@ def test_http_errors_use_openais_shape(base_url):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
     wrong_method = httpx.get(f"{base_url}/v1/completions")
     assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == 405
+
+
+class FailingRouter:
+    """A ``ModelRouter`` whose model server fails: before any item, after the first one, or everywhere."""
+
+    def model_ids(self) -> list[str]:
+        return ["broken", "flaky"]
+
+    async def call(self, model_id, method_name, request):
+        if model_id == "broken":
+            raise ConnectionError("the replica is gone")
+        yield "data: {\"partial\": true}\n\n"
+        raise ConnectionError("the replica died mid-stream")
+
+    async def model_card(self, model_id):
+        raise ConnectionError("the replica is gone")
+
+    async def check_health(self, model_id):
+        raise ConnectionError("the replica is gone")
+
+
+def test_a_failing_model_server_gives_openai_errors():
+    from engine.entrypoints.openai.api_server import build_app
+    from tests.entrypoints.conftest import ServerThread
+
+    with ServerThread(build_app(FailingRouter())) as server:
+        url = server.base_url
+        broken = httpx.post(f"{url}/v1/completions", json={"model": "broken", "prompt": "Hi"})
+        assert broken.status_code == 500 and "the replica is gone" in broken.json()["error"]["message"]
+        flaky = httpx.post(f"{url}/v1/completions", json={"model": "flaky", "prompt": "Hi", "stream": True})
+        assert flaky.status_code == 200
+        events = [event for event in flaky.text.split("\n\n") if event]
+        assert events[0] == 'data: {"partial": true}' and events[-1] == "data: [DONE]"
+        assert "the replica died mid-stream" in events[-2] and events[-2].startswith('data: {"error": ')
+        assert httpx.get(f"{url}/v1/models").status_code == 500
+        assert httpx.get(f"{url}/health").status_code == 503

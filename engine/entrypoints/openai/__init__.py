@@ -1,11 +1,13 @@
 """The OpenAI-compatible API (vLLM's shapes), engine side.
 
-* ``protocol``: the pydantic request / response models.
+* ``protocol`` / ``responses``: the pydantic request and response models.
 * ``errors``: ``ErrorResponse`` (OpenAI's error body plus an HTTP status) and
   the exception -> status mapping.
 * ``serving``: ``OpenAIServing``, the per-model object whose endpoint methods
   are async generators of picklable items (it runs in an LLM-server replica,
-  or in-process).
+  or in-process); ``serving_completion`` and ``serving_chat`` do the work,
+  ``streaming`` merges engine streams and frames server-sent events,
+  ``logprobs`` formats logprobs.
 * ``api_server``: the FastAPI route handlers, ``ModelRouter`` /
   ``LocalModelRouter`` and ``build_app``.
 """

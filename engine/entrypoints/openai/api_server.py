@@ -147,11 +147,17 @@ def build_app(router: ModelRouter) -> FastAPI:
     for method, path, handler in ROUTES:
         app.add_api_route(path, _bind(router, handler), methods=[method])
     app.add_exception_handler(HTTPException, http_exception_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
     return app
 
 
 async def http_exception_handler(raw_request: Request, exc: HTTPException) -> Response:
     return error_response(make_error(str(exc.detail), HTTPStatus(exc.status_code)))
+
+
+async def internal_error_handler(raw_request: Request, exc: Exception) -> Response:
+    """A fault no handler caught (a router bug): 500 in OpenAI's shape instead of plain text."""
+    return error_response(from_exception(exc))
 
 
 def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitable[Response]]):
@@ -244,6 +250,8 @@ async def _respond(items: AsyncGenerator[Any, None], raw_request: Request) -> Re
         return Response(status_code=HTTP_CLIENT_CLOSED_REQUEST)
     if isinstance(first, ErrorResponse):
         return error_response(first)
+    if isinstance(first, dict):
+        return Response(json.dumps(first), media_type="application/json")
     return json_response(first)
 
 

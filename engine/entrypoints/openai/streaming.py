@@ -39,8 +39,9 @@ async def merge_outputs(
     The first batch waits until every generator has produced its first output,
     so an error any of them raises at the start (bad input, overload) comes
     before anything is yielded. The first exception a generator raises is
-    re-raised here (after a batch of what arrived before it). Closing this iterator (or an exception) cancels the drain
-    tasks, which closes every generator: the engine aborts their requests.
+    re-raised here, after a batch of what arrived before it. Closing this
+    iterator (or an exception) cancels the drain tasks, which closes every
+    generator: the engine aborts their requests.
     """
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_drain(index, generator, queue)) for index, generator in enumerate(generators)]
