@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.kernels.memory import advise_huge_pages
 
 
 class AttentionBackend(ABC):
@@ -45,9 +46,14 @@ class AttentionBackend(ABC):
     def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"
                            ) -> list[torch.Tensor]:
-        """One zeroed cache tensor per layer."""
+        """One zeroed cache tensor per layer (on CPU backed by huge pages where the OS allows)."""
         shape = self.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        caches = []
+        for _ in range(num_layers):
+            cache = torch.empty(shape, dtype=dtype, device=device)
+            advise_huge_pages(cache)  # before the first touch; blocks are read scattered (TLB misses)
+            caches.append(cache.zero_())
+        return caches
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}

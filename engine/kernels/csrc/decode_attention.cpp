@@ -119,6 +119,20 @@ inline __m512 transpose_sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
+// Software prefetch of `count` rows (`row_bytes` each, `row_stride` elements apart) into L1/L2:
+// decode reads blocks scattered over the cache from DRAM, and the hardware prefetcher cannot guess
+// the next block.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* rows, int64_t count, int64_t row_stride, int64_t row_bytes) {
+#ifdef SERVAL_NO_PREFETCH
+  return;
+#endif
+  for (int64_t t = 0; t < count; ++t) {
+    const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
 struct FastScratch {
   std::vector<float> q, scores, rows, acc;
 };
@@ -139,6 +153,30 @@ inline float exp_minus_max(float* scores, int64_t n) {
   return _mm512_reduce_add_ps(sum_v);
 }
 
+#if defined(__AVX512BF16__)
+// Scores of up to 16 tokens for every query head of the group, bf16 cache and query: the dot
+// products run on bf16 pairs (exact products, float32 sums), no widening of the keys; the scale is
+// applied to the sums.
+template <int kChunks>
+inline void score_slice_bf16(const c10::BFloat16* q, const c10::BFloat16* k_rows, int64_t count, int64_t row_stride,
+                             int64_t group, __m512 scale, float* scores, int64_t scores_stride) {
+  constexpr int kPairs = kChunks / 2;  // 32 bf16 per instruction
+  for (int64_t g = 0; g < group; ++g) {
+    __m512bh qv[kPairs];
+    for (int c = 0; c < kPairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * kChunks * 16 + c * 32);
+    __m512 partial[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      partial[t] = _mm512_setzero_ps();
+      if (t < count)
+        for (int c = 0; c < kPairs; ++c)
+          partial[t] = _mm512_dpbf16_ps(partial[t], qv[c], (__m512bh)_mm512_loadu_si512(k_rows + t * row_stride + c * 32));
+    }
+    _mm512_mask_storeu_ps(scores + g * scores_stride, serval::tail_mask(count),
+                          _mm512_mul_ps(transpose_sum16(partial), scale));
+  }
+}
+#endif
+
 // One (request, KV head): the `group` query heads q[group, D] -> out[group, D].
 // kChunks = head_dim / 16. Rows of one block for this KV head are `row_stride` elements apart.
 template <typename scalar_t, int kChunks>
@@ -157,6 +195,19 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
   for (int64_t start = 0; start < seq_len; start += 16) {
     const int64_t count = std::min<int64_t>(16, seq_len - start);
     const scalar_t* k_rows = k_base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
+    if (start + 16 < seq_len) {  // the next slice's keys and this slice's values, ahead of their use
+      const int64_t next = start + 16;
+      prefetch_rows(k_base + block_row[next / block_size] * block_stride + (next % block_size) * row_stride,
+                    std::min<int64_t>(16, seq_len - next), row_stride, D * sizeof(scalar_t));
+    }
+    prefetch_rows(v_base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride, count,
+                  row_stride, D * sizeof(scalar_t));
+#if defined(__AVX512BF16__) && !defined(SERVAL_NO_DPBF16)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bf16 pairs straight from the cache
+      score_slice_bf16<kChunks>(q, k_rows, count, row_stride, group, scale_v, &s.scores[start], padded_len);
+      continue;
+    }
+#endif
     for (int64_t t = 0; t < count; ++t)
       for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&s.rows[t * D + c * 16], serval::load16(k_rows + t * row_stride + c * 16));
     for (int64_t g = 0; g < group; ++g) {
