@@ -176,3 +176,22 @@ def test_backend_registry():
     assert len(caches) == 3 and caches[0].dtype == torch.bfloat16 and not caches[0].any()
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attention_backend("nope")
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_native_decode_kernel_reads_strided_queries_and_writes_into_out(head_dim):
+    """q as a view into a packed qkv output, out as a slice of a bigger buffer (the layer's calls)."""
+    specs = [(ctx, 1) for ctx in (5, 16, 33)]
+    b = Batch(specs, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=torch.bfloat16)
+    b.run()  # writes the new keys/values
+    md = b.metadata()
+    q = torch.cat(b.q)  # [3, 4, D]
+    packed = torch.cat([q.reshape(3, -1), torch.randn(3, 2 * 2 * head_dim).bfloat16()], dim=1)
+    q_view = packed[:, :4 * head_dim].view(3, 4, head_dim)
+    assert not q_view.is_contiguous()
+    out = torch.full((5, 4, head_dim), 7.0, dtype=torch.bfloat16)
+    kernels = load_cpu_kernels()
+    kernels.paged_decode_attention(q_view, b.cache, md.block_tables, md.seq_lens, 0.3, out[1:4])
+    want = kernels.paged_decode_attention(q, b.cache, md.block_tables, md.seq_lens, 0.3)
+    assert torch.equal(out[1:4], want)
+    assert (out[0] == 7).all() and (out[4] == 7).all()

@@ -251,7 +251,8 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
 template <typename scalar_t>
 bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
                  const int32_t* lens, int64_t n, int64_t max_blocks, int64_t block_size, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride) {
+                 int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride,
+                 int64_t q_stride) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim, block_stride = block_size * row_stride;
   // 16-token slices must not straddle blocks.
@@ -264,7 +265,7 @@ bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
         const int64_t head_offset = kv_head * group * head_dim;
         decode_one_kv_head<scalar_t, kChunks>(
-            q + i * num_heads * head_dim + head_offset, k_cache + kv_head * head_dim, v_cache + kv_head * head_dim,
+            q + i * q_stride + head_offset, k_cache + kv_head * head_dim, v_cache + kv_head * head_dim,
             tables + i * max_blocks, lens[i], block_size, block_stride, row_stride, group, scale,
             out + i * out_stride + head_offset, scratch);
       }
@@ -280,12 +281,13 @@ bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
 template <typename scalar_t>
 bool try_decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
                      const int32_t* lens, int64_t n, int64_t max_blocks, int64_t block_size, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride) {
+                     int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride,
+                     int64_t q_stride) {
   if constexpr (std::is_same_v<scalar_t, double>) {
     return false;
   } else {
     return decode_fast<scalar_t>(q, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
-                                 num_kv_heads, head_dim, scale, out, out_stride);
+                                 num_kv_heads, head_dim, scale, out, out_stride, q_stride);
   }
 }
 
@@ -302,7 +304,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
-  q = q.contiguous();
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // token rows may be strided (qkv views)
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   block_tables = block_tables.contiguous();
   seq_lens = seq_lens.contiguous();
@@ -321,10 +323,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     const scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
     const scalar_t* v_cache = k_cache + num_blocks * block_size * num_kv_heads * head_dim;
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    const int64_t out_stride = out.stride(0);
+    const int64_t out_stride = out.stride(0), q_stride = q.stride(0);
 #if SERVAL_AVX512
     if (try_decode_fast<scalar_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
-                                  num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride))
+                                  num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride, q_stride))
       return;
 #endif
     auto run = [&](auto head_dim_constant) {
@@ -332,7 +334,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
       at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
         Scratch scratch;
         for (int64_t i = begin; i < end; ++i) {
-          decode_one_request<scalar_t, kHeadDim>(q_ptr + i * num_heads * head_dim, k_cache, v_cache,
+          decode_one_request<scalar_t, kHeadDim>(q_ptr + i * q_stride, k_cache, v_cache,
                                                  tables + i * max_blocks, lens[i], block_size, num_heads,
                                                  num_kv_heads, head_dim, static_cast<float>(scale),
                                                  out_ptr + i * out_stride, scratch);
