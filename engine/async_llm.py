@@ -258,11 +258,13 @@ class EngineThread:
         try:
             while self._apply_commands(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                    batches = self._route(self.engine.step())
                     self._num_steps += 1
-                    self._send(outputs)
+                    # Stats first: a consumer that sees a step's output sees that step's stats too.
                     with self._lock:
                         self.stats = self._make_stats()
+                    for loop, batch in batches.items():
+                        self._post(loop, _deliver, batch)
         except Exception as error:
             logger.exception("The engine's busy loop died; every request in flight fails with EngineDeadError.")
             self._die(f"The engine's busy loop died: {error!r}", error)
@@ -312,8 +314,8 @@ class EngineThread:
         self._collector_of.pop(request_id, None)
         self._num_counted_tokens.pop(request_id, None)
 
-    def _send(self, outputs: list[RequestOutput]) -> None:
-        """Hands one step's outputs to the event loop(s) of their requests: one callback per loop."""
+    def _route(self, outputs: list[RequestOutput]) -> dict[asyncio.AbstractEventLoop, list]:
+        """One step's outputs grouped by their requests' event loops (one callback per loop); counts them."""
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             collector = self._collector_of[output.request_id]
@@ -324,8 +326,7 @@ class EngineThread:
                 self._num_counted_tokens.pop(output.request_id, None)
             _copy_shared_lists(output)
             batches.setdefault(collector.loop, []).append((collector, output))
-        for loop, batch in batches.items():
-            self._post(loop, _deliver, batch)
+        return batches
 
     def _count_generated_tokens(self, output: RequestOutput, kind: RequestOutputKind) -> None:
         if kind == RequestOutputKind.DELTA:

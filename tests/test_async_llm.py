@@ -25,8 +25,10 @@ from engine.outputs import CompletionOutput, RequestOutput
 from tests.conftest import random_token_ids, token_prompt
 
 ARCH = "qwen2"
-ENGINE_KWARGS = dict(dtype="float32", max_model_len=128, max_num_seqs=8, enable_prefix_caching=True, seed=0,
-                     num_gpu_blocks_override=64)
+# Long enough that a 1000-token request outlasts any event-loop lag on a loaded machine.
+MAX_MODEL_LEN = 1024
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, enable_prefix_caching=True,
+                     seed=0, num_gpu_blocks_override=8 * MAX_MODEL_LEN // 16 + 1)
 DELTA, CUMULATIVE, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 
 
@@ -183,34 +185,44 @@ def test_n_greater_than_one_streams_deltas_by_index(async_llm, offline, prompts)
 def test_request_added_mid_decode_joins_the_running_batch(async_llm, offline, prompts):
     long_prompt, short_prompt = token_prompt(list(range(10, 20))), prompts[2]
     expected_short = offline.generate(short_prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids
-    events: list[tuple[str, bool]] = []
+    events: list[str] = []  # which request each consumed output belonged to, in arrival order
     num_running_seen: list[int] = []
 
-    async def consume(request_id, prompt, params):
-        outputs = []
-        async for output in async_llm.generate(prompt, params, request_id):
-            events.append((request_id, output.finished))
-            num_running_seen.append(async_llm.get_stats().num_running_reqs)
-            outputs.append(output)
-        return outputs
-
     async def body():
-        steps_before = async_llm.get_stats().num_steps_total
-        long_task = asyncio.create_task(consume("long", long_prompt, greedy(110, output_kind=DELTA)))
-        await wait_until(lambda: len(events) >= 3)
-        short_outputs = await consume("short", short_prompt, greedy(8, output_kind=DELTA))
-        long_outputs = await long_task
-        return long_outputs, short_outputs, async_llm.get_stats().num_steps_total - steps_before
+        before = async_llm.get_stats()
+        long_stream = async_llm.generate(long_prompt, greedy(1000, output_kind=DELTA), "long")
+        short_done = asyncio.Event()
 
-    long_outputs, short_outputs, num_steps = run(body())
+        async def read_long():
+            async for output in long_stream:
+                events.append("long")
+                assert not output.finished, "the long request ended before the short one joined and left"
+                if short_done.is_set():
+                    break  # one output after the short request finished is all this test needs
+
+        long_task = asyncio.create_task(read_long())
+        await wait_until(lambda: len(events) >= 3)
+        short_outputs = []
+        async for output in async_llm.generate(short_prompt, greedy(8, output_kind=DELTA), "short"):
+            events.append("short")
+            num_running_seen.append(async_llm.get_stats().num_running_reqs)
+            short_outputs.append(output)
+        stats = async_llm.get_stats()  # includes the short request's last step
+        short_done.set()
+        await long_task
+        await long_stream.aclose()  # aborts the long request
+        await wait_until(lambda: is_idle_and_clean(async_llm))
+        return short_outputs, before, stats
+
+    short_outputs, before, stats = run(body())
     assert concat_deltas(short_outputs)[0][0] == expected_short
-    assert len(concat_deltas(long_outputs)[0][0]) == 110
-    order = [request_id for request_id, _ in events]
-    first_short, last_short = order.index("short"), len(order) - 1 - order[::-1].index("short")
-    assert "long" in order[:first_short] and "long" in order[last_short + 1:], "short ran inside long's decode"
+    first_short, last_short = events.index("short"), len(events) - 1 - events[::-1].index("short")
+    assert "long" in events[:first_short] and "long" in events[last_short + 1:], "short ran inside long's decode"
     assert max(num_running_seen) == 2
-    # Shared steps: the short request rode along instead of adding its own 8 steps.
-    assert num_steps < 110 + 8
+    # Every step so far gave the long request one token: the short one only rode along, adding no step.
+    num_steps = stats.num_steps_total - before.num_steps_total
+    num_long_tokens = stats.num_generated_tokens_total - before.num_generated_tokens_total - 8
+    assert num_steps == num_long_tokens
 
 
 def test_idle_busy_loop_blocks_instead_of_spinning(async_llm, prompts):
@@ -227,7 +239,7 @@ def test_idle_busy_loop_blocks_instead_of_spinning(async_llm, prompts):
 
 
 def test_closing_or_cancelling_a_stream_aborts_and_frees_blocks(async_llm, prompts):
-    params = greedy(100, output_kind=DELTA)
+    params = greedy(900, output_kind=DELTA)
 
     async def body():
         await wait_until(lambda: is_idle_and_clean(async_llm))
@@ -255,14 +267,14 @@ def test_closing_or_cancelling_a_stream_aborts_and_frees_blocks(async_llm, promp
 
     before, after = run(body())
     assert after.num_free_blocks == before.num_free_blocks == after.num_total_blocks
-    assert after.num_steps_total - before.num_steps_total < 2 * 100, "the aborted requests stopped early"
+    assert after.num_steps_total - before.num_steps_total < 900, "the aborted requests stopped early"
     assert after.num_finished_reqs_total == before.num_finished_reqs_total
 
 
 def test_abort_ends_the_stream_with_abort_reason(async_llm, prompts):
     async def body():
         outputs = []
-        async for output in async_llm.generate(prompts[0], greedy(100, output_kind=CUMULATIVE), "to-abort"):
+        async for output in async_llm.generate(prompts[0], greedy(900, output_kind=CUMULATIVE), "to-abort"):
             outputs.append(output)
             if len(outputs) == 2:
                 await async_llm.abort("to-abort")
@@ -298,7 +310,7 @@ def test_bad_input_raises_value_error_and_does_not_disturb_others(async_llm, off
         good = asyncio.create_task(collect(async_llm, prompts[3], params, "good"))
         await wait_until(lambda: async_llm.get_stats().num_running_reqs == 1)
         await expect_value_error(token_prompt([]), "empty", "empty")
-        await expect_value_error(token_prompt([7] * 200), "too-long", "max_model_len")
+        await expect_value_error(token_prompt([7] * (MAX_MODEL_LEN + 1)), "too-long", "max_model_len")
         await expect_value_error(token_prompt([5, 10**6]), "out-of-vocab", "outside the vocabulary")
         await expect_value_error(42, "not-a-prompt", "must be a string")
         await expect_value_error(prompts[0], "good", "already in use")  # the running request's id
@@ -358,11 +370,11 @@ def test_max_num_queued_reqs_refuses_new_requests_when_reached(model_path, offli
 
 
 def test_slow_consumer_gets_merged_outputs(async_llm, offline, prompts):
-    expected = offline.generate(prompts[0], greedy(40), use_tqdm=False)[0].outputs[0]
+    expected = offline.generate(prompts[0], greedy(200), use_tqdm=False)[0].outputs[0]
 
     async def read_slowly(kind, request_id):
         before = async_llm.get_stats().num_finished_reqs_total
-        stream = async_llm.generate(prompts[0], greedy(40, output_kind=kind), request_id)
+        stream = async_llm.generate(prompts[0], greedy(200, output_kind=kind), request_id)
         outputs = [await stream.__anext__()]
         # Don't read while the engine runs the request to the end.
         await wait_until(lambda: async_llm.get_stats().num_finished_reqs_total > before)
@@ -377,7 +389,8 @@ def test_slow_consumer_gets_merged_outputs(async_llm, offline, prompts):
         assert_one_final(outputs)
         assert len(outputs) <= 3, "outputs were merged instead of queued one per step"
     assert concat_deltas(delta)[0] == (expected.token_ids, expected.text)
-    assert len(delta[-1].outputs[0].token_ids) > 30
+    # One token per step: without merging, the tokens after the first output would come one output each.
+    assert sum(len(output.outputs[0].token_ids) for output in delta[1:]) >= 100
     assert cumulative[-1].outputs[0].token_ids == expected.token_ids
     assert cumulative[-1].outputs[0].text == expected.text
 
@@ -404,7 +417,7 @@ def test_shutdown_ends_streams_and_joins_the_thread(model_path, prompts):
     thread = llm._engine_thread.thread
 
     async def body():
-        stream = llm.generate(prompts[0], greedy(100, output_kind=DELTA), "open")
+        stream = llm.generate(prompts[0], greedy(900, output_kind=DELTA), "open")
         await stream.__anext__()
         llm.shutdown()
         assert not thread.is_alive()
