@@ -133,6 +133,8 @@ inline void prefetch_rows(const scalar_t* rows, int64_t count, int64_t row_strid
   }
 }
 
+alignas(64) constexpr float kZeros[128] = {};  // a zero key row (head_dim <= 128, any dtype)
+
 struct FastScratch {
   std::vector<float> q, scores, rows, acc;
 };
@@ -165,11 +167,11 @@ inline void score_slice_bf16(const c10::BFloat16* q, const c10::BFloat16* k_rows
     __m512bh qv[kPairs];
     for (int c = 0; c < kPairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * kChunks * 16 + c * 32);
     __m512 partial[16];
-    for (int64_t t = 0; t < 16; ++t) {
+    for (int64_t t = 0; t < 16; ++t) {  // rows past `count` read zeros: no branches in the unrolled loop
+      const c10::BFloat16* row = t < count ? k_rows + t * row_stride : reinterpret_cast<const c10::BFloat16*>(kZeros);
       partial[t] = _mm512_setzero_ps();
-      if (t < count)
-        for (int c = 0; c < kPairs; ++c)
-          partial[t] = _mm512_dpbf16_ps(partial[t], qv[c], (__m512bh)_mm512_loadu_si512(k_rows + t * row_stride + c * 32));
+      for (int c = 0; c < kPairs; ++c)
+        partial[t] = _mm512_dpbf16_ps(partial[t], qv[c], (__m512bh)_mm512_loadu_si512(row + c * 32));
     }
     _mm512_mask_storeu_ps(scores + g * scores_stride, serval::tail_mask(count),
                           _mm512_mul_ps(transpose_sum16(partial), scale));
@@ -189,8 +191,13 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
   s.scores.resize(group * padded_len);
   s.rows.resize(16 * D);
   s.acc.assign(group * D, 0.f);
+  // Raw pointers: stores through float* could alias the vectors' own pointers and force reloads.
+  float* __restrict q_scaled = s.q.data();
+  float* __restrict scores = s.scores.data();
+  float* __restrict rows = s.rows.data();
+  float* __restrict acc_base = s.acc.data();
   const __m512 scale_v = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < group * D; i += 16) _mm512_storeu_ps(&s.q[i], _mm512_mul_ps(serval::load16(q + i), scale_v));
+  for (int64_t i = 0; i < group * D; i += 16) _mm512_storeu_ps(q_scaled + i, _mm512_mul_ps(serval::load16(q + i), scale_v));
   // Pass 1: scores, 16 tokens at a time (a block of 16, or a 16-token slice of a bigger block).
   for (int64_t start = 0; start < seq_len; start += 16) {
     const int64_t count = std::min<int64_t>(16, seq_len - start);
@@ -204,46 +211,46 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
                   row_stride, D * sizeof(scalar_t));
 #if defined(__AVX512BF16__) && !defined(SERVAL_NO_DPBF16)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bf16 pairs straight from the cache
-      score_slice_bf16<kChunks>(q, k_rows, count, row_stride, group, scale_v, &s.scores[start], padded_len);
+      score_slice_bf16<kChunks>(q, k_rows, count, row_stride, group, scale_v, scores + start, padded_len);
       continue;
     }
 #endif
     for (int64_t t = 0; t < count; ++t)
-      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&s.rows[t * D + c * 16], serval::load16(k_rows + t * row_stride + c * 16));
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(rows + t * D + c * 16, serval::load16(k_rows + t * row_stride + c * 16));
     for (int64_t g = 0; g < group; ++g) {
       __m512 qv[kChunks], partial[16];
-      for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(&s.q[g * D + c * 16]);
+      for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(q_scaled + g * D + c * 16);
       for (int64_t t = 0; t < 16; ++t) {
+        const float* row = t < count ? rows + t * D : kZeros;
         partial[t] = _mm512_setzero_ps();
-        if (t < count)
-          for (int c = 0; c < kChunks; ++c) partial[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(&s.rows[t * D + c * 16]), partial[t]);
+        for (int c = 0; c < kChunks; ++c) partial[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + c * 16), partial[t]);
       }
-      _mm512_mask_storeu_ps(&s.scores[g * padded_len + start], serval::tail_mask(count), transpose_sum16(partial));
+      _mm512_mask_storeu_ps(scores + g * padded_len + start, serval::tail_mask(count), transpose_sum16(partial));
     }
   }
-  std::vector<float> inv_sums(group);
-  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / exp_minus_max(&s.scores[g * padded_len], seq_len);
-  // Pass 2: acc[g] += p[g, t] * v[t].
+  float inv_sums[64];  // group <= 64 (checked by the caller)
+  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / exp_minus_max(scores + g * padded_len, seq_len);
+  // Pass 2: acc[g] += p[g, t] * v[t], the slice's value rows widened to float once for all heads.
   for (int64_t start = 0; start < seq_len; start += 16) {
     const int64_t count = std::min<int64_t>(16, seq_len - start);
     const scalar_t* v_rows = v_base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
     for (int64_t t = 0; t < count; ++t)
-      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&s.rows[t * D + c * 16], serval::load16(v_rows + t * row_stride + c * 16));
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(rows + t * D + c * 16, serval::load16(v_rows + t * row_stride + c * 16));
     for (int64_t g = 0; g < group; ++g) {
       __m512 acc[kChunks];
-      for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_loadu_ps(&s.acc[g * D + c * 16]);
-      const float* p = &s.scores[g * padded_len + start];
+      for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_loadu_ps(acc_base + g * D + c * 16);
+      const float* p = scores + g * padded_len + start;
       for (int64_t t = 0; t < count; ++t) {
         const __m512 weight = _mm512_set1_ps(p[t]);
-        for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(&s.rows[t * D + c * 16]), acc[c]);
+        for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(rows + t * D + c * 16), acc[c]);
       }
-      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(&s.acc[g * D + c * 16], acc[c]);
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc_base + g * D + c * 16, acc[c]);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
     const __m512 inv = _mm512_set1_ps(inv_sums[g]);
     for (int c = 0; c < kChunks; ++c)
-      serval::store16(out + g * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(&s.acc[g * D + c * 16]), inv));
+      serval::store16(out + g * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc_base + g * D + c * 16), inv));
   }
 }
 
@@ -256,7 +263,7 @@ bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim, block_stride = block_size * row_stride;
   // 16-token slices must not straddle blocks.
-  if (block_size % 16 != 0) return false;
+  if (block_size % 16 != 0 || group > 64) return false;
   auto run = [&](auto chunks_constant) {
     constexpr int kChunks = decltype(chunks_constant)::value;
     at::parallel_for(0, n * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
