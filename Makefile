@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODELS := models
+# Ray keeps 127.0.0.1 as loopback (instead of this machine's network address) only with this set.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
 .PHONY: venv test serve stop models clean bench-scheduler
 

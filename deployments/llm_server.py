@@ -17,13 +17,9 @@ from ray import serve
 
 from deployments.llm_config import LLMConfig
 from engine.async_llm import AsyncLLM
-from engine.entrypoints.openai.serving import OpenAIServing
+from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 
 logger = logging.getLogger("ray.serve")
-
-# The OpenAI endpoints a replica answers, by the name the ingress uses; each is an async generator of
-# picklable items (see engine.entrypoints.openai.serving.OpenAIServing).
-SERVING_METHODS = ("completions", "chat", "tokenize", "detokenize")
 
 
 class LLMServer:
@@ -34,13 +30,13 @@ class LLMServer:
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 
     async def call(self, method_name: str, request: Any) -> AsyncIterator[Any]:
-        """Streams the items of one OpenAI endpoint call (one item for non-streamed calls).
+        """Streams the items of one ``OpenAIServing`` endpoint (one item for non-streamed calls).
 
         The caller closing the stream (a client disconnect cancels the ingress
         request, and Serve cancels this call) closes the serving generator,
         which aborts the engine request and frees its KV blocks.
         """
-        if method_name not in SERVING_METHODS:
+        if method_name not in ENDPOINT_METHODS:
             raise ValueError(f"Unknown serving method {method_name!r}.")
         async for item in getattr(self.serving, method_name)(request):
             yield item

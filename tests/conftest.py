@@ -15,7 +15,12 @@ pays nothing.
 from __future__ import annotations
 
 import inspect
+import os
 import random
+
+# Ray reads this at import: with it, "127.0.0.1" stays loopback instead of being swapped for this
+# machine's network address (tests talk to 127.0.0.1 only).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import pytest
 

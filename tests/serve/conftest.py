@@ -6,7 +6,6 @@ as a driver; Serve and Ray are stopped at the end of the session.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -27,7 +26,6 @@ def ray_head():
     while not launcher.is_dashboard_up(head.dashboard_port):
         assert time.monotonic() < deadline, "the Ray dashboard did not come up"
         time.sleep(0.5)
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray.init(address=f"{LOOPBACK}:{head.gcs_port}", _node_ip_address=LOOPBACK, logging_level="warning",
              log_to_driver=False)
     head.new_listeners = listening_addresses() - before

@@ -1,0 +1,209 @@
+"""The OpenAI API through a real Ray Serve app (ingress + LLM servers), driven by the official client.
+
+One app serves two models: ``tiny-llama`` (roomy) and ``tiny-qwen`` (one
+running request, one queued at most: the overload cases). Greedy results
+are checked against the offline engine on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from tests.conftest import TINY_VOCAB
+from tests.serve.cluster import LOOPBACK, deploy_and_wait, llm_config, serve_config
+
+LLAMA, QWEN = "tiny-llama", "tiny-qwen"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_head, tiny_checkpoint):
+    configs = [llm_config(LLAMA, tiny_checkpoint("llama")),
+               llm_config(QWEN, tiny_checkpoint("qwen2"), max_num_seqs=1, max_num_queued_reqs=1)]
+    deploy_and_wait(ray_head, serve_config(ray_head.http_port, configs))
+    return ray_head.base_url
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline_llama(tiny_checkpoint):
+    from engine import LLM
+    return LLM(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=512)
+
+
+def greedy_offline(llm, prompt: str, max_tokens: int) -> str:
+    from engine import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+
+def llama_stats() -> dict:
+    return serve.get_deployment_handle(f"LLMServer:{LLAMA}", app_name="llm").stats.remote().result()
+
+
+def test_every_ray_socket_listens_on_loopback(ray_head, base_url):
+    assert ray_head.new_listeners, "no Ray sockets found"
+    exposed = {(address, port) for address, port in ray_head.new_listeners
+               if address not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
+    assert not exposed, f"sockets listening beyond loopback: {exposed}"
+    assert base_url.startswith(f"http://{LOOPBACK}:")
+
+
+def test_models_health_and_version(client, base_url):
+    assert sorted(model.id for model in client.models.list()) == [LLAMA, QWEN]
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    version = httpx.get(f"{base_url}/version")
+    assert version.status_code == 200 and version.json()["version"]
+
+
+def test_greedy_completion_equals_the_offline_engine(client, offline_llama):
+    response = client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert choice.text == greedy_offline(offline_llama, PROMPT, 24)
+    assert choice.finish_reason == "length"
+    num_prompt_tokens = len(offline_llama.get_tokenizer().encode(PROMPT))
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (num_prompt_tokens, 24)
+    assert response.usage.total_tokens == num_prompt_tokens + 24
+
+
+def test_streamed_chat_equals_the_unstreamed_one_and_reports_usage(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+    kwargs = dict(model=LLAMA, messages=messages, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_stop_strings_n_and_logprobs(client, offline_llama):
+    full = greedy_offline(offline_llama, PROMPT, 24)
+    stop = full[5:8]
+    response = client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                         extra_body={"ignore_eos": True})
+    assert response.choices[0].text == full[:full.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+
+    several = client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=7,
+                                        logprobs=2)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+    assert several.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in several.choices)
+    for choice in several.choices:
+        assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens) > 0
+        # The top 2 plus the sampled token (keyed by text, so tokens that decode alike share an entry).
+        for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs):
+            assert token in top and 1 <= len(top) <= 3
+
+    chat = client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          logprobs=True, top_logprobs=3, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, base_url):
+    cases = [
+        dict(model=LLAMA, prompt=PROMPT, temperature=-1),
+        dict(model=LLAMA, prompt=PROMPT, top_p=2.0),
+        dict(model=LLAMA, prompt=PROMPT, max_tokens=600),  # prompt + max_tokens > max_model_len (512)
+        dict(model=LLAMA, prompt=[[TINY_VOCAB + 5]]),  # a token id outside the vocabulary
+        dict(model=LLAMA, prompt=[[]]),  # an empty prompt
+    ]
+    for case in cases:
+        with pytest.raises(openai.BadRequestError, match=".") as raised:
+            client.completions.create(**case)
+        assert raised.value.status_code == 400
+        assert raised.value.body["message"], case
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
+    malformed = httpx.post(f"{base_url}/v1/completions", content=b"{not json",
+                           headers={"Content-Type": "application/json"})
+    assert malformed.status_code == 400
+    assert set(malformed.json()["error"]) >= {"message", "type", "param", "code"}
+    # ... and a good request still works.
+    assert client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=4).choices[0].text is not None
+
+
+def test_a_full_queue_answers_503_with_retry_after(base_url):
+    """tiny-qwen runs one request and queues one: a burst beyond that is shed with 503, the rest complete."""
+    async def one(http: httpx.AsyncClient) -> httpx.Response:
+        return await http.post(f"{base_url}/v1/completions", json={
+            "model": QWEN, "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True})
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(http) for _ in range(8)))
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 1 and 503 in statuses and set(statuses) <= {200, 503}, statuses
+    shed = next(r for r in responses if r.status_code == 503)
+    assert shed.headers["Retry-After"] and shed.json()["error"]["code"] == 503
+    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in responses if r.status_code == 200)
+
+
+def test_64_concurrent_streams_all_complete(base_url):
+    async def stream(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
+        chunks = await client.completions.create(model=LLAMA, prompt=f"{PROMPT} {i}", max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, finish_reason, num_tokens = "", None, None
+        async for chunk in chunks:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish_reason = chunk.choices[0].finish_reason or finish_reason
+            if chunk.usage is not None:
+                num_tokens = chunk.usage.completion_tokens
+        return text, finish_reason, num_tokens
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(stream(client, i) for i in range(64)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    assert len(results) == 64
+    assert all(finish == "length" and num_tokens == 16 and text for text, finish, num_tokens in results)
+
+
+def test_a_client_disconnect_frees_its_kv_blocks(base_url):
+    idle = llama_stats()
+    assert idle["num_running_reqs"] == 0
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{base_url}/v1/completions", json={
+                "model": LLAMA, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            received = [line for _, line in zip(range(6), lines)]
+            assert any(line.startswith("data: {") for line in received)
+            assert llama_stats()["num_running_reqs"] == 1
+    # The connection is closed mid-stream: the request is aborted and its blocks go back to the pool.
+    deadline = time.monotonic() + 30
+    while (stats := llama_stats())["num_running_reqs"] or stats["num_free_blocks"] != idle["num_free_blocks"]:
+        assert time.monotonic() < deadline, f"not freed: {stats}"
+        time.sleep(0.2)
+    assert stats["num_aborted_reqs_total"] == idle["num_aborted_reqs_total"] + 1
+
+
+def test_the_ingress_serves_every_route_of_the_in_process_server(base_url):
+    from engine.entrypoints.openai.api_server import ROUTES
+
+    paths = httpx.get(f"{base_url}/openapi.json").json()["paths"]
+    served = {(method.upper(), path) for path, methods in paths.items() for method in methods}
+    assert {(method, path) for method, path, _ in ROUTES} <= served

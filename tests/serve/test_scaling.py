@@ -1,0 +1,148 @@
+"""Changing the replica count of a running app, the ways a user does it, with streams in flight.
+
+1 -> 2 through the dashboard's REST API (PUT /api/serve/applications/, what
+``serve deploy`` sends) with Serve's per-deployment override; 2 -> 1 through
+Serve's external-scaler endpoint; 1 -> 2 by editing the builder's args. In
+each case every stream that was in flight completes, and after a scale-up
+both replicas serve traffic.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments import launcher
+from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
+
+LLAMA = "tiny-llama"
+SERVER = f"LLMServer:{LLAMA}"
+STREAM_TOKENS = 250
+
+
+def running_replicas(head) -> int:
+    replicas = app_status(head)["deployments"][SERVER]["replicas"]
+    return sum(replica["state"] == "RUNNING" for replica in replicas)
+
+
+def wait_for_replicas(head, count: int, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (running_replicas(head) == count and app_status(head)["status"] == "RUNNING"
+               and len(app_status(head)["deployments"][SERVER]["replicas"]) == count):
+        assert time.monotonic() < deadline, f"not {count} replicas: {app_status(head)['deployments'][SERVER]}"
+        time.sleep(0.5)
+
+
+def stream_completion(base_url: str, started: threading.Event) -> tuple[int, str | None]:
+    """One streamed completion; sets ``started`` at its first token; returns (tokens, finish_reason)."""
+    finish_reason, num_tokens = None, None
+    with httpx.Client(timeout=300) as http:
+        with http.stream("POST", f"{base_url}/v1/completions", json={
+                "model": LLAMA, "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                started.set()
+                chunk = json.loads(line.removeprefix("data: "))
+                if chunk.get("choices"):
+                    finish_reason = chunk["choices"][0]["finish_reason"] or finish_reason
+                if chunk.get("usage"):
+                    num_tokens = chunk["usage"]["completion_tokens"]
+    return num_tokens, finish_reason
+
+
+class InFlightStreams:
+    """Starts ``count`` streams and waits until each has produced a token."""
+
+    def __init__(self, pool: ThreadPoolExecutor, base_url: str, count: int) -> None:
+        events = [threading.Event() for _ in range(count)]
+        self.futures: list[Future] = [pool.submit(stream_completion, base_url, event) for event in events]
+        for event, future in zip(events, self.futures):
+            while not event.wait(0.1):
+                if future.done():
+                    future.result()  # re-raises what went wrong
+                    raise AssertionError("a stream finished before its first token")
+
+    def assert_all_complete(self) -> None:
+        assert [future.result(timeout=300) for future in self.futures] == [(STREAM_TOKENS, "length")] * len(
+            self.futures)
+
+
+def replica_stats(num_calls: int = 40) -> dict[str, dict]:
+    """Stats per replica id, gathered by calling the deployment often enough to reach every replica."""
+    handle = serve.get_deployment_handle(SERVER, app_name="llm")
+    stats = {}
+    for _ in range(num_calls):
+        result = handle.stats.remote().result()
+        stats[result["replica_id"]] = result
+    return stats
+
+
+def assert_every_replica_serves(base_url: str, pool: ThreadPoolExecutor, num_replicas: int) -> None:
+    before = {rid: s["num_finished_reqs_total"] for rid, s in replica_stats().items()}
+
+    def complete(i: int) -> int:
+        response = httpx.post(f"{base_url}/v1/completions", timeout=120, json={
+            "model": LLAMA, "prompt": f"Request {i}", "max_tokens": 48, "ignore_eos": True})
+        return response.status_code
+
+    assert list(pool.map(complete, range(32))) == [200] * 32
+    after = replica_stats()
+    assert len(after) == num_replicas
+    served = {rid: s["num_finished_reqs_total"] - before.get(rid, 0) for rid, s in after.items()}
+    assert all(count > 0 for count in served.values()), served
+
+
+@pytest.fixture(scope="module")
+def config(ray_head, tiny_checkpoint):
+    return serve_config(ray_head.http_port, [llm_config(LLAMA, tiny_checkpoint("llama"), max_model_len=512)])
+
+
+def test_an_unknown_key_fails_the_deploy_with_its_name(ray_head, config):
+    bad = copy.deepcopy(config)
+    bad["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["max_num_seqz"] = 4
+    launcher.deploy(bad, ray_head.dashboard_port)
+    with pytest.raises(RuntimeError, match="max_num_seqz"):
+        launcher.wait_until_running(ray_head.dashboard_port, ["llm"], timeout_s=120)
+
+
+def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
+    base_url = ray_head.base_url
+    deploy_and_wait(ray_head, config)
+    wait_for_replicas(ray_head, 1)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        # 1 -> 2 through the dashboard's REST API: Serve's per-deployment override, a light update.
+        streams = InFlightStreams(pool, base_url, 6)
+        scaled = copy.deepcopy(config)
+        scaled["applications"][0]["deployments"] = [{"name": SERVER, "num_replicas": 2}]
+        launcher.deploy(scaled, ray_head.dashboard_port)
+        wait_for_replicas(ray_head, 2)
+        streams.assert_all_complete()
+        assert_every_replica_serves(base_url, pool, 2)
+
+        # 2 -> 1 through Serve's external-scaler endpoint; the stopping replica drains its streams.
+        scaled["applications"][0]["external_scaler_enabled"] = True
+        launcher.deploy(scaled, ray_head.dashboard_port)
+        streams = InFlightStreams(pool, base_url, 6)
+        url = f"{ray_head.dashboard_url}/api/v1/applications/llm/deployments/{SERVER}/scale"
+        assert httpx.post(url, json={"target_num_replicas": 1}, timeout=30).status_code == 200
+        wait_for_replicas(ray_head, 1)
+        streams.assert_all_complete()
+
+        # 1 -> 2 by editing num_replicas in the builder's args: Serve redeploys the app, old replicas drain.
+        streams = InFlightStreams(pool, base_url, 4)
+        edited = copy.deepcopy(config)
+        edited["applications"][0]["args"]["llm_configs"][0]["deployment_config"]["num_replicas"] = 2
+        launcher.deploy(edited, ray_head.dashboard_port)
+        wait_for_replicas(ray_head, 2)
+        streams.assert_all_complete()
+        assert_every_replica_serves(base_url, pool, 2)
