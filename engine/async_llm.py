@@ -22,13 +22,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine_args import EngineArgs
 from engine.executor.base import Executor
 from engine.llm_engine import LLMEngine, load_tokenizer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output_collector import RequestOutputCollector
+from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -65,92 +66,6 @@ class EngineStats:
     num_steps_total: int
     prefix_cache_hits: int
     prefix_cache_queries: int
-
-
-class RequestOutputCollector:
-    """One request's undelivered output (vLLM's ``RequestOutputCollector``); event-loop thread only.
-
-    It holds at most one ``RequestOutput``: what arrives before the consumer
-    reads is merged into it (DELTA: text, token ids and logprobs concatenated
-    per completion; CUMULATIVE / FINAL_ONLY: the newest completion per index
-    wins), so a slow consumer never builds a queue.
-    """
-
-    def __init__(self, request_id: str, params: SamplingParams, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.output_kind = params.output_kind
-        self.num_completions = params.n
-        self.is_logprobs_wanted = params.logprobs is not None
-        self.prompt: str | None = None
-        self.prompt_token_ids: list[int] = []
-        self.is_finished = False  # a finished output has been put: nothing more comes
-        self._latest: dict[int, CompletionOutput] = {}  # last completion seen per index
-        self._pending: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        if self.is_finished or self._error is not None:
-            return
-        for completion in output.outputs:
-            self._latest[completion.index] = completion
-        is_delta = self.output_kind == RequestOutputKind.DELTA
-        self._pending = output if self._pending is None else merge_outputs(self._pending, output, is_delta)
-        self.is_finished = output.finished
-        self._ready.set()
-
-    def put_abort(self) -> None:
-        """Ends the stream with a final output: unfinished completions get finish_reason "abort"."""
-        if not self.is_finished and self._error is None:
-            self.put(self._make_abort_output())
-
-    def put_error(self, error: BaseException) -> None:
-        """Ends the stream with ``error`` (raised by the next ``get``) unless it already finished."""
-        if not self.is_finished:
-            self._error = error
-            self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        while self._pending is None and self._error is None:
-            self._ready.clear()
-            await self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        output, self._pending = self._pending, None
-        return output
-
-    def _make_abort_output(self) -> RequestOutput:
-        completions = []
-        for index in range(self.num_completions):
-            latest = self._latest.get(index)
-            if latest is not None and latest.finish_reason is not None:
-                continue  # that completion already ended on its own
-            if latest is not None and self.output_kind == RequestOutputKind.CUMULATIVE:
-                completions.append(replace(latest, finish_reason="abort", stop_reason=None))
-            else:  # DELTA: nothing new; FINAL_ONLY: nothing was produced
-                completions.append(CompletionOutput(
-                    index=index, text="", token_ids=[], finish_reason="abort",
-                    cumulative_logprob=latest.cumulative_logprob if latest is not None else None,
-                    logprobs=[] if self.is_logprobs_wanted else None))
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=completions, finished=True)
-
-
-def merge_outputs(pending: RequestOutput, new: RequestOutput, is_delta: bool) -> RequestOutput:
-    """``new`` folded into the not yet delivered ``pending`` (same request); completions stay sorted by index."""
-    by_index = {completion.index: completion for completion in pending.outputs}
-    for completion in new.outputs:
-        old = by_index.get(completion.index)
-        by_index[completion.index] = _concat(old, completion) if is_delta and old is not None else completion
-    prompt_logprobs = new.prompt_logprobs if new.prompt_logprobs is not None else pending.prompt_logprobs
-    return replace(new, outputs=[by_index[index] for index in sorted(by_index)],
-                   finished=pending.finished or new.finished, prompt_logprobs=prompt_logprobs)
-
-
-def _concat(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
-    logprobs = new.logprobs if old.logprobs is None or new.logprobs is None else old.logprobs + new.logprobs
-    return replace(new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids, logprobs=logprobs)
 
 
 def _deliver(batch: list[tuple[RequestOutputCollector, RequestOutput]]) -> None:

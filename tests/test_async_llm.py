@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, EngineOverloadedError, RequestOutputKind, SamplingParams
-from engine.async_llm import merge_outputs
+from engine.output_collector import merge_outputs
 from engine.config import SchedulerConfig
 from engine.executor.uniproc import UniProcExecutor
 from engine.outputs import CompletionOutput, RequestOutput
