@@ -18,7 +18,7 @@ from engine.entrypoints.openai.errors import ErrorResponse, from_exception, mode
 from engine.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.responses import ChatCompletionStreamChoice, DeltaMessage
-from engine.entrypoints.openai.streaming import collect_final_outputs, merge_outputs, stream_events
+from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind
 
@@ -221,7 +221,7 @@ def test_merger_batches_what_arrived_while_the_consumer_was_busy():
     async def main():
         stream = EngineStream("a", ["1", "2", "3", "4"])
         batches = []
-        async with contextlib.aclosing(merge_outputs([stream.run()])) as merged:
+        async with contextlib.aclosing(merge_streams([stream.run()])) as merged:
             async for batch in merged:
                 batches.append([out.outputs[0].text for _, out in batch])
                 await asyncio.sleep(0.01)  # a slow consumer: the rest piles up meanwhile
@@ -237,7 +237,7 @@ def test_merger_first_batch_waits_for_every_stream_and_a_start_error_comes_first
         gate = asyncio.Event()
         good = EngineStream("good", ["x"] * 1000, delay_s=0.01)
         bad = EngineStream("bad", [], start_error=ValueError("prompt too long"), gate=gate)
-        items = stream_events(merge_outputs([good.run(), bad.run()]), lambda batch: "event", lambda: "")
+        items = stream_events(merge_streams([good.run(), bad.run()]), lambda batch: "event", lambda: "")
         first = asyncio.ensure_future(anext(items))
         await asyncio.sleep(0.05)
         assert not first.done()  # "good" has output, but "bad" has not started yet
@@ -256,7 +256,7 @@ def test_merger_first_batch_waits_for_every_stream_and_a_start_error_comes_first
 def test_closing_the_merger_closes_every_stream():
     async def main():
         streams = [EngineStream(name, ["x"] * 1000, delay_s=0.01) for name in "ab"]
-        merged = merge_outputs([stream.run() for stream in streams])
+        merged = merge_streams([stream.run() for stream in streams])
         await anext(merged)
         await merged.aclose()
         await asyncio.sleep(0.01)
@@ -271,7 +271,7 @@ def test_an_error_mid_stream_becomes_a_final_error_event():
         raise EngineDeadError("the busy loop died")
 
     async def main():
-        items = stream_events(merge_outputs([failing()]), lambda batch: "data: chunk\n\n", lambda: "")
+        items = stream_events(merge_streams([failing()]), lambda batch: "data: chunk\n\n", lambda: "")
         return [item async for item in items]
 
     items = asyncio.run(main())

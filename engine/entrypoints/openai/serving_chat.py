@@ -18,7 +18,7 @@ from engine.entrypoints.openai.responses import ChatCompletionLogProbs, ChatComp
     ChatCompletionResponseChoice, ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, \
     DeltaMessage, UsageInfo, unix_time
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
-from engine.entrypoints.openai.streaming import collect_final_outputs, merge_outputs, sse_event, stream_events
+from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, sse_event, stream_events
 from engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -48,7 +48,7 @@ class ChatServing(ServingBase):
             yield self._response(request, request_id, output)
             return
         stream = _ChatStream(self, request, request_id, num_prompt_tokens=len(token_ids))
-        async with contextlib.aclosing(stream_events(merge_outputs(generators), stream.format_batch,
+        async with contextlib.aclosing(stream_events(merge_streams(generators), stream.format_batch,
                                                      stream.format_end)) as items:
             async for item in items:
                 yield item

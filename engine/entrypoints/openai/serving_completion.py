@@ -16,7 +16,7 @@ from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.entrypoints.openai.responses import CompletionResponse, CompletionResponseChoice, \
     CompletionStreamResponse, UsageInfo, unix_time
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
-from engine.entrypoints.openai.streaming import collect_final_outputs, merge_outputs, sse_event, stream_events
+from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, sse_event, stream_events
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -45,7 +45,7 @@ class CompletionServing(ServingBase):
             yield self._response(request, request_id, prompts, outputs)
             return
         stream = _CompletionStream(self, request, request_id, prompts)
-        async with contextlib.aclosing(stream_events(merge_outputs(generators), stream.format_batch,
+        async with contextlib.aclosing(stream_events(merge_streams(generators), stream.format_batch,
                                                      stream.format_end)) as items:
             async for item in items:
                 yield item

@@ -1,7 +1,7 @@
 """Merging the engine's output streams of one HTTP request, and SSE framing.
 
 A batched completions request runs one engine request per prompt; its
-outputs arrive on several async generators. :func:`merge_outputs` drains
+outputs arrive on several async generators. :func:`merge_streams` drains
 each on its own task into one queue and hands the consumer everything that
 arrived since it last asked, so a slow consumer gets fewer, larger batches
 (streamed as one item) instead of falling behind one output at a time.
@@ -32,7 +32,7 @@ def sse_event(payload: BaseModel | dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-async def merge_outputs(
+async def merge_streams(
         generators: Sequence[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
     """Yields batches of ``(generator index, output)`` until every generator is exhausted.
 
@@ -92,7 +92,7 @@ async def _drain(index: int, generator: AsyncGenerator[RequestOutput, None], que
 async def collect_final_outputs(generators: Sequence[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
     """The last output of each generator (its final one under ``FINAL_ONLY``), in order."""
     finals: list[RequestOutput | None] = [None] * len(generators)
-    async with contextlib.aclosing(merge_outputs(generators)) as batches:
+    async with contextlib.aclosing(merge_streams(generators)) as batches:
         async for batch in batches:
             for index, output in batch:
                 finals[index] = output
