@@ -27,16 +27,18 @@ SERVER = f"LLMServer:{LLAMA}"
 STREAM_TOKENS = 250
 
 
-def running_replicas(head) -> int:
-    replicas = app_status(head)["deployments"][SERVER]["replicas"]
-    return sum(replica["state"] == "RUNNING" for replica in replicas)
+def replica_states(head) -> tuple[str, list[str]]:
+    """The app's status and its LLM server's replica states (the deployment may be briefly unlisted
+    while an update is being applied)."""
+    status = app_status(head)
+    replicas = status.get("deployments", {}).get(SERVER, {}).get("replicas", [])
+    return status["status"], [replica["state"] for replica in replicas]
 
 
 def wait_for_replicas(head, count: int, timeout_s: float = 240.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not (running_replicas(head) == count and app_status(head)["status"] == "RUNNING"
-               and len(app_status(head)["deployments"][SERVER]["replicas"]) == count):
-        assert time.monotonic() < deadline, f"not {count} replicas: {app_status(head)['deployments'][SERVER]}"
+    while (states := replica_states(head)) != ("RUNNING", ["RUNNING"] * count):
+        assert time.monotonic() < deadline, f"not {count} running replicas: {states}"
         time.sleep(0.5)
 
 
