@@ -19,6 +19,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
+from deployments.node_address import bind_replica_grpc_to_node_ip
 from engine.entrypoints.openai import api_server
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
 
@@ -69,6 +70,7 @@ class OpenAiIngress:
     """
 
     def __init__(self, llm_servers: dict[str, DeploymentHandle]) -> None:
+        bind_replica_grpc_to_node_ip()
         self.router = RayModelRouter(llm_servers)
 
     @app.post("/v1/completions")

@@ -16,6 +16,7 @@ from typing import Any
 from ray import serve
 
 from deployments.llm_config import LLMConfig
+from deployments.node_address import bind_replica_grpc_to_node_ip
 from engine.async_llm import AsyncLLM
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 
@@ -24,6 +25,7 @@ logger = logging.getLogger("ray.serve")
 
 class LLMServer:
     def __init__(self, llm_config: LLMConfig) -> None:
+        bind_replica_grpc_to_node_ip()
         self.model_id = llm_config.model_id
         self.engine = AsyncLLM.from_engine_args(llm_config.engine_args())
         self.serving = OpenAIServing(self.engine, self.model_id)

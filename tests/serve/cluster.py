@@ -48,7 +48,7 @@ class RayHead:
     gcs_port: int
     dashboard_port: int
     http_port: int
-    new_listeners: set[tuple[str, int]]
+    listeners_before: set[tuple[str, int]]  # listening sockets on this machine before Ray started
 
     @property
     def dashboard_url(self) -> str:

@@ -19,8 +19,7 @@ from tests.serve.cluster import LOOPBACK, OBJECT_STORE_BYTES, RayHead, listening
 def ray_head():
     import ray
 
-    before = listening_addresses()
-    head = RayHead(free_port(), free_port(), free_port(), set())
+    head = RayHead(free_port(), free_port(), free_port(), listening_addresses())
     launcher.start_ray_head(head.gcs_port, head.dashboard_port, num_cpus=2, object_store_bytes=OBJECT_STORE_BYTES)
     deadline = time.monotonic() + 60
     while not launcher.is_dashboard_up(head.dashboard_port):
@@ -28,7 +27,6 @@ def ray_head():
         time.sleep(0.5)
     ray.init(address=f"{LOOPBACK}:{head.gcs_port}", _node_ip_address=LOOPBACK, logging_level="warning",
              log_to_driver=False)
-    head.new_listeners = listening_addresses() - before
     try:
         yield head
     finally:

@@ -16,7 +16,7 @@ import pytest
 from ray import serve
 
 from tests.conftest import TINY_VOCAB
-from tests.serve.cluster import LOOPBACK, deploy_and_wait, llm_config, serve_config
+from tests.serve.cluster import LOOPBACK, deploy_and_wait, is_loopback, listening_addresses, llm_config, serve_config
 
 LLAMA, QWEN = "tiny-llama", "tiny-qwen"
 PROMPT = "The quick brown fox"
@@ -51,10 +51,11 @@ def llama_stats() -> dict:
     return serve.get_deployment_handle(f"LLMServer:{LLAMA}", app_name="llm").stats.remote().result()
 
 
-def test_every_ray_socket_listens_on_loopback(ray_head, base_url):
-    assert ray_head.new_listeners, "no Ray sockets found"
-    exposed = {(address, port) for address, port in ray_head.new_listeners
-               if address not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")}
+def test_every_ray_and_serve_socket_listens_on_loopback(ray_head, base_url):
+    """With the app running: the GCS, raylet, dashboard, Serve proxy and every replica's gRPC server."""
+    new_listeners = listening_addresses() - ray_head.listeners_before
+    assert len(new_listeners) >= 8, f"too few new sockets to be Ray's: {new_listeners}"
+    exposed = {(address, port) for address, port in new_listeners if not is_loopback(address)}
     assert not exposed, f"sockets listening beyond loopback: {exposed}"
     assert base_url.startswith(f"http://{LOOPBACK}:")
 
