@@ -49,10 +49,9 @@ def make_prompts(num_prompts: int, input_len: int, vocab_size: int) -> list[list
     return [[rng.randrange(10, vocab_size - 10) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def result_of(start: float, token_times: list[float]) -> RequestResult:
-    ttft = token_times[0] - start
-    tpot = (token_times[-1] - token_times[0]) / max(len(token_times) - 1, 1)
-    return RequestResult(ttft, tpot, len(token_times))
+def result_of(start: float, first_token_time: float, last_token_time: float, num_tokens: int) -> RequestResult:
+    tpot = (last_token_time - first_token_time) / max(num_tokens - 1, 1)
+    return RequestResult(first_token_time - start, tpot, num_tokens)
 
 
 async def closed_loop(one_request, prompts: list[list[int]], concurrency: int) -> list[RequestResult]:
@@ -81,11 +80,11 @@ async def load_inproc(args, prompts) -> list[RequestResult]:
     counter = iter(range(1 << 30))
 
     async def one(prompt):
-        start, token_times = time.perf_counter(), []
+        start, arrivals, num_tokens = time.perf_counter(), [], 0
         async for output in engine.generate({"prompt_token_ids": prompt}, params, f"bench-{next(counter)}"):
-            now = time.perf_counter()
-            token_times += [now] * len(output.outputs[0].token_ids)
-        return result_of(start, token_times)
+            arrivals.append(time.perf_counter())
+            num_tokens += len(output.outputs[0].token_ids)
+        return result_of(start, arrivals[0], arrivals[-1], num_tokens)
 
     try:
         await closed_loop(one, prompts[:args.concurrency], args.concurrency)  # warm-up
@@ -99,16 +98,18 @@ async def load_http(base_url: str, model: str, args, prompts) -> list[RequestRes
 
     async def one(prompt):
         body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}
-        start, token_times = time.perf_counter(), []
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        start, arrivals, num_tokens = time.perf_counter(), [], 0
         async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
-                    if chunk["choices"] and chunk["choices"][0]["text"]:
-                        token_times.append(time.perf_counter())
-        return result_of(start, token_times)
+                    if chunk["choices"]:  # a chunk of tokens (its text may be empty: half a character)
+                        arrivals.append(time.perf_counter())
+                    if chunk.get("usage"):
+                        num_tokens = chunk["usage"]["completion_tokens"]
+        return result_of(start, arrivals[0], arrivals[-1], num_tokens)
 
     limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
