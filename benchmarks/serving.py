@@ -54,7 +54,7 @@ def result_of(start: float, first_token_time: float, last_token_time: float, num
     return RequestResult(first_token_time - start, tpot, num_tokens)
 
 
-async def closed_loop(one_request, prompts: list[list[int]], concurrency: int) -> list[RequestResult]:
+async def closed_loop(one_request, prompts: list[list[int]], concurrency: int) -> tuple[list[RequestResult], float]:
     """Runs ``one_request(prompt)`` for every prompt, at most ``concurrency`` at once, printing progress."""
     semaphore = asyncio.Semaphore(concurrency)
     results: list[RequestResult] = []
@@ -67,14 +67,14 @@ async def closed_loop(one_request, prompts: list[list[int]], concurrency: int) -
                 print(f"    {len(results)}/{len(prompts)} requests, {time.perf_counter() - start:.1f} s", flush=True)
 
     await asyncio.gather(*(run(p) for p in prompts))
-    return results
+    return results, time.perf_counter() - start
 
 
-async def load_inproc(args, prompts) -> list[RequestResult]:
+async def load_inproc(args, prompts) -> tuple[list[RequestResult], float]:
     from engine import AsyncLLM, EngineArgs, SamplingParams
     from engine.sampling_params import RequestOutputKind
 
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=args.model, max_model_len=4096, max_num_seqs=256))
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=args.model, **engine_kwargs(args)))
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     counter = iter(range(1 << 30))
@@ -93,7 +93,7 @@ async def load_inproc(args, prompts) -> list[RequestResult]:
         engine.shutdown()
 
 
-async def load_http(base_url: str, model: str, args, prompts) -> list[RequestResult]:
+async def load_http(base_url: str, model: str, args, prompts) -> tuple[list[RequestResult], float]:
     import httpx
 
     async def one(prompt):
@@ -117,6 +117,10 @@ async def load_http(base_url: str, model: str, args, prompts) -> list[RequestRes
         return await closed_loop(one, prompts, args.concurrency)
 
 
+def engine_kwargs(args) -> dict:
+    return {"max_model_len": 4096, "max_num_seqs": 256, **json.loads(args.engine_kwargs)}
+
+
 def wait_http_ok(url: str, timeout_s: float) -> None:
     import httpx
     deadline = time.monotonic() + timeout_s
@@ -131,7 +135,7 @@ def wait_http_ok(url: str, timeout_s: float) -> None:
         time.sleep(1)
 
 
-def run_serve(args, prompts) -> list[RequestResult]:
+def run_serve(args, prompts) -> tuple[list[RequestResult], float]:
     from deployments import launcher
 
     gcs_port, dashboard_port, http_port = launcher.free_port(), launcher.free_port(), launcher.free_port()
@@ -141,7 +145,7 @@ def run_serve(args, prompts) -> list[RequestResult]:
                   "applications": [{"name": "llm", "route_prefix": "/", "import_path": "deployments.app:build_openai_app",
                                     "args": {"llm_configs": [{
                                         "model_loading_config": {"model_id": "bench", "model_source": os.path.abspath(args.model)},
-                                        "engine_kwargs": {"max_model_len": 4096, "max_num_seqs": 256},
+                                        "engine_kwargs": engine_kwargs(args),
                                         "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 512,
                                                               "ray_actor_options": {"num_cpus": 1}}}]}}]}
         launcher.deploy(config, dashboard_port)
@@ -151,7 +155,7 @@ def run_serve(args, prompts) -> list[RequestResult]:
         launcher.stop_cluster(dashboard_port)
 
 
-def run_vllm(args, prompts) -> list[RequestResult]:
+def run_vllm(args, prompts) -> tuple[list[RequestResult], float]:
     port = 8100 + random.Random().randrange(500)
     model = os.path.abspath(args.model)
     server = subprocess.Popen([str(PEERS / "vllm_cpu_server.sh"), model, str(port)], stdout=subprocess.DEVNULL,
@@ -181,16 +185,15 @@ def run_target(target: str, args) -> dict:
     from transformers import AutoTokenizer
     vocab_size = AutoTokenizer.from_pretrained(args.model).vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab_size)
-    start = time.perf_counter()
     if target == "inproc":
-        results = asyncio.run(load_inproc(args, prompts))
+        results, elapsed = asyncio.run(load_inproc(args, prompts))
     elif target == "serve":
-        results = run_serve(args, prompts)
+        results, elapsed = run_serve(args, prompts)
     else:
-        results = run_vllm(args, prompts)
+        results, elapsed = run_vllm(args, prompts)
     assert all(r.num_tokens == args.output_len for r in results), "a stream came back short"
     summary = summarize(results)
-    summary["output_tok_per_s"] = sum(r.num_tokens for r in results) / (time.perf_counter() - start)
+    summary["output_tok_per_s"] = sum(r.num_tokens for r in results) / elapsed
     return summary
 
 
@@ -226,6 +229,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--engine-kwargs", default="{}", help="JSON of extra EngineArgs for inproc and serve.")
     parser.add_argument("--run-one", nargs=2, metavar=("TARGET", "CONCURRENCY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_one:
@@ -239,6 +243,7 @@ def main() -> None:
             print(f"== {target}, concurrency {concurrency}", flush=True)
             command = [sys.executable, __file__, "--model", args.model, "--num-requests", str(args.num_requests),
                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                       "--engine-kwargs", args.engine_kwargs,
                        "--run-one", target, str(concurrency)]
             output = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
             print("".join(line + "\n" for line in output.splitlines() if not line.startswith("RESULT ")), end="")

@@ -31,6 +31,9 @@ class SchedulerConfig(_FrozenConfig):
     # Enforced by the async front end (AsyncLLM), not by the scheduler: past it, new requests are refused.
     max_num_queued_reqs: int | None = Field(
         None, ge=1, description="Most requests waiting to run (queued, not yet scheduled); None = unlimited.")
+    # Enforced by the front end's output processor (vLLM's stream_interval).
+    stream_interval: int = Field(
+        1, ge=1, description="Streamed outputs carry this many new tokens (the first token and the end go at once).")
 
     @model_validator(mode="after")
     def _budget_fits_a_prompt(self) -> "SchedulerConfig":

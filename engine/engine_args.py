@@ -32,6 +32,7 @@ class EngineArgs(BaseModel):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = Field(0, ge=0)
     max_num_queued_reqs: int | None = Field(None, ge=1, description="Refuse new requests past this many waiting.")
+    stream_interval: int = Field(1, ge=1, description="Tokens per streamed output; >1 cuts per-token overhead.")
     # Cache
     block_size: int = Field(16, ge=1)
     num_gpu_blocks_override: int | None = Field(None, ge=2, description="Fix the KV pool size (blocks).")
@@ -69,7 +70,7 @@ class EngineArgs(BaseModel):
                 max_num_seqs=self.max_num_seqs, max_model_len=max_model_len, policy=self.scheduling_policy,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                max_num_queued_reqs=self.max_num_queued_reqs),
+                max_num_queued_reqs=self.max_num_queued_reqs, stream_interval=self.stream_interval),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            pipeline_parallel_size=self.pipeline_parallel_size,
                                            distributed_executor_backend=self.distributed_executor_backend),

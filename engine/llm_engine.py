@@ -44,7 +44,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self.engine_core = EngineCore(config, executor_class)
         self.processor = Processor(config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch))
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self.core_ids_of: dict[str, list[str]] = {}  # user request id -> the core's ids (n of them)
 
     @classmethod

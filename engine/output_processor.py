@@ -37,7 +37,8 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None
     parent: ParentRequest | None = None
     token_ids: list[int] = field(default_factory=list)
-    num_sent_tokens: int = 0
+    num_sent_tokens: int = 0  # DELTA: tokens already handed out
+    num_streamed_tokens: int = 0  # tokens in the latest output handed out (any kind)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
@@ -47,8 +48,12 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        # vLLM's stream_interval: a streamed (DELTA / CUMULATIVE) request gets an output for its first token,
+        # then once per stream_interval new tokens, and at its end. Fewer, larger outputs cost the serving
+        # path (detokenizing, SSE, every hop to the client) less per token.
+        self.stream_interval = stream_interval
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, user_request_id: str, index: int, prompt: str | None,
@@ -127,8 +132,9 @@ class OutputProcessor:
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         kind = state.params.output_kind
         finished = state.finish_reason is not None
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if not finished and (kind == RequestOutputKind.FINAL_ONLY or not self._is_stream_due(state)):
             return None
+        state.num_streamed_tokens = len(state.token_ids)
         completion = self._make_completion(state, delta=kind == RequestOutputKind.DELTA)
         parent = state.parent
         if parent is None:
@@ -146,6 +152,13 @@ class OutputProcessor:
         return RequestOutput(request_id=state.user_request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=outputs, finished=all_finished,
                              prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens)
+
+    def _is_stream_due(self, state: RequestState) -> bool:
+        if self.stream_interval == 1:
+            return True  # every step's output, token-less ones (prompt logprobs of a chunk) included
+        num_new_tokens = len(state.token_ids) - state.num_streamed_tokens
+        is_first_token = state.num_streamed_tokens == 0 and num_new_tokens > 0
+        return is_first_token or num_new_tokens >= self.stream_interval
 
     def _make_completion(self, state: RequestState, delta: bool) -> CompletionOutput:
         finished = state.finish_reason is not None

@@ -438,3 +438,29 @@ def test_abort_frees_blocks(llm, good_prompts, clean_run):
             for i in range(3)] == clean_run
     assert kv.block_pool.num_free_blocks == free_before
     assert_pool_clean(llm)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_stream_interval_sends_the_first_token_then_every_n(model_path, kind):
+    """vLLM's stream_interval: outputs after 1, 1+4, 1+8 tokens and at the end; the same text and tokens."""
+    llm = make_llm(model_path, stream_interval=4)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, output_kind=kind)
+    engine = llm.llm_engine
+    engine.add_request("streamed", token_prompt(random_token_ids(random.Random(3), 12)), params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    if kind == RequestOutputKind.DELTA:
+        counts = [len(o.outputs[0].token_ids) for o in outputs]
+        token_ids = [t for o in outputs for t in o.outputs[0].token_ids]
+        text = "".join(o.outputs[0].text for o in outputs)
+    else:
+        counts = [len(o.outputs[0].token_ids) for o in outputs]
+        token_ids, text = outputs[-1].outputs[0].token_ids, outputs[-1].outputs[0].text
+    assert counts == ([1, 4, 4, 1] if kind == RequestOutputKind.DELTA else [1, 5, 9, 10])
+    assert [o.finished for o in outputs] == [False, False, False, True]
+    expected = make_llm(model_path).generate(
+        token_prompt(random_token_ids(random.Random(3), 12)),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (token_ids, text) == (expected.token_ids, expected.text)
+    assert_pool_clean(llm)
