@@ -210,7 +210,8 @@ def plot(records: dict, path: Path) -> bool:
         for ax, key in zip(axes, ("ttft_ms", "tpot_ms")):
             values = sorted(summary[key])
             ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
-    for ax, title in zip(axes, ("time to first token (ms)", "time per output token (ms)")):
+    axes[0].set_xscale("log")  # TTFTs span orders of magnitude across targets and loads
+    for ax, title in zip(axes, ("time to first token (ms, log scale)", "time per output token (ms)")):
         ax.set_xlabel(title)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
@@ -230,8 +231,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--engine-kwargs", default="{}", help="JSON of extra EngineArgs for inproc and serve.")
+    parser.add_argument("--plot-from", metavar="JSON", help="Only redraw the plot of an earlier results/*.json.")
     parser.add_argument("--run-one", nargs=2, metavar=("TARGET", "CONCURRENCY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.plot_from:
+        records = json.loads(Path(args.plot_from).read_text())["results"]
+        plot(records, Path(args.plot_from).with_suffix(".png"))
+        return
     if args.run_one:
         args.concurrency = int(args.run_one[1])
         print("RESULT " + json.dumps(run_target(args.run_one[0], args)), flush=True)
