@@ -24,6 +24,8 @@ logger = logging.getLogger("ray.serve")
 
 
 class LLMServer:
+    """One replica: an ``AsyncLLM`` for ``llm_config`` and the OpenAI endpoints over it."""
+
     def __init__(self, llm_config: LLMConfig) -> None:
         bind_replica_grpc_to_node_ip()
         self.model_id = llm_config.model_id
