@@ -8,11 +8,15 @@ touching the requests already running.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
 
 from engine.async_llm import AsyncLLM
+from engine.entrypoints.openai.errors import from_exception
 from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
+from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -69,3 +73,22 @@ class ServingBase:
         return [self.engine.generate(prompt, params, f"{request_id}-{index}", priority=request.priority,
                                      cache_salt=request.cache_salt)
                 for index, prompt in enumerate(prompts)]
+
+    async def respond(self, generators: list[AsyncGenerator[RequestOutput, None]], is_stream: bool,
+                      make_response: Callable[[list[RequestOutput]], Any],
+                      make_stream: Callable[[], Any]) -> AsyncIterator[Any]:
+        """The items of started engine requests: not streamed, one response built from the final outputs
+        (or one error); streamed, the SSE events of ``make_stream()``'s ``format_batch`` / ``format_end``."""
+        if not is_stream:
+            try:
+                outputs = await collect_final_outputs(generators)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
+                yield from_exception(exc)
+                return
+            yield make_response(outputs)
+            return
+        stream = make_stream()
+        async with contextlib.aclosing(stream_events(merge_streams(generators), stream.format_batch,
+                                                     stream.format_end)) as items:
+            async for item in items:
+                yield item

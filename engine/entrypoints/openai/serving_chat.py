@@ -18,7 +18,7 @@ from engine.entrypoints.openai.responses import ChatCompletionLogProbs, ChatComp
     ChatCompletionResponseChoice, ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, \
     DeltaMessage, UsageInfo, unix_time
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
-from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, sse_event, stream_events
+from engine.entrypoints.openai.streaming import sse_event
 from engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -39,17 +39,9 @@ class ChatServing(ServingBase):
         request_id = f"chatcmpl-{random_uuid()}"
         generators = self.start_requests(request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
                                          request)
-        if not request.stream:
-            try:
-                [output] = await collect_final_outputs(generators)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
-                yield from_exception(exc)
-                return
-            yield self._response(request, request_id, output)
-            return
-        stream = _ChatStream(self, request, request_id, num_prompt_tokens=len(token_ids))
-        async with contextlib.aclosing(stream_events(merge_streams(generators), stream.format_batch,
-                                                     stream.format_end)) as items:
+        async with contextlib.aclosing(self.respond(
+                generators, request.stream, lambda outputs: self._response(request, request_id, outputs[0]),
+                lambda: _ChatStream(self, request, request_id, num_prompt_tokens=len(token_ids)))) as items:
             async for item in items:
                 yield item
 

@@ -16,7 +16,7 @@ from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.entrypoints.openai.responses import CompletionResponse, CompletionResponseChoice, \
     CompletionStreamResponse, UsageInfo, unix_time
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
-from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, sse_event, stream_events
+from engine.entrypoints.openai.streaming import sse_event
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -36,17 +36,9 @@ class CompletionServing(ServingBase):
             return
         request_id = f"cmpl-{random_uuid()}"
         generators = self.start_requests(request_id, prompts, params, request)
-        if not request.stream:
-            try:
-                outputs = await collect_final_outputs(generators)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
-                yield from_exception(exc)
-                return
-            yield self._response(request, request_id, prompts, outputs)
-            return
-        stream = _CompletionStream(self, request, request_id, prompts)
-        async with contextlib.aclosing(stream_events(merge_streams(generators), stream.format_batch,
-                                                     stream.format_end)) as items:
+        async with contextlib.aclosing(self.respond(
+                generators, request.stream, lambda outputs: self._response(request, request_id, prompts, outputs),
+                lambda: _CompletionStream(self, request, request_id, prompts))) as items:
             async for item in items:
                 yield item
 
