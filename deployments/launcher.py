@@ -71,6 +71,10 @@ def haproxy_env(gcs_port: int) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
+        # Starting haproxy on a busy 2-core machine can take longer than Serve's default 5 s check.
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
     }
 
 
@@ -115,9 +119,23 @@ def load_config(config_path: str) -> dict:
         return yaml.safe_load(f)
 
 
-def deploy(config: dict, dashboard_port: int) -> None:
-    """PUTs a whole Serve config (declarative: it replaces what runs), as ``serve deploy`` does."""
-    http_json("PUT", f"{dashboard_url(dashboard_port)}/api/serve/applications/", config, timeout=60.0)
+def deploy(config: dict, dashboard_port: int, timeout_s: float = 120.0) -> None:
+    """PUTs a whole Serve config (declarative: it replaces what runs), as ``serve deploy`` does.
+
+    A dashboard that has just started may answer 5xx until its Serve module is
+    ready: retried until ``timeout_s``, then raised with the dashboard's message.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            http_json("PUT", f"{dashboard_url(dashboard_port)}/api/serve/applications/", config, timeout=60.0)
+            return
+        except urllib.error.HTTPError as exc:
+            message = exc.read().decode(errors="replace")[-2000:]
+            if exc.code < 500 or time.monotonic() > deadline:
+                raise RuntimeError(f"Deploy refused ({exc.code}): {message}") from None
+            print(f"  the dashboard is not ready ({exc.code}); retrying ...", flush=True)
+            time.sleep(2.0)
 
 
 def wait_until_running(dashboard_port: int, app_names: list[str], timeout_s: float) -> dict:
