@@ -8,6 +8,7 @@ and writes a JSON record under results/.
     python benchmarks/throughput.py --workload w2            # 5M Llama, 64 x 128 in x 128 out
     python benchmarks/throughput.py --workload w1            # 0.4B Qwen2, 32 x 256 in x 128 out, bf16
     python benchmarks/throughput.py --workload w1 --engines serval vllm
+    python benchmarks/throughput.py --workload w1 --engines serval --engine-kwargs '{"tensor_parallel_size": 2}'
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"
+ENGINE_KWARGS_ENV = "SERVAL_BENCH_ENGINE_KWARGS"  # JSON, from --engine-kwargs, for the Serval subprocess
 
 WORKLOADS = {
     "w1": dict(arch="qwen2", size="w1", tie=None, num_prompts=32, input_len=256, output_len=128),
@@ -40,13 +42,21 @@ def make_prompts(vocab_size: int, num_prompts: int, input_len: int) -> list[list
 def run_serval(model: str, num_prompts: int, input_len: int, output_len: int, dtype: str) -> float:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=4096, seed=0, max_num_seqs=max(num_prompts, 8))
+    engine_kwargs = json.loads(os.environ.get(ENGINE_KWARGS_ENV, "{}"))
+    if engine_kwargs.get("distributed_executor_backend") == "ray" or engine_kwargs.get(
+            "tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1) > 1:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        import ray  # a private local cluster on loopback, all cores
+        ray.init(_node_ip_address="127.0.0.1", num_cpus=os.cpu_count(), include_dashboard=False,
+                 logging_level="warning", log_to_driver=False)
+    llm = LLM(model, dtype=dtype, max_model_len=4096, seed=0, max_num_seqs=max(num_prompts, 8), **engine_kwargs)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(llm.get_tokenizer().vocab_size, num_prompts, input_len)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    llm.shutdown()
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
@@ -105,8 +115,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--engines", nargs="+", default=["serval", "transformers", "vllm"], choices=list(RUNNERS))
+    parser.add_argument("--engine-kwargs", default="{}",
+                        help='extra LLM(...) keywords for Serval, JSON, e.g. \'{"tensor_parallel_size": 2}\'')
     parser.add_argument("--run-one", choices=list(RUNNERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ[ENGINE_KWARGS_ENV] = json.dumps(json.loads(args.engine_kwargs))
     if args.workload:
         spec = WORKLOADS[args.workload]
         for key in ("num_prompts", "input_len", "output_len"):
@@ -126,7 +139,8 @@ def main() -> None:
         for peer in (e for e in results if e != "serval"):
             print(f"serval / {peer}: {results['serval'] / results[peer]:.2f}x")
     record = dict(workload=args.workload, model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
-                  output_len=args.output_len, dtype=args.dtype, gen_tok_per_s=results, machine=platform.processor()
+                  output_len=args.output_len, dtype=args.dtype, engine_kwargs=json.loads(args.engine_kwargs),
+                  gen_tok_per_s=results, machine=platform.processor()
                   or platform.machine(), cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
     out_dir = ROOT / "results"
     out_dir.mkdir(exist_ok=True)

@@ -15,11 +15,26 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from cluster.placement import engine_bundles, placement_strategy, uses_gpus
 from deployments.ingress import OpenAiIngress
 from deployments.llm_config import LLMConfig, LLMServingArgs
 from deployments.llm_server import LLMServer
 
 INGRESS_DEPLOYMENT_NAME = "OpenAiIngress"
+DEFAULT_REPLICA_NUM_CPUS = 1  # Serve's default for a replica actor
+
+
+def placement_options(llm_config: LLMConfig, actor_options: dict[str, Any]) -> dict[str, Any]:
+    """Each replica's placement group when its engine runs Ray workers (TP/PP): one bundle per
+    worker, the replica's own resources added to bundle 0 (Serve places the replica there)."""
+    engine_args = llm_config.engine_args()
+    parallel = engine_args.create_parallel_config()
+    if parallel.executor_backend != "ray":
+        return {}
+    replica_resources = {"CPU": actor_options.get("num_cpus", DEFAULT_REPLICA_NUM_CPUS),
+                         "GPU": actor_options.get("num_gpus", 0), **actor_options.get("resources", {})}
+    return {"placement_group_bundles": engine_bundles(parallel, uses_gpus(engine_args.device), replica_resources),
+            "placement_group_strategy": placement_strategy(parallel)}
 
 
 def build_llm_server(llm_config: LLMConfig) -> Application:
@@ -27,6 +42,7 @@ def build_llm_server(llm_config: LLMConfig) -> Application:
     options = llm_config.deployment_config.to_options()
     if llm_config.runtime_env is not None:
         options["ray_actor_options"] = {**options.get("ray_actor_options", {}), "runtime_env": llm_config.runtime_env}
+    options.update(placement_options(llm_config, options.get("ray_actor_options", {})))
     deployment = serve.deployment(LLMServer).options(name=llm_config.server_deployment_name(), **options)
     return deployment.bind(llm_config)
 

@@ -391,8 +391,10 @@ class AsyncLLM:
         self._engine_thread.submit_abort(request_id)
 
     async def check_health(self) -> None:
-        """Raises EngineDeadError if the busy loop died or the engine was shut down."""
+        """Raises EngineDeadError if the busy loop died or the engine was shut down, or the
+        executor's error if a worker is gone (pinging workers may block: done off the event loop)."""
         self._engine_thread.check_alive()
+        await asyncio.to_thread(self._engine_thread.engine.engine_core.check_health)
 
     def get_stats(self) -> EngineStats:
         """The snapshot published after the latest step (or command); cheap, from any thread."""

@@ -80,6 +80,11 @@ class ParallelConfig(_FrozenConfig):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["uni", "ray"] | None = None
+    # The Ray executor's placement-group bundle per worker: this many CPUs, plus one GPU on CUDA.
+    num_cpus_per_worker: float = Field(1.0, ge=0.0, description="CPUs each Ray worker reserves "
+                                       "(on CPU devices also its torch threads unless num_threads is set).")
+    execute_timeout_s: float = Field(
+        300.0, gt=0, description="Ray executor: a step taking longer means a hung worker; the engine fails.")
 
     @property
     def world_size(self) -> int:

@@ -45,8 +45,17 @@ class EngineArgs(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     distributed_executor_backend: Literal["uni", "ray"] | None = None
+    num_cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray executor: CPUs each worker reserves.")
+    execute_timeout_s: float = Field(300.0, gt=0, description="Ray executor: longest a step may take.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1)
+
+    def create_parallel_config(self) -> ParallelConfig:
+        """Needs no checkpoint: the Serve app builder sizes a replica's placement group from it."""
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                              pipeline_parallel_size=self.pipeline_parallel_size,
+                              distributed_executor_backend=self.distributed_executor_backend,
+                              num_cpus_per_worker=self.num_cpus_per_worker, execute_timeout_s=self.execute_timeout_s)
 
     def create_engine_config(self) -> EngineConfig:
         """Validates every part (reads the checkpoint's config.json for the context length)."""
@@ -71,9 +80,7 @@ class EngineArgs(BaseModel):
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 max_num_queued_reqs=self.max_num_queued_reqs, stream_interval=self.stream_interval),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                           pipeline_parallel_size=self.pipeline_parallel_size,
-                                           distributed_executor_backend=self.distributed_executor_backend),
+            parallel_config=self.create_parallel_config(),
             device_config=DeviceConfig(device=self.device, num_threads=self.num_threads),
         )
 

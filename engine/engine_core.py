@@ -3,18 +3,25 @@
 Each ``step()`` schedules, executes the schedule on the workers and feeds the
 sampled tokens back to the scheduler. The core speaks token ids only; text,
 stop strings and ``n`` > 1 live in the front end (``LLMEngine``).
+
+With pipeline parallelism the executor takes several steps at once
+(``max_concurrent_batches``): the core keeps a queue of steps in flight,
+scheduling a new micro-batch while earlier ones move through later stages. The
+scheduler already skips requests whose last step has not come back (it has no
+new token to compute for them), so each micro-batch holds different requests.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+from collections import deque
 
 from engine.config import EngineConfig
-from engine.core.outputs import EngineCoreOutput
+from engine.core.outputs import EngineCoreOutput, SchedulerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerStats
-from engine.executor.base import Executor
+from engine.executor.base import Executor, StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +36,8 @@ class EngineCore:
         self.cache_config = cache_config.model_copy(update={"num_blocks": num_blocks})
         self.scheduler = Scheduler(config.scheduler_config, self.cache_config)
         self.config = config
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.batches_in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         # The block pool and the weights live for the whole run: keep them out of every
         # cyclic-GC pass (a full pass over them costs milliseconds in the middle of a step).
         gc.collect()
@@ -41,18 +50,43 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batches_in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
         """Runs one step; returns what each request got from it."""
+        if self.max_concurrent_batches > 1:
+            return self._step_pipelined()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
         model_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Starts a micro-batch if a slot is free and there is one to run; else finishes the oldest.
+
+        Returns [] after starting one (the caller steps again at once), so up
+        to ``max_concurrent_batches`` steps overlap.
+        """
+        if len(self.batches_in_flight) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            # An empty schedule still goes out when it carries finished or preempted ids (workers drop them).
+            if (scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids
+                    or scheduler_output.preempted_req_ids):
+                self.batches_in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
+                if scheduler_output.total_num_scheduled_tokens > 0 and \
+                        len(self.batches_in_flight) < self.max_concurrent_batches:
+                    return []
+        if not self.batches_in_flight:
+            return []
+        scheduler_output, future = self.batches_in_flight.popleft()
+        return self.scheduler.update_from_output(scheduler_output, future.result())
+
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def check_health(self) -> None:
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

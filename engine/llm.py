@@ -24,6 +24,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    def shutdown(self) -> None:
+        """Releases the workers (Ray worker actors and their placement group, when there are any)."""
+        self.llm_engine.shutdown()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -16,6 +18,18 @@ EXECUTOR_IMPORT_PATHS = {
     "uni": "engine.executor.uniproc:UniProcExecutor",
     "ray": "cluster.ray_executor:RayExecutor",
 }
+
+
+class StepFuture(Protocol):
+    """A step in flight; ``result()`` blocks until its ModelRunnerOutput is back (or raises its error)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+def done_future(output: ModelRunnerOutput) -> StepFuture:
+    future: Future = Future()
+    future.set_result(output)
+    return future
 
 
 class Executor(ABC):
@@ -35,6 +49,11 @@ class Executor(ABC):
             raise ValueError(f"Executor backend {backend!r} is not available: {error}") from error
         return getattr(module, class_name)
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may have in flight at once (pipeline stages keep that many busy)."""
+        return 1
+
     @abstractmethod
     def _init_executor(self) -> None:
         """Starts the workers and loads the model on them."""
@@ -51,8 +70,15 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step on all workers; returns the sampled tokens."""
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Starts one step; steps finish in the order they were started.
+
+        Executors with ``max_concurrent_batches`` > 1 return before the step ends.
+        """
+        return done_future(self.execute_model(scheduler_output))
+
     def check_health(self) -> None:
-        """Raises if a worker is gone."""
+        """Raises if a worker is gone. Safe to call from any thread."""
 
     def shutdown(self) -> None:
         """Releases the workers."""

@@ -1,0 +1,181 @@
+"""The Ray executor: one worker actor per device, driven by a Ray compiled graph.
+
+Control path per step: the engine core writes the ``SchedulerOutput`` once
+into the compiled graph's input channel, which every worker reads (a
+broadcast through shared memory, not one pickled task per worker); each
+worker runs its part of the forward (tensors move between ranks over
+torch.distributed: all-reduces within a tensor-parallel group, sends between
+pipeline stages) and only the output rank (last stage, TP rank 0) returns
+sampled tokens, every other rank returns None. With pipeline stages, up to
+``pipeline_parallel_size`` steps are in flight at once.
+
+Faults: a worker that dies closes the graph's channels, so the step in
+flight raises at once; a worker that hangs trips ``execute_timeout_s``. Both
+surface as ``WorkerFailedError`` and the engine stops (the serving layer
+fails the open streams and reports unhealthy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+
+import ray
+from ray.dag import InputNode, MultiOutputNode
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
+from cluster.worker_actor import RayWorker
+from engine.config import EngineConfig
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.executor.base import Executor, StepFuture
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 10.0
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker actor died, hung or raised; the engine cannot continue on this worker group."""
+
+
+def ensure_ray_initialized() -> None:
+    """Joins the cluster at RAY_ADDRESS if set, else starts a local one bound to loopback."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level="warning")
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, logging_level="warning")
+
+
+def config_for_workers(config: EngineConfig) -> EngineConfig:
+    """On CPU each worker uses as many torch threads as CPUs it reserved, unless num_threads says."""
+    device_config = config.device_config
+    if device_config.num_threads is not None:
+        return config
+    num_threads = max(1, math.floor(config.parallel_config.num_cpus_per_worker))
+    return dataclasses.replace(config, device_config=device_config.model_copy(update={"num_threads": num_threads}))
+
+
+class _StepRef:
+    """A compiled-graph step in flight; ``result()`` reads the output rank's ModelRunnerOutput."""
+
+    def __init__(self, executor: "RayExecutor", ref) -> None:
+        self.executor, self.ref = executor, ref
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._get_output(self.ref)
+
+
+class RayExecutor(Executor):
+    def _init_executor(self) -> None:
+        ensure_ray_initialized()
+        parallel = self.config.parallel_config
+        self.world_size = parallel.world_size
+        self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+        self.timeout_s = parallel.execute_timeout_s
+        use_gpu = uses_gpus(self.config.device_config.device)
+        self.dag = None
+        self._failure: BaseException | None = None
+        self.placement_group, self._owns_placement_group = acquire_placement_group(parallel, use_gpu)
+        try:
+            self.workers = self._start_workers(worker_resources(parallel, use_gpu))
+            self._init_workers(config_for_workers(self.config))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self, resources: dict[str, float]) -> list:
+        actor_class = ray.remote(RayWorker)
+        return [actor_class.options(
+            num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0), name=None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=rank,
+                placement_group_capture_child_tasks=False),
+        ).remote() for rank in range(self.world_size)]
+
+    def _init_workers(self, worker_config: EngineConfig) -> None:
+        host, port = ray.get(self.workers[0].get_address.remote())
+        init_method = f"tcp://{host}:{port}"
+        # All ranks at once: joining the process group blocks until every rank has joined.
+        pids = ray.get([worker.init_worker.remote(worker_config, rank, init_method)
+                        for rank, worker in enumerate(self.workers)])
+        logger.info("%d workers up (pids %s), process group at %s", self.world_size, pids, init_method)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel_config.pipeline_parallel_size
+
+    def determine_num_available_blocks(self) -> int:
+        return min(ray.get([worker.determine_num_available_blocks.remote() for worker in self.workers]))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        ray.get([worker.initialize_cache.remote(num_blocks) for worker in self.workers])
+        self.dag = self._compile_dag()
+
+    def _compile_dag(self):
+        with InputNode() as scheduler_output:
+            outputs = [worker.execute_model.bind(scheduler_output) for worker in self.workers]
+            dag = MultiOutputNode(outputs)
+        return dag.experimental_compile(_submit_timeout=self.timeout_s,
+                                        _max_inflight_executions=max(2, self.max_concurrent_batches))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_model_async(scheduler_output).result()
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        self._raise_if_failed()
+        try:
+            return _StepRef(self, self.dag.execute(scheduler_output))
+        except Exception as error:
+            raise self._fail(error) from error
+
+    def _get_output(self, ref) -> ModelRunnerOutput:
+        self._raise_if_failed()
+        try:
+            outputs = ray.get(ref, timeout=self.timeout_s)
+        except Exception as error:
+            raise self._fail(error) from error
+        return outputs[self.output_rank]
+
+    def _fail(self, error: BaseException) -> WorkerFailedError:
+        self._failure = error
+        return WorkerFailedError(f"A worker of this engine failed: {type(error).__name__}: {error}")
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise WorkerFailedError(f"A worker of this engine failed earlier: {self._failure}")
+
+    def check_health(self) -> None:
+        """Raises WorkerFailedError if a step failed or a worker does not answer a ping."""
+        self._raise_if_failed()
+        try:
+            ray.get([worker.ping.remote() for worker in self.workers], timeout=HEALTH_CHECK_TIMEOUT_S)
+        except Exception as error:
+            raise WorkerFailedError(f"A worker of this engine is gone: {type(error).__name__}: {error}") from error
+
+    def shutdown(self) -> None:
+        """Kills the workers, then tears the graph down. Idempotent.
+
+        Killing first: a surviving worker may be blocked in a collective with a
+        dead peer, and a graceful teardown would wait for it forever.
+        """
+        for worker in getattr(self, "workers", []):
+            try:
+                ray.kill(worker)
+            except Exception:
+                logger.debug("Killing a worker failed.", exc_info=True)
+        self.workers = []
+        if self.dag is not None:
+            try:
+                self.dag.teardown()
+            except Exception:
+                logger.debug("Compiled graph teardown failed.", exc_info=True)
+            self.dag = None
+        if getattr(self, "_owns_placement_group", False):
+            release_placement_group(self.placement_group)
+            self._owns_placement_group = False

@@ -1,0 +1,66 @@
+"""The worker actor: one device's ``engine.worker.Worker`` inside a Ray actor.
+
+The executor creates one per rank in its placement group, sets up
+torch.distributed among them through rank 0's address, then drives them
+with a compiled graph (``execute_model``) and plain calls for everything else.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import ray
+
+from engine.config import EngineConfig
+from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class RayWorker:
+    """A thin host: every method forwards to ``engine.worker.Worker`` once ``init_worker`` made it."""
+
+    def __init__(self) -> None:
+        self.worker = None
+        self.num_steps = 0
+        self.busy_s = 0.0  # time inside execute_model, for measuring the control path around it
+
+    def get_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it now, for the process-group rendezvous."""
+        node_ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((node_ip, 0))
+            return node_ip, sock.getsockname()[1]
+
+    def init_worker(self, config: EngineConfig, rank: int, distributed_init_method: str) -> int:
+        """Builds the worker, joins the process group (blocks until every rank joins), loads weights."""
+        from engine.worker.worker import Worker
+
+        self.worker = Worker(config, rank=rank, distributed_init_method=distributed_init_method)
+        self.worker.init_device()
+        self.worker.load_model()
+        return os.getpid()
+
+    def determine_num_available_blocks(self) -> int:
+        return self.worker.determine_num_available_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step; the sampled tokens from the output rank, None from every other rank."""
+        start = time.perf_counter()
+        output = self.worker.execute_model(scheduler_output)
+        self.busy_s += time.perf_counter() - start
+        self.num_steps += 1
+        return output
+
+    def step_stats(self) -> tuple[int, float]:
+        """(steps run, seconds spent inside them) since start."""
+        return self.num_steps, self.busy_s
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
