@@ -2,18 +2,22 @@
 
 Parameter names follow Hugging Face (``model.layers.N.self_attn...``), except that
 q/k/v are packed into ``qkv_proj`` and gate/up into ``gate_up_proj``;
-``load_weights`` maps checkpoint names onto them.
+``load_weights`` maps checkpoint names onto them. With pipeline parallelism a
+model holds one stage: its share of the layers, plus the embedding on the first
+stage and the final norm and LM head on the last.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import re
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.distributed.parallel_state import get_pp_indices
 from engine.model.config import ModelArchConfig
 from engine.model.layers.attention import SelfAttention
 from engine.model.layers.linear import LMHead, VocabEmbedding
@@ -27,6 +31,7 @@ PACKED_MODULES = [
     ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
     ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
 ]
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DecoderLayer(nn.Module):
@@ -54,51 +59,93 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__()
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_scaling, cfg.max_position_embeddings)
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend, tp_rank, tp_size) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class PPMissingLayer(nn.Module):
+    """Stands in for a decoder layer another pipeline stage holds, so layer indices keep HF's names."""
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage: layers ``[start_layer, end_layer)``.
+
+    ``embed_tokens`` exists on the first stage only, ``norm`` on the last only
+    (``None`` elsewhere); other stages' layers are parameterless ``PPMissingLayer``s.
+    """
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
+                 pp_rank: int = 0, pp_size: int = 1):
+        super().__init__()
+        self.start_layer, self.end_layer = get_pp_indices(cfg.num_hidden_layers, pp_rank, pp_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_scaling, cfg.max_position_embeddings)
+        is_first_stage, is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
+                             if is_first_stage else None)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary, backend, tp_rank, tp_size)
+            if self.start_layer <= index < self.end_layer else PPMissingLayer()
+            for index in range(cfg.num_hidden_layers))
+        # A plain tuple, not a registered submodule: the layers stay named model.layers.N.
+        self.local_layers = tuple(self.layers[self.start_layer:self.end_layer])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage else None
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None):
         cos_sin = self.rotary.cos_sin_for(positions, attn_metadata.max_seq_len - 1)  # [T, 2, D]
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            hidden, residual = intermediate
+        for layer, kv_cache in zip(self.local_layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, cos_sin)
+        if self.norm is None:
+            return hidden, residual
         return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    """Interface used by the model runner.
+    """Interface used by the model runner (one pipeline stage of one tensor-parallel rank).
 
-    * ``forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, hidden_size]``:
-      tokens of all requests flattened (see ``engine/attention/metadata.py``); ``kv_caches`` holds one
-      tensor per layer shaped ``backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads_local, head_dim)``
-      (``make_kv_caches`` allocates them).
-    * ``compute_logits(hidden [n, hidden_size]) -> [n, vocab_size]`` float32.
-    * ``arch_config``: the ``ModelArchConfig``.
+    * ``forward(input_ids [T], positions [T], kv_caches, attn_metadata, intermediate=None)``: tokens of
+      all requests flattened (see ``engine/attention/metadata.py``); ``kv_caches`` holds one tensor per
+      layer *of this stage* shaped ``backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads_local,
+      head_dim)`` (``make_kv_caches`` allocates them). The first stage reads ``input_ids``; a later stage
+      ignores them and takes ``intermediate = (hidden, residual)`` from the previous stage instead. The
+      last stage returns hidden states [T, hidden_size]; any other stage returns ``(hidden, residual)``,
+      each [T, hidden_size], for the next one.
+    * ``compute_logits(hidden [n, hidden_size]) -> [n, vocab_size]`` float32 (last stage only; with
+      ``tp_size > 1`` a collective that every TP rank of the stage must call).
+    * ``arch_config``: the ``ModelArchConfig``; ``num_local_layers``: the layers this stage holds.
+    * ``wants_weight(name)``: whether this rank loads checkpoint tensor ``name`` (others are never read).
     """
 
-    def __init__(self, arch_config: ModelArchConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, arch_config: ModelArchConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
+                 pp_rank: int = 0, pp_size: int = 1):
         super().__init__()
         self.arch_config = arch_config
         self.backend = backend
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.model = LlamaModel(arch_config, backend, tp_rank, tp_size)
-        tied = self.model.embed_tokens if arch_config.tie_word_embeddings else None
-        self.lm_head = LMHead(arch_config.vocab_size, arch_config.hidden_size, tp_rank, tp_size, tied_to=tied)
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.model = LlamaModel(arch_config, backend, tp_rank, tp_size, pp_rank, pp_size)
+        self.lm_head = None
+        if pp_rank == pp_size - 1:
+            # Tied with pp_size > 1: the embedding lives on the first stage, so the last stage holds its
+            # own copy, loaded from model.embed_tokens.weight (load_weights renames it).
+            tied = self.model.embed_tokens if arch_config.tie_word_embeddings else None
+            self.lm_head = LMHead(arch_config.vocab_size, arch_config.hidden_size, tp_rank, tp_size, tied_to=tied)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.model.end_layer - self.model.start_layer
 
     @property
     def num_kv_heads_local(self) -> int:
-        return self.model.layers[0].self_attn.num_kv_heads
+        return self.model.local_layers[0].self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -110,15 +157,49 @@ class LlamaForCausalLM(nn.Module):
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> list[torch.Tensor]:
-        """Zeroed caches, one per layer (dtype/device default to the model's)."""
-        w = self.model.norm.weight
+        """Zeroed caches, one per layer of this stage (dtype/device default to the model's)."""
+        w = self.model.local_layers[0].input_layernorm.weight
         return self.backend.allocate_kv_caches(
-            self.arch_config.num_hidden_layers, num_blocks, block_size, self.num_kv_heads_local,
+            self.num_local_layers, num_blocks, block_size, self.num_kv_heads_local,
             self.arch_config.head_dim, dtype or w.dtype, device or w.device)
 
+    def wants_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this stage.
+
+        Only other stages' weights are refused; names this model does not know
+        are wanted, so that loading reports them as unexpected.
+        """
+        layer_index = _layer_index(name)
+        if layer_index is not None:
+            out_of_range = layer_index >= self.arch_config.num_hidden_layers
+            return out_of_range or self.model.start_layer <= layer_index < self.model.end_layer
+        is_tied = self.arch_config.tie_word_embeddings
+        if name.startswith("lm_head."):
+            return self.lm_head is not None and not is_tied  # a tied checkpoint may carry a copy: unused
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None or (is_tied and self.lm_head is not None)
+        if name.startswith("model.norm."):
+            return self.model.norm is not None
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (checkpoint name, tensor) pairs; raises listing missing / unexpected names."""
-        skip = ["rotary_emb.inv_freq"]
-        if self.arch_config.tie_word_embeddings:
-            skip.append("lm_head.weight")
-        load_named_weights(self, weights, PACKED_MODULES, skip_suffixes=skip)
+        """Load (checkpoint name, tensor) pairs of this stage; raises listing missing / unexpected names.
+
+        Pairs ``wants_weight`` refuses are skipped, so the full checkpoint may be passed.
+        """
+        load_named_weights(self, self._stage_weights(weights), PACKED_MODULES, skip_suffixes=["rotary_emb.inv_freq"])
+
+    def _stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        head_copies_embedding = self.arch_config.tie_word_embeddings and self.model.embed_tokens is None
+        for name, tensor in weights:
+            if not self.wants_weight(name):
+                continue
+            if head_copies_embedding and name == "model.embed_tokens.weight":
+                name = "lm_head.weight"
+            yield name, tensor
+
+
+def _layer_index(name: str) -> int | None:
+    """N of ``model.layers.N.…``; None for weights outside the decoder layers."""
+    match = _LAYER_NAME.match(name)
+    return int(match.group(1)) if match else None

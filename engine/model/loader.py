@@ -4,8 +4,9 @@ Weights are read lazily, tensor by tensor, with ``safetensors.safe_open``
 (one ``model.safetensors`` or the shards listed in
 ``model.safetensors.index.json``) and handed to each parameter's
 ``weight_loader(param, tensor, shard_id=None)``, which copies (and casts) the
-part this tensor-parallel rank owns. Loading fails listing every missing and
-unexpected checkpoint weight.
+part this tensor-parallel rank owns. With pipeline parallelism only this
+stage's tensors are read (``model.wants_weight``). Loading fails listing every
+missing and unexpected checkpoint weight of this rank's part.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import glob
 import json
 import os
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -47,12 +48,17 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) one at a time; never materialises a whole file."""
+def iter_safetensors(model_dir: str, name_filter: Callable[[str], bool] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) one at a time; never materialises a whole file.
+
+    Tensors whose name ``name_filter`` refuses are never read.
+    """
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name_filter is None or name_filter(name):
+                    yield name, f.get_tensor(name)
 
 
 def _map_name(name: str, packed: list[tuple[str, str, object]]) -> tuple[str, object]:
@@ -126,11 +132,14 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def get_model(model_dir: str, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu", *,
-              attn_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
-    """Build the model for ``model_dir``, load its weights cast to ``dtype``, return it in eval mode.
+              attn_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
+              pp_rank: int = 0, pp_size: int = 1) -> nn.Module:
+    """Build this rank's part of the model in ``model_dir``, load its weights cast to ``dtype``; eval mode.
 
-    ``dtype`` defaults to the checkpoint's (float32 if unrecorded). The result
-    follows the interface documented on ``LlamaForCausalLM``.
+    The part is pipeline stage ``pp_rank`` of ``pp_size``, tensor-parallel slice
+    ``tp_rank`` of ``tp_size`` (defaults: the whole model). ``dtype`` defaults to
+    the checkpoint's (float32 if unrecorded). The result follows the interface
+    documented on ``LlamaForCausalLM``.
     """
     from engine.attention.backend import get_attention_backend
     from engine.model.registry import get_model_class
@@ -141,6 +150,7 @@ def get_model(model_dir: str, dtype: torch.dtype | str | None = None, device: to
     arch = ModelArchConfig.from_hf_config(hf_config)
     dtype = parse_dtype(dtype) or arch.torch_dtype or torch.float32
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(arch, get_attention_backend(attn_backend), tp_rank=tp_rank, tp_size=tp_size)
-    model.load_weights(iter_safetensors(model_dir))
+        model = model_cls(arch, get_attention_backend(attn_backend), tp_rank=tp_rank, tp_size=tp_size,
+                          pp_rank=pp_rank, pp_size=pp_size)
+    model.load_weights(iter_safetensors(model_dir, model.wants_weight))
     return model.eval()

@@ -5,6 +5,16 @@ Per step: drop finished/preempted requests, apply the deltas, flatten every
 scheduled token into one batch, run one forward over the mixed batch of
 prefill chunks and decodes, and sample one token for each request whose
 prompt is fully computed.
+
+With tensor/pipeline parallelism every rank runs this same code on the same
+``SchedulerOutput`` and keeps the same per-request state; only the forward is
+split. A pipeline stage after the first receives the previous stage's
+(hidden, residual) instead of embedding tokens; a stage before the last sends
+its own on and stops there. The last stage computes logits on every TP rank
+(a collective), and only the output rank (last stage, TP rank 0) samples and
+returns a ``ModelRunnerOutput``. The other ranks learn the sampled tokens from
+the next step's deltas (``CachedRequestData.new_token_ids``), or, for a request
+resumed after preemption, from ``NewRequestData.output_token_ids``.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig
 from engine.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from engine.distributed.parallel_state import get_parallel_state, recv_from_prev_stage, send_to_next_stage
 from engine.model import get_model
 from engine.model.layers.cpu_prepack import prepack_linears
 from engine.sample import Sampler, SamplingMetadata, make_generator
@@ -38,12 +49,12 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        # This rank's place in the TP/PP groups, read again in load_model (after init_distributed).
+        self.parallel_state = get_parallel_state()
         self.block_size = config.cache_config.block_size
         scheduler_config = config.scheduler_config
         self.max_num_blocks_per_req = -(-scheduler_config.max_model_len // self.block_size)
@@ -63,27 +74,35 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
 
     def load_model(self) -> None:
+        """Loads this rank's part of the model: its pipeline stage, its tensor-parallel slice."""
+        parallel = self.parallel_state = get_parallel_state()
         self.model = get_model(self.config.model_config.model, dtype=self.dtype, device=self.device,
                                attn_backend=self.config.model_config.attention_backend,
-                               tp_rank=self.tp_rank, tp_size=self.tp_size)
+                               tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
+                               pp_rank=parallel.pp_rank, pp_size=parallel.pp_size)
         prepack_linears(self.model)  # bf16 on CPU: oneDNN layouts once, not per call
         self.vocab_size = self.model.arch_config.vocab_size
+        self.hidden_size = self.model.arch_config.hidden_size
         self.eos_token_ids = list(self.model.arch_config.eos_token_ids)
 
     def get_kv_cache_block_bytes(self) -> int:
-        """Bytes one block takes across all layers on this rank."""
+        """Bytes one block takes across the layers of this rank (its stage, its KV heads)."""
         shape = self.model.get_kv_cache_shape(1, self.block_size)
         num_elements = 1
         for dim in shape:
             num_elements *= dim
-        return num_elements * self.model.arch_config.num_hidden_layers * self.dtype.itemsize
+        return num_elements * self.model.num_local_layers * self.dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """One forward of a full token budget, to find (on GPU) the activation peak."""
+        """One forward of a full token budget, to find (on GPU) the activation peak.
+
+        With tp_size > 1 a collective: every rank of the stage must call it at
+        once. Stages do not talk to each other here (a later stage runs on zeros).
+        """
         num_tokens = min(self.config.scheduler_config.max_num_batched_tokens,
                          self.config.scheduler_config.max_model_len - 1)
         num_blocks = -(-num_tokens // self.block_size)
@@ -92,24 +111,47 @@ class ModelRunner:
                                             self.block_size, device=self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
-        hidden = self.model(input_ids, positions, kv_caches, metadata)
-        self.model.compute_logits(hidden[-1:])
+        intermediate = None
+        if not self.parallel_state.is_first_stage:
+            zeros = torch.zeros(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
+            intermediate = (zeros, zeros.clone())
+        hidden = self.model(input_ids, positions, kv_caches, metadata, intermediate)
+        if self.parallel_state.is_last_stage:
+            self.model.compute_logits(hidden[-1:])
         del kv_caches, hidden
 
     # -------------------------------------------------------------------- step
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Runs one step: the sampled tokens on the output rank, None on every other rank.
+
+        With several ranks, every rank must be given every step (collectives
+        and stage-to-stage transfers inside), in the same order.
+        """
         self._update_states(scheduler_output)
+        parallel = self.parallel_state
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if parallel.is_output_rank else None
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        intermediate = None
+        if not parallel.is_first_stage:
+            intermediate = recv_from_prev_stage(inputs.attn_metadata.num_actual_tokens, self.hidden_size,
+                                                self.dtype, self.device)
+        output = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
+        if not parallel.is_last_stage:
+            send_to_next_stage(*output)  # (hidden, residual)
+            return None
+        hidden = output  # [num_tokens, hidden_size]
         prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden)
+        logits = None
+        if inputs.sampled_req_ids:  # with tp_size > 1 a collective: every rank of the last stage computes them
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sampled, vocab]
+        if not parallel.is_output_rank:
+            return None
         sampled_tokens: dict[str, list[int]] = {}
         logprobs = None
-        if inputs.sampled_req_ids:
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sampled, vocab]
+        if logits is not None:
             sampled_tokens, logprobs = self._sample(inputs.sampled_req_ids, logits)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids, sampled_token_ids=[sampled_tokens.get(r, []) for r in inputs.req_ids],
@@ -242,15 +284,18 @@ class ModelRunner:
                 continue
             offset = inputs.token_offsets[index] + start - chunk_start
             rows = hidden[offset:offset + last - start + 1]
+            logits = self.model.compute_logits(rows)  # every TP rank of the last stage: a collective
+            self._num_prompt_logprobs_sent[req_id] = last + 1
+            if not self.parallel_state.is_output_rank:
+                continue
             next_ids = torch.tensor(state.prompt_token_ids[start + 1:last + 2], device=self.device)
-            tensors = compute_prompt_logprobs(self.model.compute_logits(rows), next_ids, num)
+            tensors = compute_prompt_logprobs(logits, next_ids, num)
             result[req_id] = LogprobsLists(tensors.token_ids.tolist(), tensors.logprobs.tolist(),
                                            tensors.ranks.tolist())
-            self._num_prompt_logprobs_sent[req_id] = last + 1
         return result or None
 
     def _tokenize_bad_words(self, params) -> list[list[int]] | None:
-        if not params.bad_words:
+        if not params.bad_words or not self.parallel_state.is_output_rank:  # only the output rank samples
             return None
         if self._tokenizer is None:
             from transformers import AutoTokenizer

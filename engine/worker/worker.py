@@ -2,7 +2,10 @@
 
 Executors drive workers through this interface only (in-process for one
 device; as Ray actors in ``cluster/`` for several), so the two paths run the
-same code.
+same code. With ``world_size > 1`` there is one worker per rank, each in its
+own process: build it with its rank and the process group's rendezvous URL,
+then call every method on all workers at once (``init_device``,
+``determine_num_available_blocks`` and ``execute_model`` are collective).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.distributed.parallel_state import ParallelState, destroy_distributed, init_distributed
 from engine.model.config import parse_dtype
 from engine.worker.model_runner import ModelRunner
 
@@ -65,20 +69,50 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
 
 
+def device_for_rank(device: torch.device, rank: int) -> torch.device:
+    """``cuda`` without an index means one GPU per rank when several are visible (Ray shows each actor one)."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """One rank: ``rank`` of ``parallel_config.world_size`` (``rank = pp_rank * tp_size + tp_rank``).
+
+    ``distributed_init_method`` (e.g. ``tcp://HOST:PORT``, where rank 0
+    listens) is required when the world size is above 1.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        parallel = config.parallel_config
+        if parallel.world_size > 1 and distributed_init_method is None:
+            raise ValueError(f"A worker of a world of {parallel.world_size} ranks needs distributed_init_method")
         self.config = config
         self.rank = rank
-        self.device = resolve_device(config.device_config.device)
+        self.distributed_init_method = distributed_init_method
+        self.parallel_state = ParallelState.for_rank(rank, parallel.tensor_parallel_size,
+                                                     parallel.pipeline_parallel_size)
+        self.device = device_for_rank(resolve_device(config.device_config.device), rank)
         self.dtype = resolve_dtype(config)
-        self.model_runner = ModelRunner(config, self.device, self.dtype, tp_rank=tp_rank, tp_size=tp_size)
+        self.model_runner = ModelRunner(config, self.device, self.dtype)
+
+    @property
+    def is_output_rank(self) -> bool:
+        """Whether ``execute_model`` returns the sampled tokens here (last stage, TP rank 0), not None."""
+        return self.parallel_state.is_output_rank
 
     def init_device(self) -> None:
+        """Sets up the device and, with several ranks, joins the process group (blocks until all join)."""
         if self.device.type == "cpu":
             torch.set_num_threads(self.config.device_config.num_threads or os.cpu_count() or 1)
             keep_freed_memory_in_heap()
         else:
             torch.cuda.set_device(self.device)
+        parallel = self.config.parallel_config
+        if parallel.world_size > 1:
+            init_distributed(parallel.world_size, self.rank, self.distributed_init_method,
+                             parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                             backend="nccl" if self.device.type == "cuda" else "gloo")
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
@@ -87,11 +121,13 @@ class Worker:
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit this worker's budget, after loading and a profiling forward.
 
-        The budget is ``kv_cache_memory_bytes`` if set; else on GPU
-        ``gpu_memory_utilization`` of the device minus what the weights and the
-        profiled activation peak use; on CPU ``cpu_kv_cache_fraction`` of the
-        RAM still available. Capped at the blocks ``max_num_seqs`` sequences of
-        ``max_model_len`` tokens could ever hold at once.
+        The budget is ``kv_cache_memory_bytes`` if set (per worker, as vLLM's);
+        else on GPU ``gpu_memory_utilization`` of the device minus what the
+        weights and the profiled activation peak use; on CPU
+        ``cpu_kv_cache_fraction`` of the RAM still available, divided by the
+        world size. Capped at the blocks ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens could ever hold at once. Collective with
+        tp_size > 1 (the profiling forward): call it on every worker at once.
         """
         cache_config = self.config.cache_config
         if self.device.type == "cuda":
@@ -106,7 +142,10 @@ class Worker:
             # In use now (weights, other processes) plus the activations a full step needs on top.
             budget = int(total * cache_config.gpu_memory_utilization) - (total - free) - activation_peak
         else:
-            budget = int(available_cpu_memory_bytes() * cache_config.cpu_kv_cache_fraction)
+            # Workers on one machine share its RAM but each sees all of it free (the executor sizes every
+            # worker before any allocates): each takes its share. Conservative when they span nodes.
+            world_size = self.config.parallel_config.world_size
+            budget = int(available_cpu_memory_bytes() * cache_config.cpu_kv_cache_fraction / world_size)
         block_bytes = self.model_runner.get_kv_cache_block_bytes()
         scheduler_config = self.config.scheduler_config
         max_useful = scheduler_config.max_num_seqs * self.model_runner.max_num_blocks_per_req + 1
@@ -118,8 +157,14 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step; the sampled tokens on the output rank, None on every other rank."""
         return self.model_runner.execute_model(scheduler_output)
 
     def check_health(self) -> None:
         return None
+
+    def shutdown(self) -> None:
+        """Leaves the process group, if this worker joined one."""
+        if self.config.parallel_config.world_size > 1:
+            destroy_distributed()

@@ -6,10 +6,11 @@ that belongs to its rank (``tp_rank`` of ``tp_size``, default 0 of 1) into the
 right place (for packed layers, the right shard: ``"q"/"k"/"v"`` or ``0/1``).
 Copying casts to the parameter's dtype.
 
-Only the loading is tensor-parallel today. With ``tp_size > 1`` the forward of
-``RowParallelLinear`` / ``VocabEmbedding`` / ``LMHead`` additionally needs a
-collective; they call ``self.reduce`` / ``self.gather`` which a TP runner sets
-(default: raise), so the single-rank path never touches torch.distributed.
+With ``tp_size > 1`` the forward of ``RowParallelLinear`` and ``VocabEmbedding``
+sums the ranks' partial outputs (``tp_all_reduce``) and ``LMHead`` concatenates
+the ranks' vocab shards (``tp_all_gather``) over the tensor-parallel group that
+``engine.distributed.init_distributed`` built; with ``tp_size == 1`` (one
+device) no collective is ever called.
 
 Weights are allocated with ``torch.empty`` (no random init): construction is
 cheap and every value comes from the checkpoint.
@@ -23,11 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.parallel_state import tp_all_gather, tp_all_reduce
 from engine.model.layers.cpu_prepack import linear
-
-
-def _no_collective(x: torch.Tensor) -> torch.Tensor:
-    raise NotImplementedError("tp_size > 1 needs a collective; set layer.reduce / layer.gather")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -130,7 +128,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input dim split across ranks; partial outputs are summed by ``self.reduce``.
+    """Input dim split across ranks; partial outputs are summed over the TP group.
 
     The bias is added once, after the reduction.
     """
@@ -138,7 +136,6 @@ class RowParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
         assert in_features % tp_size == 0, (in_features, tp_size)
         super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _no_collective
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # bias: replicated
@@ -149,7 +146,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return linear(x, self.weight, self.bias, self.packed_weight)
-        y = self.reduce(linear(x, self.weight, None, self.packed_weight))
+        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -163,7 +160,6 @@ class VocabEmbedding(nn.Module):
         self.vocab_size, self.local_vocab = vocab_size, vocab_size // tp_size
         self.vocab_start = tp_rank * self.local_vocab
         self.weight = _param((self.local_vocab, hidden_size), self.weight_loader)
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _no_collective
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded.narrow(0, self.vocab_start, self.local_vocab))
@@ -174,11 +170,11 @@ class VocabEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.local_vocab)
         out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight) * mine.unsqueeze(-1)
-        return self.reduce(out)
+        return tp_all_reduce(out)  # each token's row comes from the one rank holding it
 
 
 class LMHead(nn.Module):
-    """Vocab-parallel output projection; ``gather`` concatenates rank shards along vocab.
+    """Vocab-parallel output projection; the ranks' logit shards are concatenated along vocab.
 
     With tied embeddings it reuses ``embedding.weight`` (the same Parameter).
     """
@@ -193,8 +189,7 @@ class LMHead(nn.Module):
             emb = VocabEmbedding(vocab_size, hidden_size, tp_rank, tp_size)
             self.weight = emb.weight  # keeps emb's vocab-sharding weight_loader
         self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack.prepack_linears
-        self.gather: Callable[[torch.Tensor], torch.Tensor] = _no_collective
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, None, self.packed_weight)
-        return logits if self.tp_size == 1 else self.gather(logits)
+        return logits if self.tp_size == 1 else tp_all_gather(logits)  # [T, V/tp] -> [T, V]
