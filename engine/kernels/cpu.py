@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -35,6 +36,9 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-signe
 _FUSED_OPS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "rotary_embedding_and_cache")
 
 _is_enabled = os.environ.get("SERVAL_DISABLE_CPU_KERNELS") != "1"
+# One build directory per checkout: torch keys its cache by name alone, and ninja rebuilds when the
+# source paths change, so two checkouts sharing a name would rebuild each other's module on every load.
+_MODULE_NAME = "serval_cpu_kernels_" + hashlib.sha1(str(_CSRC).encode()).hexdigest()[:8]
 
 
 @functools.cache
@@ -43,7 +47,7 @@ def _build():
         import ninja  # the pip package carries the binary torch's loader looks for on PATH
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         from torch.utils.cpp_extension import load
-        return load(name="serval_cpu_kernels", sources=[str(_CSRC / s) for s in _SOURCES],
+        return load(name=_MODULE_NAME, sources=[str(_CSRC / s) for s in _SOURCES],
                     extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as error:  # no compiler, no ninja, ...: plain torch still works
