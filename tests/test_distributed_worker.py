@@ -18,6 +18,7 @@ of its stage's checkpoint tensors, and other stages' tensors are never read.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import multiprocessing
 import os
@@ -271,3 +272,53 @@ def test_each_rank_loads_exactly_its_slice_of_its_stage(tiny_checkpoint, case):
             read = {name for name, _ in iter_safetensors(path, model.wants_weight)}
             assert not any(name.startswith(f"model.layers.{1 - pp_rank}.") for name in read)
             assert ("model.norm.weight" in read) == (pp_rank == 1)
+
+
+# ------------------------------------------------------------- small contracts
+
+
+def test_rank_layout_and_stage_split():
+    from engine.distributed import ParallelState, get_pp_indices
+
+    states = [ParallelState.for_rank(rank, tp_size=2, pp_size=3) for rank in range(6)]
+    assert [(s.pp_rank, s.tp_rank) for s in states] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [s.rank for s in states if s.is_output_rank] == [4]
+    assert [s.is_first_stage for s in states] == [True, True, False, False, False, False]
+    assert [s.is_last_stage for s in states] == [False, False, False, False, True, True]
+    assert [get_pp_indices(7, r, 3) for r in range(3)] == [(0, 2), (2, 5), (5, 7)]  # extra layer before the last
+    assert [get_pp_indices(8, r, 2) for r in range(2)] == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError):
+        get_pp_indices(1, 0, 2)
+
+
+def test_rendezvous_on_loopback_binds_the_loopback_interface():
+    from engine.distributed.interfaces import interface_with_address, local_address_towards
+
+    assert local_address_towards("127.0.0.1", 9) == "127.0.0.1"
+    assert interface_with_address("127.0.0.1") == "lo"
+    assert interface_with_address("203.0.113.77") is None  # TEST-NET-3: held by no interface here
+
+
+def test_cpu_kv_budget_is_shared_by_the_workers_of_one_machine(tiny_checkpoint, monkeypatch):
+    """Each of N workers takes 1/N of cpu_kv_cache_fraction of free RAM (they all see the same RAM free)."""
+    from engine.worker import worker as worker_module
+
+    path = tiny_checkpoint("llama")
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block_size x kv heads x head_dim x float32
+    monkeypatch.setattr(worker_module, "available_cpu_memory_bytes", lambda: 4 * 40 * block_bytes)
+    num_blocks = []
+    for pp_size in (1, 2):
+        config = dataclasses.replace(make_config(path, pp_size=pp_size),
+                                     cache_config=CacheConfig(block_size=BLOCK_SIZE))  # sized from RAM
+        # Not joined to a process group: the worker runs the whole model, only the world size differs.
+        worker = worker_module.Worker(config, rank=0, distributed_init_method="tcp://127.0.0.1:9")
+        worker.model_runner.load_model()
+        num_blocks.append(worker.determine_num_available_blocks())
+    assert num_blocks == [40, 20]
+
+
+def test_a_worker_of_several_ranks_needs_a_rendezvous(tiny_checkpoint):
+    from engine.worker.worker import Worker
+
+    with pytest.raises(ValueError, match="distributed_init_method"):
+        Worker(make_config(tiny_checkpoint("llama"), tp_size=2), rank=1)
