@@ -5,7 +5,8 @@ the real ``Scheduler`` on the same requests; the output rank's
 ``ModelRunnerOutput`` reaches every rank's scheduler through
 ``broadcast_object_list`` (this harness only; the Ray executor returns it to the
 one engine core). Greedy tokens must be identical to the single-device run of the
-same harness for TP=2, PP=2 and TP=2 x PP=2, on tiny checkpoints with untied and
+same harness (logprobs and prompt logprobs within 1e-4) for TP=2, PP=2 and
+TP=2 x PP=2, on tiny checkpoints with untied and
 tied embeddings, for a batch of mixed-length prompts under a small token budget
 (prefill chunks and decodes in one step) and a small KV pool (preemption, and
 requests resumed with output tokens). Along the way: every rank's per-request
@@ -13,7 +14,8 @@ tokens agree with the scheduler's after every step, only the output rank returns
 an output, and every TCP socket of every rank is on 127.0.0.1.
 
 Also, without processes: each rank's loaded parameters are exactly its TP slice
-of its stage's checkpoint tensors, and other stages' tensors are never read.
+of its stage's checkpoint tensors, other stages' tensors are never read, and a
+stage still reports its own missing or unexpected weights.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import multiprocessing
 import os
 import queue
 import random
+import shutil
 import socket
 import traceback
 from collections import defaultdict
@@ -46,7 +49,9 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 11  # 10 usable blocks for ~240 tokens of requests: preemptions
 MAX_NUM_BATCHED_TOKENS = 24  # prompts arrive in chunks, next to other requests' decodes
 RANK_TIMEOUT_S = 120
-GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS)
+# Logprobs too: prompt logprobs make every TP rank of the last stage compute logits for prompt chunks.
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=2, prompt_logprobs=2)
+LOGPROB_ATOL = 1e-4
 
 
 def make_config(path: str, tp_size: int = 1, pp_size: int = 1) -> EngineConfig:
@@ -82,6 +87,7 @@ def generate(config: EngineConfig, rank: int = 0, init_method: str | None = None
         scheduler.add_request(Request(f"req-{index}", prompt, GREEDY, eos_token_id=None))
     output_rank = config.parallel_config.world_size - config.parallel_config.tensor_parallel_size
     tokens: dict[str, list[int]] = defaultdict(list)
+    logprobs: dict[str, list[list[float]]] = defaultdict(list)  # top logprobs: sampled tokens, then prompt tokens
     num_resumed_with_outputs = 0
     returned_outputs = set()
     while scheduler.has_unfinished_requests():
@@ -95,11 +101,13 @@ def generate(config: EngineConfig, rank: int = 0, init_method: str | None = None
             output = shared[0]
         for core_output in scheduler.update_from_output(scheduler_output, output):
             tokens[core_output.request_id].extend(core_output.new_token_ids)
+            for lists in (core_output.new_logprobs, core_output.new_prompt_logprobs):
+                logprobs[core_output.request_id].extend(lists.logprobs if lists is not None else [])
         assert_in_sync(worker, scheduler)
     # Every connection the process group made exists by now.
     sockets_off_loopback = tcp_sockets_off_loopback() if config.parallel_config.world_size > 1 else []
     worker.shutdown()
-    return {"tokens": dict(tokens), "num_preemptions": scheduler.num_preemptions,
+    return {"tokens": dict(tokens), "logprobs": dict(logprobs), "num_preemptions": scheduler.num_preemptions,
             "num_resumed_with_outputs": num_resumed_with_outputs, "returned_outputs": returned_outputs,
             "is_output_rank": worker.is_output_rank, "sockets_off_loopback": sockets_off_loopback}
 
@@ -205,18 +213,24 @@ def test_single_device_reference_exercises_the_hard_paths(single_device):
     for reference in single_device.values():
         assert len(reference["tokens"]) == len(PROMPT_LENGTHS)
         assert all(len(t) == MAX_TOKENS for t in reference["tokens"].values())
+        # One row per sampled token and per prompt token after the first, each sent once despite preemption.
+        assert sorted(len(rows) for rows in reference["logprobs"].values()) == sorted(
+            MAX_TOKENS + n - 1 for n in PROMPT_LENGTHS)
         assert reference["num_preemptions"] > 0
         assert reference["num_resumed_with_outputs"] > 0  # resumed requests carry output tokens
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_parallel_greedy_tokens_match_single_device(tiny_checkpoint, single_device, layout):
+def test_parallel_greedy_run_matches_single_device(tiny_checkpoint, single_device, layout):
     tp_size, pp_size = layout
     outcomes = run_world(tp_size, pp_size, [tiny_checkpoint(*case) for case in CASES])
     output_rank = (pp_size - 1) * tp_size
     for rank, rank_outcomes in enumerate(outcomes):
         for case, outcome in zip(CASES, rank_outcomes):
             assert outcome["tokens"] == single_device[case]["tokens"], (case, rank)
+            for req_id, expected in single_device[case]["logprobs"].items():
+                torch.testing.assert_close(torch.tensor(outcome["logprobs"][req_id]), torch.tensor(expected),
+                                           atol=LOGPROB_ATOL, rtol=0)
             assert outcome["num_preemptions"] == single_device[case]["num_preemptions"]
             assert outcome["is_output_rank"] == (rank == output_rank)
             assert outcome["returned_outputs"] == {rank == output_rank}, "only the output rank returns outputs"
@@ -322,3 +336,24 @@ def test_a_worker_of_several_ranks_needs_a_rendezvous(tiny_checkpoint):
 
     with pytest.raises(ValueError, match="distributed_init_method"):
         Worker(make_config(tiny_checkpoint("llama"), tp_size=2), rank=1)
+
+
+def test_a_stage_reports_its_own_missing_and_unexpected_weights(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine.model import WeightLoadingError, get_model
+
+    shutil.copytree(tiny_checkpoint("llama"), tmp_path, dirs_exist_ok=True)
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    get_model(str(tmp_path), torch.float32, pp_rank=0, pp_size=2)  # layer 1 is not stage 0's
+    with pytest.raises(WeightLoadingError, match=r"missing weights \['model\.layers\.1\.mlp\.down_proj\.weight'\]"):
+        get_model(str(tmp_path), torch.float32, pp_rank=1, pp_size=2)
+    tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.2.mlp.down_proj.weight"] = torch.zeros(64, 128)  # a layer the config does not have
+    save_file(tensors, file, metadata={"format": "pt"})
+    for pp_rank in range(2):
+        with pytest.raises(WeightLoadingError, match=r"unexpected weights \['model\.layers\.2\.mlp"):
+            get_model(str(tmp_path), torch.float32, pp_rank=pp_rank, pp_size=2)
