@@ -18,7 +18,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.distributed.parallel_state import ParallelState, destroy_distributed, init_distributed
+from engine.distributed.parallel_state import (ParallelState, destroy_distributed, get_parallel_state,
+                                               init_distributed)
 from engine.model.config import parse_dtype
 from engine.worker.model_runner import ModelRunner
 
@@ -116,6 +117,9 @@ class Worker:
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
+        """Loads this rank's part of the model; after ``init_device``."""
+        if get_parallel_state() != self.parallel_state:  # else every rank would load the whole model
+            raise RuntimeError(f"Worker {self.rank}: call init_device (joins the process group) before load_model")
         self.model_runner.load_model()
 
     def determine_num_available_blocks(self) -> int:
