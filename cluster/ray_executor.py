@@ -24,6 +24,7 @@ import os
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
+from ray.dag.context import DAGContext
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
@@ -121,6 +122,9 @@ class RayExecutor(Executor):
         with InputNode() as scheduler_output:
             outputs = [worker.execute_model.bind(scheduler_output) for worker in self.workers]
             dag = MultiOutputNode(outputs)
+        # Reads of results (and Ray's internal buffer releases) wait up to this long; Ray's default is 10 s,
+        # less than a long prefill on CPU can take.
+        DAGContext.get_current().get_timeout = self.timeout_s
         return dag.experimental_compile(_submit_timeout=self.timeout_s,
                                         _max_inflight_executions=max(2, self.max_concurrent_batches))
 
@@ -159,23 +163,28 @@ class RayExecutor(Executor):
             raise WorkerFailedError(f"A worker of this engine is gone: {type(error).__name__}: {error}") from error
 
     def shutdown(self) -> None:
-        """Kills the workers, then tears the graph down. Idempotent.
+        """Stops the compiled graph and kills the workers. Idempotent.
 
-        Killing first: a surviving worker may be blocked in a collective with a
-        dead peer, and a graceful teardown would wait for it forever.
+        After a failure the workers are killed first: a survivor may be blocked
+        in a collective with a dead peer, and a graceful teardown would wait for it.
         """
+        if self._failure is None:
+            self._teardown_dag()
         for worker in getattr(self, "workers", []):
             try:
                 ray.kill(worker)
             except Exception:
                 logger.debug("Killing a worker failed.", exc_info=True)
         self.workers = []
-        if self.dag is not None:
-            try:
-                self.dag.teardown()
-            except Exception:
-                logger.debug("Compiled graph teardown failed.", exc_info=True)
-            self.dag = None
+        self._teardown_dag()
         if getattr(self, "_owns_placement_group", False):
             release_placement_group(self.placement_group)
             self._owns_placement_group = False
+
+    def _teardown_dag(self) -> None:
+        if self.dag is not None:
+            dag, self.dag = self.dag, None
+            try:
+                dag.teardown()
+            except Exception:
+                logger.debug("Compiled graph teardown failed.", exc_info=True)
