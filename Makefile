@@ -8,6 +8,8 @@ STAMP := $(VENV)/.installed
 MODELS := models
 # Ray keeps 127.0.0.1 as loopback (instead of this machine's network address) only with this set.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+# Ray token authentication for the clusters make starts and the drivers that join them (see deployments/launcher.py).
+export RAY_AUTH_MODE ?= token
 
 .PHONY: venv test serve stop models clean bench-scheduler
 

@@ -21,6 +21,9 @@ import random
 # Ray reads this at import: with it, "127.0.0.1" stays loopback instead of being swapped for this
 # machine's network address (tests talk to 127.0.0.1 only).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Token auth for every cluster the tests start and join (Ray enables it once a token file exists; a
+# driver joining such a cluster presents the token only when the mode is set).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import pytest
 

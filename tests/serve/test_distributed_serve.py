@@ -1,0 +1,89 @@
+"""Tensor parallelism behind the Serve app: each replica is one TP=2 group of Ray worker actors.
+
+Greedy completions over HTTP equal the single-device offline engine. A worker
+process killed mid-stream ends the stream with an error event (no hang), the
+replica reports unhealthy, Serve replaces it (new workers in a new placement
+group), and requests succeed again afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
+
+MODEL = "tiny-llama-tp2"
+SERVER = f"LLMServer:{MODEL}"
+PROMPTS = ["The quick brown fox", "Once upon a time", "def main():"]
+
+
+@pytest.fixture(scope="module")
+def client(ray_head, tiny_checkpoint):
+    config = llm_config(MODEL, tiny_checkpoint("llama"), tensor_parallel_size=2, num_cpus_per_worker=0.25)
+    config["deployment_config"].update(ray_actor_options={"num_cpus": 0.25}, health_check_period_s=1,
+                                       health_check_timeout_s=10)
+    deploy_and_wait(ray_head, serve_config(ray_head.http_port, [config]))
+    return openai.OpenAI(base_url=f"{ray_head.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline_texts(tiny_checkpoint) -> list[str]:
+    from engine import LLM, SamplingParams
+    llm = LLM(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    texts = [output.outputs[0].text for output in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.shutdown()
+    return texts
+
+
+def complete(client, prompt: str) -> str:
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    return response.choices[0].text
+
+
+def worker_pids() -> list[int]:
+    from ray.util.state import list_actors
+    actors = list_actors(filters=[("class_name", "=", "RayWorker"), ("state", "=", "ALIVE")])
+    return sorted(actor.pid for actor in actors)
+
+
+def replica_ids(head) -> list[str]:
+    replicas = app_status(head).get("deployments", {}).get(SERVER, {}).get("replicas", [])
+    return [replica["replica_id"] for replica in replicas if replica["state"] == "RUNNING"]
+
+
+def test_greedy_completions_equal_the_single_device_engine(client, offline_texts):
+    assert [complete(client, prompt) for prompt in PROMPTS] == offline_texts
+
+
+def test_a_killed_worker_errors_the_stream_and_serve_replaces_the_replica(ray_head, client, offline_texts):
+    pids = worker_pids()
+    assert len(pids) == 2
+    replicas_before = replica_ids(ray_head)
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    assert next(chunks).choices[0].text is not None
+    os.kill(pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - started < 30, "the stream took too long to fail"
+
+    deadline = time.monotonic() + 180
+    while True:
+        replicas = replica_ids(ray_head)
+        if replicas and not set(replicas) & set(replicas_before) and app_status(ray_head)["status"] == "RUNNING":
+            break
+        assert time.monotonic() < deadline, f"Serve did not replace the replica: {app_status(ray_head)}"
+        time.sleep(1)
+    new_pids = worker_pids()
+    assert len(new_pids) == 2 and not set(new_pids) & set(pids)
+    assert [complete(client, prompt) for prompt in PROMPTS] == offline_texts
