@@ -93,7 +93,7 @@ class RayExecutor(Executor):
     def _start_workers(self, resources: dict[str, float]) -> list:
         actor_class = ray.remote(RayWorker)
         return [actor_class.options(
-            num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0), name=None,
+            num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=rank,
                 placement_group_capture_child_tasks=False),

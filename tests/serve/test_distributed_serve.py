@@ -1,6 +1,8 @@
-"""Tensor parallelism behind the Serve app: each replica is one TP=2 group of Ray worker actors.
+"""TP and PP behind the Serve app: each replica drives a TP=2 x PP=2 group of Ray worker actors.
 
-Greedy completions over HTTP equal the single-device offline engine. A worker
+The workers live in the replica's own placement group (bundle 0 holds the
+replica and rank 0). Greedy completions over HTTP equal the single-device
+offline engine. A worker
 process killed mid-stream ends the stream with an error event (no hang), the
 replica reports unhealthy, Serve replaces it (new workers in a new placement
 group), and requests succeed again afterwards.
@@ -17,14 +19,16 @@ import pytest
 
 from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
 
-MODEL = "tiny-llama-tp2"
+MODEL = "tiny-llama-tp2-pp2"
+WORLD_SIZE = 4
 SERVER = f"LLMServer:{MODEL}"
 PROMPTS = ["The quick brown fox", "Once upon a time", "def main():"]
 
 
 @pytest.fixture(scope="module")
 def client(ray_head, tiny_checkpoint):
-    config = llm_config(MODEL, tiny_checkpoint("llama"), tensor_parallel_size=2, num_cpus_per_worker=0.25)
+    config = llm_config(MODEL, tiny_checkpoint("llama"), tensor_parallel_size=2, pipeline_parallel_size=2,
+                        num_cpus_per_worker=0.25)
     config["deployment_config"].update(ray_actor_options={"num_cpus": 0.25}, health_check_period_s=1,
                                        health_check_timeout_s=10)
     deploy_and_wait(ray_head, serve_config(ray_head.http_port, [config]))
@@ -47,10 +51,13 @@ def complete(client, prompt: str) -> str:
     return response.choices[0].text
 
 
-def worker_pids() -> list[int]:
+def alive_actors(class_name: str) -> list:
     from ray.util.state import list_actors
-    actors = list_actors(filters=[("class_name", "=", "RayWorker"), ("state", "=", "ALIVE")])
-    return sorted(actor.pid for actor in actors)
+    return list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
+
+
+def worker_pids() -> list[int]:
+    return sorted(actor.pid for actor in alive_actors("RayWorker"))
 
 
 def replica_ids(head) -> list[str]:
@@ -62,9 +69,17 @@ def test_greedy_completions_equal_the_single_device_engine(client, offline_texts
     assert [complete(client, prompt) for prompt in PROMPTS] == offline_texts
 
 
+def test_workers_share_the_replica_placement_group(client):
+    replica = next(actor for actor in alive_actors("ServeReplica:llm:" + SERVER))
+    workers = alive_actors("RayWorker")
+    assert len(workers) == WORLD_SIZE
+    assert replica.placement_group_id is not None
+    assert {worker.placement_group_id for worker in workers} == {replica.placement_group_id}
+
+
 def test_a_killed_worker_errors_the_stream_and_serve_replaces_the_replica(ray_head, client, offline_texts):
     pids = worker_pids()
-    assert len(pids) == 2
+    assert len(pids) == WORLD_SIZE
     replicas_before = replica_ids(ray_head)
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})
@@ -85,5 +100,5 @@ def test_a_killed_worker_errors_the_stream_and_serve_replaces_the_replica(ray_he
         assert time.monotonic() < deadline, f"Serve did not replace the replica: {app_status(ray_head)}"
         time.sleep(1)
     new_pids = worker_pids()
-    assert len(new_pids) == 2 and not set(new_pids) & set(pids)
+    assert len(new_pids) == WORLD_SIZE and not set(new_pids) & set(pids)
     assert [complete(client, prompt) for prompt in PROMPTS] == offline_texts

@@ -136,7 +136,8 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
         launcher.deploy(scaled, ray_head.dashboard_port)
         streams = InFlightStreams(pool, base_url, 6)
         url = f"{ray_head.dashboard_url}/api/v1/applications/llm/deployments/{SERVER}/scale"
-        assert httpx.post(url, json={"target_num_replicas": 1}, timeout=30).status_code == 200
+        headers = {"Authorization": f"Bearer {launcher.ray_auth_token()}"}  # the cluster uses token auth
+        assert httpx.post(url, json={"target_num_replicas": 1}, headers=headers, timeout=30).status_code == 200
         wait_for_replicas(ray_head, 1)
         streams.assert_all_complete()
 
