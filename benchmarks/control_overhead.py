@@ -1,11 +1,12 @@
 """Per-step control overhead of the Ray executor versus the in-process one.
 
 Runs the same greedy workload on the tiny model with the in-process executor
-and with the Ray executor at TP=1 and TP=2. For every step it times the
-engine core's ``execute_model`` call (driver side); the Ray workers time
-their own ``execute_model``. The control overhead per step is the driver's
-time minus the output rank's: writing the SchedulerOutput into the compiled
-graph's channel, the workers reading it, and the result coming back.
+and with the Ray executor at TP=1 and TP=2, over both control paths (actor
+tasks, compiled graph). For every step it times the engine core's
+``execute_model`` call (driver side); the Ray workers time their own
+``execute_model``. The control overhead per step is the driver's time minus
+the output rank's: serializing the SchedulerOutput once, the workers getting
+it, and the result coming back.
 
     python benchmarks/control_overhead.py --model models/tiny-llama
 """
@@ -26,8 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 CONFIGS = {
     "uni": dict(),
-    "ray-tp1": dict(distributed_executor_backend="ray"),
-    "ray-tp2": dict(distributed_executor_backend="ray", tensor_parallel_size=2),
+    "tp1-tasks": dict(distributed_executor_backend="ray", ray_compiled_graph=False),
+    "tp1-graph": dict(distributed_executor_backend="ray", ray_compiled_graph=True),
+    "tp2-tasks": dict(distributed_executor_backend="ray", tensor_parallel_size=2, ray_compiled_graph=False),
+    "tp2-graph": dict(distributed_executor_backend="ray", tensor_parallel_size=2, ray_compiled_graph=True),
 }
 
 
@@ -87,12 +90,12 @@ def main() -> None:
     ray.init(_node_ip_address="127.0.0.1", num_cpus=os.cpu_count(), include_dashboard=False,
              object_store_memory=200 * 1024 * 1024, logging_level="warning", log_to_driver=False)
     results = []
-    print(f"{'config':>8} {'steps':>6} {'step ms (mean/p50)':>19} {'worker ms':>10} {'overhead ms':>12}")
+    print(f"{'config':>10} {'steps':>6} {'step ms (mean/p50)':>19} {'worker ms':>10} {'overhead ms':>12}")
     for name in args.configs:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         r = run(args.model, name, args.num_requests, args.input_len, args.output_len)
         results.append(r)
-        print(f"{name:>8} {r['num_steps']:>6} {r['step_ms_mean']:>10.2f} /{r['step_ms_p50']:>7.2f} "
+        print(f"{name:>10} {r['num_steps']:>6} {r['step_ms_mean']:>10.2f} /{r['step_ms_p50']:>7.2f} "
               f"{r.get('worker_step_ms_mean', r['step_ms_mean']):>10.2f} {r.get('control_overhead_ms', 0.0):>12.2f}",
               flush=True)
     ray.shutdown()

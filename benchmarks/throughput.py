@@ -119,7 +119,8 @@ def main() -> None:
                         help='extra LLM(...) keywords for Serval, JSON, e.g. \'{"tensor_parallel_size": 2}\'')
     parser.add_argument("--run-one", choices=list(RUNNERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    os.environ[ENGINE_KWARGS_ENV] = json.dumps(json.loads(args.engine_kwargs))
+    if not args.run_one:  # the parent hands them to the Serval subprocess
+        os.environ[ENGINE_KWARGS_ENV] = json.dumps(json.loads(args.engine_kwargs))
     if args.workload:
         spec = WORKLOADS[args.workload]
         for key in ("num_prompts", "input_len", "output_len"):

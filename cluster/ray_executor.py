@@ -1,18 +1,28 @@
-"""The Ray executor: one worker actor per device, driven by a Ray compiled graph.
+"""The Ray executor: one worker actor per device, driven step by step from the engine core.
 
-Control path per step: the engine core writes the ``SchedulerOutput`` once
-into the compiled graph's input channel, which every worker reads (a
-broadcast through shared memory, not one pickled task per worker); each
-worker runs its part of the forward (tensors move between ranks over
+Control path per step, one of two (``ray_compiled_graph``):
+
+* a Ray compiled graph: the engine core writes the ``SchedulerOutput`` once
+  into the graph's shared-memory input channel, which every worker reads.
+  Lowest per-step cost, but channel readers spin while they wait (the driver
+  for the whole step, each worker between steps), so it wants a spare core
+  per worker: the default on GPUs.
+* actor tasks: the ``SchedulerOutput`` is put once in the object store and
+  each worker gets a task with its reference. Nothing spins: the default on
+  CPUs, where the workers' compute needs every core.
+
+Either way it is serialized once (a broadcast, not one pickle per worker);
+each worker runs its part of the forward (tensors move between ranks over
 torch.distributed: all-reduces within a tensor-parallel group, sends between
 pipeline stages) and only the output rank (last stage, TP rank 0) returns
 sampled tokens, every other rank returns None. With pipeline stages, up to
-``pipeline_parallel_size`` steps are in flight at once.
+``pipeline_parallel_size`` steps are in flight at once; a worker runs them in
+the order they were sent.
 
-Faults: a worker that dies closes the graph's channels, so the step in
-flight raises at once; a worker that hangs trips ``execute_timeout_s``. Both
-surface as ``WorkerFailedError`` and the engine stops (the serving layer
-fails the open streams and reports unhealthy).
+Faults: a worker that dies fails the step in flight at once (closed graph
+channels, or its task's ActorDiedError); a worker that hangs trips
+``execute_timeout_s``. Both surface as ``WorkerFailedError`` and the engine
+stops (the serving layer fails the open streams and reports unhealthy).
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import dataclasses
 import logging
 import math
 import os
+import pickle
+from typing import Callable
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
@@ -28,7 +40,7 @@ from ray.dag.context import DAGContext
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
-from cluster.worker_actor import RayWorker
+from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, RayWorker
 from engine.config import EngineConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture
@@ -36,6 +48,8 @@ from engine.executor.base import Executor, StepFuture
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 10.0
+# Below Ray's limit for task arguments sent inline (max_direct_call_object_size, 100 KiB).
+INLINE_PAYLOAD_MAX_BYTES = 64 * 1024
 
 
 class WorkerFailedError(RuntimeError):
@@ -62,14 +76,30 @@ def config_for_workers(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, device_config=device_config.model_copy(update={"num_threads": num_threads}))
 
 
-class _StepRef:
+class _GraphStep:
     """A compiled-graph step in flight; ``result()`` reads the output rank's ModelRunnerOutput."""
 
     def __init__(self, executor: "RayExecutor", ref) -> None:
         self.executor, self.ref = executor, ref
 
     def result(self) -> ModelRunnerOutput:
-        return self.executor._get_output(self.ref)
+        return self.executor._collect(lambda timeout_s: ray.get(self.ref, timeout=timeout_s)[
+            self.executor.output_rank])
+
+
+class _TaskStep:
+    """A step in flight as one actor task per worker; ``result()`` waits for all of them.
+
+    ``ray.get`` on the list raises as soon as any worker fails, without waiting
+    for the survivors (which may be stuck in a collective with it).
+    """
+
+    def __init__(self, executor: "RayExecutor", refs: list) -> None:
+        self.executor, self.refs = executor, refs
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._collect(
+            lambda timeout_s: ray.get(self.refs, timeout=timeout_s)[self.executor.output_rank])
 
 
 class RayExecutor(Executor):
@@ -80,6 +110,7 @@ class RayExecutor(Executor):
         self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
         self.timeout_s = parallel.execute_timeout_s
         use_gpu = uses_gpus(self.config.device_config.device)
+        self.use_compiled_graph = use_gpu if parallel.ray_compiled_graph is None else parallel.ray_compiled_graph
         self.dag = None
         self._failure: BaseException | None = None
         self.placement_group, self._owns_placement_group = acquire_placement_group(parallel, use_gpu)
@@ -91,7 +122,7 @@ class RayExecutor(Executor):
             raise
 
     def _start_workers(self, resources: dict[str, float]) -> list:
-        actor_class = ray.remote(RayWorker)
+        actor_class = ray.remote(concurrency_groups={HEALTH_CONCURRENCY_GROUP: 1})(RayWorker)
         return [actor_class.options(
             num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -116,7 +147,8 @@ class RayExecutor(Executor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         ray.get([worker.initialize_cache.remote(num_blocks) for worker in self.workers])
-        self.dag = self._compile_dag()
+        if self.use_compiled_graph:
+            self.dag = self._compile_dag()
 
     def _compile_dag(self):
         with InputNode() as scheduler_output:
@@ -134,17 +166,22 @@ class RayExecutor(Executor):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         self._raise_if_failed()
         try:
-            return _StepRef(self, self.dag.execute(scheduler_output))
+            if self.dag is not None:
+                return _GraphStep(self, self.dag.execute(scheduler_output))
+            payload = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)  # serialized once
+            # Small payloads travel inside each task (a copy of bytes, no re-pickling); big ones go to the
+            # object store once and every worker reads that copy.
+            arg = payload if len(payload) <= INLINE_PAYLOAD_MAX_BYTES else ray.put(payload)
+            return _TaskStep(self, [worker.execute_serialized.remote(arg) for worker in self.workers])
         except Exception as error:
             raise self._fail(error) from error
 
-    def _get_output(self, ref) -> ModelRunnerOutput:
+    def _collect(self, wait: Callable[[float], ModelRunnerOutput]) -> ModelRunnerOutput:
         self._raise_if_failed()
         try:
-            outputs = ray.get(ref, timeout=self.timeout_s)
+            return wait(self.timeout_s)
         except Exception as error:
             raise self._fail(error) from error
-        return outputs[self.output_rank]
 
     def _fail(self, error: BaseException) -> WorkerFailedError:
         self._failure = error

@@ -2,12 +2,14 @@
 
 The executor creates one per rank in its placement group, sets up
 torch.distributed among them through rank 0's address, then drives them
-with a compiled graph (``execute_model``) and plain calls for everything else.
+with ``execute_model`` (through a compiled graph or as actor tasks) and plain
+calls for everything else.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 
@@ -15,6 +17,8 @@ import ray
 
 from engine.config import EngineConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+HEALTH_CONCURRENCY_GROUP = "health"
 
 
 class RayWorker:
@@ -55,12 +59,19 @@ class RayWorker:
         self.num_steps += 1
         return output
 
+    def execute_serialized(self, payload: bytes) -> ModelRunnerOutput | None:
+        """``execute_model`` for a SchedulerOutput the executor pickled once for all workers."""
+        return self.execute_model(pickle.loads(payload))
+
     def step_stats(self) -> tuple[int, float]:
         """(steps run, seconds spent inside them) since start."""
         return self.num_steps, self.busy_s
 
+    # Health calls run in their own thread: with the task control path a step occupies the default one.
+    @ray.method(concurrency_group=HEALTH_CONCURRENCY_GROUP)
     def ping(self) -> int:
         return os.getpid()
 
+    @ray.method(concurrency_group=HEALTH_CONCURRENCY_GROUP)
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

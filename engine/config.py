@@ -85,6 +85,13 @@ class ParallelConfig(_FrozenConfig):
                                        "(on CPU devices also its torch threads unless num_threads is set).")
     execute_timeout_s: float = Field(
         300.0, gt=0, description="Ray executor: a step taking longer means a hung worker; the engine fails.")
+    # Compiled graph: shared-memory channels, the lowest per-step cost, but their readers spin while they
+    # wait, which costs a core each (the driver for a whole step): right on GPU nodes, where each worker
+    # has spare CPU. Tasks: the SchedulerOutput put once in the object store, one actor task per worker;
+    # nothing spins, which matters when the workers' compute needs every core (CPU inference).
+    ray_compiled_graph: bool | None = Field(
+        None, description="Ray executor control path: compiled graph (True) or actor tasks (False); "
+                          "None: compiled graph when the workers use GPUs, tasks on CPUs.")
 
     @property
     def world_size(self) -> int:

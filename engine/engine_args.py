@@ -47,6 +47,7 @@ class EngineArgs(BaseModel):
     distributed_executor_backend: Literal["uni", "ray"] | None = None
     num_cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray executor: CPUs each worker reserves.")
     execute_timeout_s: float = Field(300.0, gt=0, description="Ray executor: longest a step may take.")
+    ray_compiled_graph: bool | None = Field(None, description="Ray executor: compiled graph or actor tasks.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1)
 
@@ -55,7 +56,8 @@ class EngineArgs(BaseModel):
         return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                               pipeline_parallel_size=self.pipeline_parallel_size,
                               distributed_executor_backend=self.distributed_executor_backend,
-                              num_cpus_per_worker=self.num_cpus_per_worker, execute_timeout_s=self.execute_timeout_s)
+                              num_cpus_per_worker=self.num_cpus_per_worker, execute_timeout_s=self.execute_timeout_s,
+                              ray_compiled_graph=self.ray_compiled_graph)
 
     def create_engine_config(self) -> EngineConfig:
         """Validates every part (reads the checkpoint's config.json for the context length)."""

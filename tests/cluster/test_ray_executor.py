@@ -1,4 +1,5 @@
-"""The Ray executor on a real local Ray cluster: worker actors, gloo process groups, a compiled graph.
+"""The Ray executor on a real local Ray cluster: worker actors, gloo process groups, both control paths
+(actor tasks, the CPU default, and a compiled graph, the GPU default).
 
 Greedy tokens under TP=2, PP=2 and TP=2 x PP=2 must equal the single-device
 run token for token (float32, a batch of mixed-length prompts with prefill
@@ -48,12 +49,18 @@ def single_device_tokens(tiny_checkpoint):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+CONTROL_PATHS = [pytest.param(False, id="tasks"), pytest.param(True, id="graph")]
+
+
+@pytest.mark.parametrize("arch,compiled_graph", [("llama", False), ("qwen3", False), ("llama", True)],
+                         ids=["llama-tasks", "qwen3-tasks", "llama-graph"])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
-def test_greedy_tokens_equal_single_device(local_ray, tiny_checkpoint, single_device_tokens, arch, tp, pp):
+def test_greedy_tokens_equal_single_device(local_ray, tiny_checkpoint, single_device_tokens, arch, compiled_graph,
+                                           tp, pp):
     listeners_before = listening_addresses()
     llm = LLM(tiny_checkpoint(arch), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              distributed_executor_backend="ray", num_cpus_per_worker=0.4, **ENGINE_KWARGS)
+              distributed_executor_backend="ray", num_cpus_per_worker=0.4, ray_compiled_graph=compiled_graph,
+              **ENGINE_KWARGS)
     try:
         new_listeners = listening_addresses() - listeners_before
         assert all(is_loopback(address) for address, _ in new_listeners), new_listeners
@@ -63,9 +70,10 @@ def test_greedy_tokens_equal_single_device(local_ray, tiny_checkpoint, single_de
         llm.shutdown()
 
 
-def test_pipeline_keeps_two_micro_batches_in_flight(local_ray, tiny_checkpoint, single_device_tokens):
+@pytest.mark.parametrize("compiled_graph", CONTROL_PATHS)
+def test_pipeline_keeps_two_micro_batches_in_flight(local_ray, tiny_checkpoint, single_device_tokens, compiled_graph):
     llm = LLM(tiny_checkpoint("llama"), pipeline_parallel_size=2, distributed_executor_backend="ray",
-              num_cpus_per_worker=0.4, **ENGINE_KWARGS)
+              num_cpus_per_worker=0.4, ray_compiled_graph=compiled_graph, **ENGINE_KWARGS)
     core = llm.llm_engine.engine_core
     executor = core.executor
     num_in_flight_at_submit: list[int] = []
@@ -93,9 +101,11 @@ def _worker_pids(engine: AsyncLLM) -> list[int]:
     return ray.get([worker.ping.remote() for worker in executor.workers])
 
 
-def test_a_killed_worker_fails_streams_and_health(local_ray, tiny_checkpoint):
+@pytest.mark.parametrize("compiled_graph", CONTROL_PATHS)
+def test_a_killed_worker_fails_streams_and_health(local_ray, tiny_checkpoint, compiled_graph):
     args = EngineArgs(model=tiny_checkpoint("llama"), tensor_parallel_size=2, distributed_executor_backend="ray",
-                      num_cpus_per_worker=0.4, **{**ENGINE_KWARGS, "max_model_len": 512})
+                      num_cpus_per_worker=0.4, ray_compiled_graph=compiled_graph,
+                      **{**ENGINE_KWARGS, "max_model_len": 512})
     engine = AsyncLLM.from_engine_args(args)
 
     async def scenario() -> None:
