@@ -200,7 +200,7 @@ Serval is serving {', '.join(model_ids) or 'its models'} at {base}/v1
   python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
 print(c.completions.create(model='{model}', prompt='Once upon a time', max_tokens=32).choices[0].text)"
 
-Status: {ray_bin('serve')} status   Dashboard: {dashboard_url(dashboard_port)}   Stop: make stop
+Status: RAY_AUTH_MODE=token {ray_bin('serve')} status   Dashboard: {dashboard_url(dashboard_port)}   Stop: make stop
 """, flush=True)
 
 
