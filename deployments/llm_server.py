@@ -23,11 +23,20 @@ from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 logger = logging.getLogger("ray.serve")
 
 
+def route_engine_stats_log_to_replica_log() -> None:
+    """The engine's periodic throughput line (``engine.metrics``, INFO) goes where Serve logs this replica."""
+    stats_logger = logging.getLogger("engine.metrics")
+    stats_logger.setLevel(logging.INFO)
+    stats_logger.handlers = list(logger.handlers)
+    stats_logger.propagate = not stats_logger.handlers
+
+
 class LLMServer:
     """One replica: an ``AsyncLLM`` for ``llm_config`` and the OpenAI endpoints over it."""
 
     def __init__(self, llm_config: LLMConfig) -> None:
         bind_replica_grpc_to_node_ip()
+        route_engine_stats_log_to_replica_log()
         self.model_id = llm_config.model_id
         self.engine = AsyncLLM.from_engine_args(llm_config.engine_args())
         self.serving = OpenAIServing(self.engine, self.model_id)

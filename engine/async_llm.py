@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine_args import EngineArgs
+from engine.metrics import LoggingStatLogger, StatLogger
 from engine.executor.base import Executor
 from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.output_collector import RequestOutputCollector
@@ -325,9 +326,10 @@ class AsyncLLM:
     the model and starts the busy-loop thread; ``shutdown`` stops it.
     """
 
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
+                 stat_loggers: list[StatLogger] | None = None) -> None:
         self.config = config
-        engine = LLMEngine(config, executor_class)
+        engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers)
         # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self._vocab_size = engine.processor.vocab_size
@@ -335,8 +337,11 @@ class AsyncLLM:
         self._engine_thread = EngineThread(engine)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
-        return cls(args.create_engine_config())
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
+        """``stat_loggers`` join vLLM's periodic throughput log line; ``disable_log_stats`` turns all off."""
+        if args.disable_log_stats:
+            return cls(args.create_engine_config(), stat_loggers=[])
+        return cls(args.create_engine_config(), stat_loggers=[LoggingStatLogger(), *(stat_loggers or [])])
 
     @property
     def max_model_len(self) -> int:

@@ -48,6 +48,8 @@ class EngineArgs(BaseModel):
     num_cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray executor: CPUs each worker reserves.")
     execute_timeout_s: float = Field(300.0, gt=0, description="Ray executor: longest a step may take.")
     ray_compiled_graph: bool | None = Field(None, description="Ray executor: compiled graph or actor tasks.")
+    # Front end (not part of EngineConfig): the async engine keeps latency statistics and logs throughput.
+    disable_log_stats: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1)
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from engine.config import EngineConfig
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore
 from engine.executor.base import Executor
+from engine.metrics import IterationStats, StatLogger
 from engine.model.config import ModelArchConfig
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
@@ -37,8 +39,15 @@ def resolve_eos_token_ids(model_dir: str, arch: ModelArchConfig) -> list[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+    """``stat_loggers`` get every step's statistics (and ``log()`` every ``log_interval_s``); with none,
+    no latency statistics are kept (the offline ``LLM``)."""
+
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
+                 stat_loggers: list[StatLogger] | None = None, log_interval_s: float = 10.0) -> None:
         self.config = config
+        self.stat_loggers = list(stat_loggers or [])
+        self.log_interval_s = log_interval_s
+        self._last_log_time = time.monotonic()
         model_dir = config.model_config.model
         arch = ModelArchConfig.from_dir(model_dir)
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
@@ -71,9 +80,10 @@ class LLMEngine:
                 raise ValueError(f"Request id {request_id!r} would reuse the in-flight request id {core_id!r}.")
         requests = [self.processor.make_request(core_id, prompt_token_ids, child_params, priority, cache_salt)
                     for core_id, child_params in children]  # validates everything before queueing anything
+        arrival_time = time.monotonic() if self.stat_loggers else None
         for index, request in enumerate(requests):
             self.output_processor.add_request(request.request_id, request_id, index, prompt_text, prompt_token_ids,
-                                              children[index][1], parent)
+                                              children[index][1], parent, arrival_time)
             self.engine_core.add_request(request)
         self.core_ids_of[request_id] = [request.request_id for request in requests]
 
@@ -84,13 +94,26 @@ class LLMEngine:
         self.engine_core.abort_requests(core_ids)
 
     def step(self) -> list[RequestOutput]:
-        outputs, stopped_by_string = self.output_processor.process_outputs(self.engine_core.step())
+        core_outputs = self.engine_core.step()
+        iteration_stats = IterationStats() if self.stat_loggers else None
+        outputs, stopped_by_string = self.output_processor.process_outputs(core_outputs, iteration_stats)
+        if iteration_stats is not None:
+            self._record_stats(iteration_stats)
         if stopped_by_string:
             self.engine_core.abort_requests(stopped_by_string)
         for output in outputs:
             if output.finished:
                 self.core_ids_of.pop(output.request_id, None)
         return outputs
+
+    def _record_stats(self, iteration_stats: IterationStats) -> None:
+        scheduler_stats = self.engine_core.make_stats()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(scheduler_stats, iteration_stats)
+        if iteration_stats.now - self._last_log_time >= self.log_interval_s:
+            self._last_log_time = iteration_stats.now
+            for stat_logger in self.stat_loggers:
+                stat_logger.log()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

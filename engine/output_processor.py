@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.core.outputs import EngineCoreOutput, LogprobsLists
 from engine.detokenizer import IncrementalDetokenizer
+from engine.metrics.stats import IterationStats, RequestTimes
 from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -45,6 +46,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    times: RequestTimes | None = None  # when the engine keeps latency statistics
 
 
 class OutputProcessor:
@@ -57,11 +59,15 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(self, request_id: str, user_request_id: str, index: int, prompt: str | None,
-                    prompt_token_ids: list[int], params: SamplingParams, parent: ParentRequest | None) -> None:
+                    prompt_token_ids: list[int], params: SamplingParams, parent: ParentRequest | None,
+                    arrival_time: float | None = None) -> None:
+        """``arrival_time`` (time.monotonic()) turns on latency statistics for this request."""
         detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
                        if params.detokenize else None)
         state = RequestState(request_id, user_request_id, index, prompt, prompt_token_ids, params, detokenizer,
                              parent)
+        if arrival_time is not None:
+            state.times = RequestTimes(arrival_time, len(prompt_token_ids))
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None:
@@ -74,8 +80,12 @@ class OutputProcessor:
     def abort(self, request_id: str) -> RequestState | None:
         return self.states.pop(request_id, None)
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """(outputs to deliver, ids the core must abort because a stop string ended them)."""
+    def process_outputs(self, core_outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """(outputs to deliver, ids the core must abort because a stop string ended them).
+
+        With ``iteration_stats``, the step's latencies of requests that keep statistics go there.
+        """
         request_outputs: list[RequestOutput] = []
         to_abort: list[str] = []
         for core_output in core_outputs:
@@ -84,6 +94,11 @@ class OutputProcessor:
                 continue
             if self._update(state, core_output):
                 to_abort.append(state.request_id)
+            if iteration_stats is not None and state.times is not None:
+                iteration_stats.record_tokens(state.times, len(core_output.new_token_ids),
+                                              core_output.first_scheduled_time)
+                if state.finish_reason is not None:
+                    iteration_stats.record_finished(state.times, state.finish_reason)
             if state.finish_reason is not None:
                 del self.states[state.request_id]
             request_output = self._make_output(state)

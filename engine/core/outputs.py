@@ -90,6 +90,7 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when the request was first admitted to run
 
     @property
     def finished(self) -> bool:

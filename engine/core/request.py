@@ -82,6 +82,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 = not yet scheduled
+        self.first_scheduled_time: float | None = None  # time.monotonic() when first admitted to run
         self.num_preemptions = 0
 
     @property

@@ -10,6 +10,8 @@ blocks freed, to be recomputed later) and nothing new is admitted that step.
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -170,6 +172,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
             scheduled_new.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
@@ -246,7 +249,8 @@ class Scheduler:
             output = EngineCoreOutput(
                 request_id=req_id, new_token_ids=new_token_ids, finish_reason=request.get_finish_reason(),
                 stop_reason=request.stop_reason, new_logprobs=logprobs.get(req_id),
-                new_prompt_logprobs=new_prompt_logprobs, num_cached_tokens=request.num_cached_tokens)
+                new_prompt_logprobs=new_prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
+                first_scheduled_time=request.first_scheduled_time)
             outputs.append(output)
             if output.finish_reason is not None:
                 any_finished = True
