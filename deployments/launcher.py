@@ -126,12 +126,16 @@ def is_dashboard_up(port: int) -> bool:
         return False
 
 
-def start_ray_head(gcs_port: int, dashboard_port: int, num_cpus: int | None, object_store_bytes: int) -> None:
+def start_ray_head(gcs_port: int, dashboard_port: int, num_cpus: int | None, object_store_bytes: int,
+                   metrics_export_port: int | None = None) -> None:
+    """``metrics_export_port``: where the node's Prometheus endpoint serves Ray's and Serval's metrics."""
     command = [ray_bin("ray"), "start", "--head", "--node-ip-address", LOOPBACK, "--port", str(gcs_port),
                "--dashboard-host", LOOPBACK, "--dashboard-port", str(dashboard_port), "--include-dashboard",
                "true", "--object-store-memory", str(object_store_bytes), "--disable-usage-stats"]
     if num_cpus is not None:
         command += ["--num-cpus", str(num_cpus)]
+    if metrics_export_port is not None:
+        command += ["--metrics-export-port", str(metrics_export_port)]
     print(f"Starting a Ray head on {LOOPBACK}:{gcs_port} (dashboard {dashboard_url(dashboard_port)}) ...",
           flush=True)
     subprocess.run(command, check=True, env={**ray_env(), **haproxy_env(gcs_port)}, stdout=subprocess.DEVNULL)

@@ -16,6 +16,7 @@ from typing import Any
 from ray import serve
 
 from deployments.llm_config import LLMConfig
+from deployments.metrics import RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from engine.async_llm import AsyncLLM
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
@@ -38,7 +39,9 @@ class LLMServer:
         bind_replica_grpc_to_node_ip()
         route_engine_stats_log_to_replica_log()
         self.model_id = llm_config.model_id
-        self.engine = AsyncLLM.from_engine_args(llm_config.engine_args())
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        self.engine = AsyncLLM.from_engine_args(llm_config.engine_args(),
+                                                stat_loggers=[RayStatLogger(self.model_id, replica_id)])
         self.serving = OpenAIServing(self.engine, self.model_id)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 

@@ -48,6 +48,7 @@ class RayHead:
     gcs_port: int
     dashboard_port: int
     http_port: int
+    metrics_port: int  # the node's Prometheus endpoint
     listeners_before: set[tuple[str, int]]  # listening sockets on this machine before Ray started
 
     @property

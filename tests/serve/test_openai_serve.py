@@ -208,3 +208,23 @@ def test_the_ingress_serves_every_route_of_the_in_process_server(base_url):
     paths = httpx.get(f"{base_url}/openapi.json").json()["paths"]
     served = {(method.upper(), path) for path, methods in paths.items() for method in methods}
     assert {(method, path) for method, path, _ in ROUTES} <= served
+
+
+def test_replica_metrics_reach_rays_prometheus_endpoint(ray_head, client):
+    """Every LLM-server replica exports serval_* metrics through Ray's pipeline, tagged by model and replica."""
+    client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    url = f"http://{LOOPBACK}:{ray_head.metrics_port}/metrics"
+    wanted = ["serval_time_to_first_token_seconds_bucket", "serval_inter_token_latency_seconds_bucket",
+              "serval_e2e_request_latency_seconds_count", "serval_generation_tokens", "serval_prompt_tokens",
+              "serval_request_success", "serval_num_requests_running", "serval_kv_cache_usage_perc"]
+    deadline = time.monotonic() + 120  # Ray's agent exports every few seconds
+    while True:
+        lines = [line for line in httpx.get(url, timeout=10).text.splitlines()
+                 if "serval_" in line and f'model_name="{LLAMA}"' in line]
+        missing = [name for name in wanted if not any(name in line for line in lines)]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"metrics missing from Ray's endpoint: {missing}; got {lines[:20]}"
+        time.sleep(2)
+    assert any('finished_reason="length"' in line for line in lines)
+    assert all('replica="' in line for line in lines)

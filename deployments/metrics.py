@@ -1,0 +1,100 @@
+"""The LLM server's Prometheus metrics, through Ray's metrics pipeline.
+
+``RayStatLogger`` is an engine ``StatLogger``: after every step it updates
+``ray.util.metrics`` gauges, counters and histograms under the ``serval_``
+prefix, tagged with the model and the replica. Ray's metrics agent on each
+node serves them on the node's Prometheus endpoint (``ray start
+--metrics-export-port``) and the Ray dashboard shows them. Names follow
+vLLM's (``vllm:time_to_first_token_seconds`` -> ``serval_time_to_first_token_seconds``).
+"""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+from engine.core.scheduler import SchedulerStats
+from engine.metrics import IterationStats
+
+TAG_KEYS = ("model_name", "replica")
+# Seconds; vLLM's buckets for request-level latencies, finer ones for per-token latencies.
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TOKEN_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0]
+
+
+def _histogram(name: str, description: str, boundaries: list[float]) -> metrics.Histogram:
+    return metrics.Histogram(name, description, boundaries=boundaries, tag_keys=TAG_KEYS)
+
+
+class RayStatLogger:
+    """Exports one replica's engine statistics (see the module docstring); cheap enough to run every step."""
+
+    def __init__(self, model_name: str, replica: str) -> None:
+        self.tags = {"model_name": model_name, "replica": replica}
+        self.num_requests_running = metrics.Gauge("serval_num_requests_running", "Requests running.",
+                                                  tag_keys=TAG_KEYS)
+        self.num_requests_waiting = metrics.Gauge("serval_num_requests_waiting", "Requests waiting to run.",
+                                                  tag_keys=TAG_KEYS)
+        self.kv_cache_usage = metrics.Gauge("serval_kv_cache_usage_perc", "KV-cache usage, 0 to 1.",
+                                            tag_keys=TAG_KEYS)
+        self.prefix_cache_queries = metrics.Counter(
+            "serval_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", tag_keys=TAG_KEYS)
+        self.prefix_cache_hits = metrics.Counter(
+            "serval_prefix_cache_hits", "Prompt tokens found in the prefix cache.", tag_keys=TAG_KEYS)
+        self.num_preemptions = metrics.Counter("serval_num_preemptions", "Preemptions.", tag_keys=TAG_KEYS)
+        self.prompt_tokens = metrics.Counter("serval_prompt_tokens", "Prompt tokens prefilled.", tag_keys=TAG_KEYS)
+        self.generation_tokens = metrics.Counter("serval_generation_tokens", "Tokens generated.", tag_keys=TAG_KEYS)
+        self.request_success = metrics.Counter("serval_request_success", "Requests finished, by finish reason.",
+                                               tag_keys=(*TAG_KEYS, "finished_reason"))
+        self.time_to_first_token = _histogram("serval_time_to_first_token_seconds", "Time to first token.",
+                                              sorted({*TOKEN_LATENCY_BUCKETS, *REQUEST_LATENCY_BUCKETS}))
+        self.inter_token_latency = _histogram("serval_inter_token_latency_seconds", "Inter-token latency.",
+                                              TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = _histogram("serval_request_time_per_output_token_seconds",
+                                                "Mean time per output token of a request.", TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = _histogram("serval_e2e_request_latency_seconds", "End-to-end request latency.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.queue_time = _histogram("serval_request_queue_time_seconds", "Time waiting before first running.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = _histogram("serval_request_prefill_time_seconds", "First admitted -> first token.",
+                                       REQUEST_LATENCY_BUCKETS)
+        self.decode_time = _histogram("serval_request_decode_time_seconds", "First token -> last token.",
+                                      REQUEST_LATENCY_BUCKETS)
+        # The scheduler's counters are totals since start; Ray counters take increments.
+        self._last_preemptions = self._last_queries = self._last_hits = 0
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        tags = self.tags
+        self.num_requests_running.set(scheduler_stats.num_running_reqs, tags)
+        self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs, tags)
+        self.kv_cache_usage.set(scheduler_stats.kv_cache_usage, tags)
+        self._add_total(self.num_preemptions, "_last_preemptions", scheduler_stats.num_preemptions)
+        prefix = scheduler_stats.prefix_cache_stats
+        self._add_total(self.prefix_cache_queries, "_last_queries", prefix.num_queried_tokens)
+        self._add_total(self.prefix_cache_hits, "_last_hits", prefix.num_hit_tokens)
+        if iteration_stats.num_prompt_tokens:
+            self.prompt_tokens.inc(iteration_stats.num_prompt_tokens, tags)
+        if iteration_stats.num_generation_tokens:
+            self.generation_tokens.inc(iteration_stats.num_generation_tokens, tags)
+        for ttft in iteration_stats.time_to_first_tokens_s:
+            self.time_to_first_token.observe(ttft, tags)
+        for itl in iteration_stats.inter_token_latencies_s:
+            self.inter_token_latency.observe(itl, tags)
+        for finished in iteration_stats.finished_requests:
+            self.request_success.inc(1, {**tags, "finished_reason": finished.finish_reason})
+            self.e2e_latency.observe(finished.e2e_latency_s, tags)
+            self.queue_time.observe(finished.queued_time_s, tags)
+            self.prefill_time.observe(finished.prefill_time_s, tags)
+            self.decode_time.observe(finished.decode_time_s, tags)
+            if finished.num_generation_tokens > 1:
+                self.time_per_output_token.observe(finished.mean_time_per_output_token_s, tags)
+
+    def _add_total(self, counter: metrics.Counter, last_attr: str, total: int) -> None:
+        increment = total - getattr(self, last_attr)
+        if increment > 0:
+            counter.inc(increment, self.tags)
+            setattr(self, last_attr, total)
+
+    def log(self) -> None:
+        """Nothing to print: Ray's metrics agent exports continuously."""
