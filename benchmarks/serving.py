@@ -148,8 +148,8 @@ def run_serve(args, prompts) -> tuple[list[RequestResult], float]:
                                         "engine_kwargs": engine_kwargs(args),
                                         "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 512,
                                                               "ray_actor_options": {"num_cpus": 1}}}]}}]}
-        launcher.deploy(config, dashboard_port)
-        launcher.wait_until_running(dashboard_port, ["llm"], timeout_s=600)
+        launcher.deploy(config, launcher.dashboard_url(dashboard_port))
+        launcher.wait_until_running(launcher.dashboard_url(dashboard_port), ["llm"], timeout_s=600)
         return asyncio.run(load_http(f"http://127.0.0.1:{http_port}", "bench", args, prompts))
     finally:
         launcher.stop_cluster(dashboard_port)

@@ -13,12 +13,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 
+from deployments.metrics_export import scrape_serval_metrics
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from engine.entrypoints.openai import api_server
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
@@ -100,3 +102,8 @@ class OpenAiIngress:
     @app.get("/version")
     async def version(self, raw_request: Request) -> Response:
         return await api_server.handle_version(self.router, raw_request)
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Every LLM-server replica's ``serval_*`` metrics, in Prometheus' text format."""
+        return Response(await scrape_serval_metrics(), media_type=CONTENT_TYPE_LATEST)

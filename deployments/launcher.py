@@ -136,6 +136,10 @@ def start_ray_head(gcs_port: int, dashboard_port: int, num_cpus: int | None, obj
         command += ["--num-cpus", str(num_cpus)]
     if metrics_export_port is not None:
         command += ["--metrics-export-port", str(metrics_export_port)]
+    if ray_env()["RAY_AUTH_MODE"] == "token" and ray_auth_token() is None:
+        # A new machine has no token yet, and `ray start` with token auth refuses to make one.
+        subprocess.run([ray_bin("ray"), "get-auth-token", "--generate"], check=True, env=ray_env(),
+                       stdout=subprocess.DEVNULL)
     print(f"Starting a Ray head on {LOOPBACK}:{gcs_port} (dashboard {dashboard_url(dashboard_port)}) ...",
           flush=True)
     subprocess.run(command, check=True, env={**ray_env(), **haproxy_env(gcs_port)}, stdout=subprocess.DEVNULL)
@@ -146,7 +150,7 @@ def load_config(config_path: str) -> dict:
         return yaml.safe_load(f)
 
 
-def deploy(config: dict, dashboard_port: int, timeout_s: float = 120.0) -> None:
+def deploy(config: dict, dashboard: str, timeout_s: float = 120.0) -> None:
     """PUTs a whole Serve config (declarative: it replaces what runs), as ``serve deploy`` does.
 
     A dashboard that has just started may answer 5xx until its Serve module is
@@ -155,7 +159,7 @@ def deploy(config: dict, dashboard_port: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            http_json("PUT", f"{dashboard_url(dashboard_port)}/api/serve/applications/", config, timeout=60.0)
+            http_json("PUT", f"{dashboard}/api/serve/applications/", config, timeout=60.0)
             return
         except urllib.error.HTTPError as exc:
             message = exc.read().decode(errors="replace")[-2000:]
@@ -165,12 +169,12 @@ def deploy(config: dict, dashboard_port: int, timeout_s: float = 120.0) -> None:
             time.sleep(2.0)
 
 
-def wait_until_running(dashboard_port: int, app_names: list[str], timeout_s: float) -> dict:
+def wait_until_running(dashboard: str, app_names: list[str], timeout_s: float) -> dict:
     """Polls Serve's status, printing progress, until every app is RUNNING; raises on failure."""
     start = time.monotonic()
     last_line = ""
     while True:
-        status = http_json("GET", f"{dashboard_url(dashboard_port)}/api/serve/applications/")
+        status = http_json("GET", f"{dashboard}/api/serve/applications/")
         apps = status.get("applications", {})
         states = {name: apps.get(name, {}).get("status", "NOT_STARTED") for name in app_names}
         line = ", ".join(f"{name}: {state}" for name, state in states.items())
@@ -212,11 +216,13 @@ def up(args: argparse.Namespace) -> int:
     if is_dashboard_up(args.dashboard_port):
         print(f"Using the Ray cluster already running at {dashboard_url(args.dashboard_port)}.", flush=True)
     else:
-        start_ray_head(args.gcs_port, args.dashboard_port, args.num_cpus, args.object_store_bytes)
+        start_ray_head(args.gcs_port, args.dashboard_port, args.num_cpus, args.object_store_bytes,
+                       args.metrics_export_port)
     print(f"Deploying {args.config} ...", flush=True)
     config = load_config(args.config)
-    deploy(config, args.dashboard_port)
-    wait_until_running(args.dashboard_port, [app["name"] for app in config["applications"]], args.timeout_s)
+    deploy(config, dashboard_url(args.dashboard_port))
+    wait_until_running(dashboard_url(args.dashboard_port), [app["name"] for app in config["applications"]],
+                       args.timeout_s)
     print_usage(config, args.dashboard_port)
     return 0
 
@@ -243,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dashboard-port", type=int, default=8265)
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all).")
     parser.add_argument("--object-store-bytes", type=int, default=512 * 1024 * 1024)
+    parser.add_argument("--metrics-export-port", type=int, default=8080,
+                        help="the node's Prometheus endpoint (Ray's and Serval's metrics)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     args = parser.parse_args(argv)
     return up(args) if args.command == "up" else down(args)

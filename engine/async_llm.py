@@ -101,6 +101,9 @@ class _AbortCommand:
 
 
 _SHUTDOWN = object()
+# An idle engine takes no steps; it still reports its (idle) state this often, so that gauges exported
+# through a pipeline that drops values not set recently (Ray's) read 0 rather than vanish.
+IDLE_STATS_INTERVAL_S = 2.0
 
 
 class EngineThread:
@@ -189,7 +192,13 @@ class EngineThread:
 
     def _apply_commands(self, block: bool) -> bool:
         """Applies every queued command (waiting for one if ``block``); False once asked to stop."""
-        commands = [self._commands.get()] if block else []
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=IDLE_STATS_INTERVAL_S))
+            except queue.Empty:
+                self.engine.record_idle_stats()
+                return True
         while True:
             try:
                 commands.append(self._commands.get_nowait())

@@ -106,6 +106,11 @@ class LLMEngine:
                 self.core_ids_of.pop(output.request_id, None)
         return outputs
 
+    def record_idle_stats(self) -> None:
+        """Gives the stat loggers the scheduler's state without a step (an idle engine takes none)."""
+        if self.stat_loggers:
+            self._record_stats(IterationStats())
+
     def _record_stats(self, iteration_stats: IterationStats) -> None:
         scheduler_stats = self.engine_core.make_stats()
         for stat_logger in self.stat_loggers:

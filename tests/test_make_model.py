@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.cli import main as cli_main
+from serval.cli import main as cli_main
 from engine.tools.make_model import ARCHS, SPEC_FILE, build_config, make_model
 from engine.tools.tokenizer_trainer import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID
 from engine.tools.weights import parameter_shapes

@@ -103,3 +103,23 @@ def test_logging_stat_logger_writes_vllms_throughput_line(engine_run, caplog):
     with caplog.at_level(logging.INFO, logger="engine.metrics"):
         stat_logger.log()
     assert "[tiny] Avg prompt throughput:" in caplog.text and "KV cache usage:" in caplog.text
+
+
+def test_an_idle_async_engine_keeps_reporting_its_state(tiny_checkpoint):
+    """No steps while idle, yet the loggers hear every IDLE_STATS_INTERVAL_S: gauges read 0, not 'gone'."""
+    import time
+
+    from engine.async_llm import IDLE_STATS_INTERVAL_S, AsyncLLM
+
+    sink = KeepingStatLogger()
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_checkpoint("llama"), dtype="float32",
+                                                  max_model_len=128), stat_loggers=[sink])
+    try:
+        time.sleep(2.5 * IDLE_STATS_INTERVAL_S)
+    finally:
+        engine.shutdown()
+    assert len(sink.records) >= 2
+    for scheduler_stats, iteration_stats in sink.records:
+        assert (scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs) == (0, 0)
+        assert scheduler_stats.kv_cache_usage == 0.0
+        assert not iteration_stats.num_generation_tokens and not iteration_stats.finished_requests

@@ -79,8 +79,8 @@ def llm_config(model_id: str, model_source: str, num_replicas: int = 1, **engine
 
 
 def deploy_and_wait(head: RayHead, config: dict, timeout_s: float = 300.0) -> None:
-    launcher.deploy(config, head.dashboard_port)
-    launcher.wait_until_running(head.dashboard_port, [app["name"] for app in config["applications"]], timeout_s)
+    launcher.deploy(config, head.dashboard_url)
+    launcher.wait_until_running(head.dashboard_url, [app["name"] for app in config["applications"]], timeout_s)
 
 
 def app_status(head: RayHead, app_name: str = "llm") -> dict:

@@ -112,9 +112,9 @@ def config(ray_head, tiny_checkpoint):
 def test_an_unknown_key_fails_the_deploy_with_its_name(ray_head, config):
     bad = copy.deepcopy(config)
     bad["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["max_num_seqz"] = 4
-    launcher.deploy(bad, ray_head.dashboard_port)
+    launcher.deploy(bad, ray_head.dashboard_url)
     with pytest.raises(RuntimeError, match="max_num_seqz"):
-        launcher.wait_until_running(ray_head.dashboard_port, ["llm"], timeout_s=120)
+        launcher.wait_until_running(ray_head.dashboard_url, ["llm"], timeout_s=120)
 
 
 def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
@@ -126,14 +126,14 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
         streams = InFlightStreams(pool, base_url, 6)
         scaled = copy.deepcopy(config)
         scaled["applications"][0]["deployments"] = [{"name": SERVER, "num_replicas": 2}]
-        launcher.deploy(scaled, ray_head.dashboard_port)
+        launcher.deploy(scaled, ray_head.dashboard_url)
         wait_for_replicas(ray_head, 2)
         streams.assert_all_complete()
         assert_every_replica_serves(base_url, pool, 2)
 
         # 2 -> 1 through Serve's external-scaler endpoint; the stopping replica drains its streams.
         scaled["applications"][0]["external_scaler_enabled"] = True
-        launcher.deploy(scaled, ray_head.dashboard_port)
+        launcher.deploy(scaled, ray_head.dashboard_url)
         streams = InFlightStreams(pool, base_url, 6)
         url = f"{ray_head.dashboard_url}/api/v1/applications/llm/deployments/{SERVER}/scale"
         headers = {"Authorization": f"Bearer {launcher.ray_auth_token()}"}  # the cluster uses token auth
@@ -145,7 +145,7 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
         streams = InFlightStreams(pool, base_url, 4)
         edited = copy.deepcopy(config)
         edited["applications"][0]["args"]["llm_configs"][0]["deployment_config"]["num_replicas"] = 2
-        launcher.deploy(edited, ray_head.dashboard_port)
+        launcher.deploy(edited, ray_head.dashboard_url)
         wait_for_replicas(ray_head, 2)
         streams.assert_all_complete()
         assert_every_replica_serves(base_url, pool, 2)
