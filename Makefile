@@ -11,7 +11,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # Ray token authentication for the clusters make starts and the drivers that join them (see deployments/launcher.py).
 export RAY_AUTH_MODE ?= token
 
-.PHONY: venv test serve stop models clean bench-scheduler
+.PHONY: venv test serve stop models clean bench-scheduler prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,14 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: venv
+# The observability tests run a real Prometheus (Debian's package; the tests start it on loopback).
+prometheus:
+	@command -v prometheus >/dev/null || { export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends prometheus >/dev/null || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
+	@prometheus --version | head -1
+
+test: venv prometheus
 	$(PY) -m pytest -q
 
 # The embedded default model: a deterministic random-weight checkpoint made locally (no downloads).

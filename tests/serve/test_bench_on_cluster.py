@@ -1,24 +1,51 @@
-"""`serval bench tune` on a live app: a 2x2 sweep redeploys the app per point and picks the best one."""
+"""`serval bench` against a live app on a real Ray cluster: a load test submitted as a Ray Job, and
+`serval bench tune`'s 2x2 sweep, which redeploys the app per point and picks the best one."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
+import pytest
 import yaml
 
+from deployments import launcher
 from serval.cli import main as serval_main
 from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
 
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "tiny-llama"
 ORIGINAL_MAX_NUM_SEQS = 64
 
 
-def test_tune_sweeps_two_by_two_and_restores_the_original_config(ray_head, tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def deployed_config(ray_head, tiny_checkpoint) -> dict:
     config = serve_config(ray_head.http_port, [llm_config(LLAMA, tiny_checkpoint("llama"),
                                                           max_num_seqs=ORIGINAL_MAX_NUM_SEQS)])
     deploy_and_wait(ray_head, config)
+    return config
+
+
+def test_a_load_test_runs_as_a_ray_job(ray_head, deployed_config, tiny_checkpoint, tmp_path):
+    """What the README tells users: `ray job submit --working-dir . -- serval bench serve ...`."""
+    command = [launcher.ray_bin("ray"), "job", "submit", "--address", ray_head.dashboard_url, "--working-dir",
+               str(ROOT), "--", "serval", "bench", "serve", "--url", ray_head.base_url, "--model", LLAMA,
+               "--tokenizer", tiny_checkpoint("llama"), "--num-prompts", "8", "--random-input-len", "32",
+               "--random-output-len", "8", "--disable-tqdm", "--result-dir", str(tmp_path), "--result-filename",
+               "job.json"]
+    job = subprocess.run(command, env=launcher.ray_env(), capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert "succeeded" in job.stdout + job.stderr and "Serving Benchmark Result" in job.stdout
+    record = json.loads((tmp_path / "job.json").read_text())
+    assert (record["completed"], record["failed"]) == (8, 0)
+    assert (tmp_path / "job-latency-cdf.png").exists() and (tmp_path / "job-throughput.png").exists()
+
+
+def test_tune_sweeps_two_by_two_and_restores_the_original_config(ray_head, deployed_config, tiny_checkpoint,
+                                                                 tmp_path):
     config_path = tmp_path / "serve.yaml"
-    config_path.write_text(yaml.safe_dump(config))
+    config_path.write_text(yaml.safe_dump(deployed_config))
     result_dir = tmp_path / "results"
     exit_code = serval_main([
         "bench", "tune", "--config", str(config_path), "--address", ray_head.dashboard_url,
