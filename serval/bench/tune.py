@@ -187,24 +187,33 @@ def write_tune_results(points: list[TunePoint], best: TunePoint | None, args: ar
 
 
 def plot_frontier(points: list[TunePoint], best: TunePoint | None, args: argparse.Namespace, path: Path) -> None:
-    """Output throughput against the first SLO'd latency, one dot per point, the frontier joined."""
+    """Output throughput against each SLO'd latency (one panel each), one dot per point, the Pareto
+    frontier joined, the SLO drawn, the best point starred."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     measured = [point for point in points if point.error is None]
-    metric = next(iter(measured[0].latencies_ms)) if measured else "ttft"
-    figure = Figure(figsize=(9, 6))
+    metrics = list(measured[0].latencies_ms) if measured else []
+    figure = Figure(figsize=(7 * max(len(metrics), 1), 5.5))
     canvas = FigureCanvasAgg(figure)
-    axes = figure.add_subplot(1, 1, 1)
+    for index, metric in enumerate(metrics):
+        _plot_metric(figure.add_subplot(1, len(metrics), index + 1), measured, best, metric, args)
+    figure.suptitle(f"serval bench tune: {args.model}")
+    figure.tight_layout()
+    canvas.print_png(str(path))
+
+
+def _plot_metric(axes, measured: list[TunePoint], best: TunePoint | None, metric: str,
+                 args: argparse.Namespace) -> None:
     for is_within in (True, False):
         group = [point for point in measured if point.is_within_slo == is_within]
         axes.scatter([p.output_throughput for p in group], [p.latencies_ms[metric] for p in group],
-                     label="meets the SLO" if is_within else "misses the SLO", color="tab:green" if is_within
-                     else "tab:red", zorder=3)
+                     label="meets the SLO" if is_within else "misses the SLO",
+                     color="tab:green" if is_within else "tab:red", zorder=3)
     for point in measured:
         axes.annotate(point.label(), (point.output_throughput, point.latencies_ms[metric]), fontsize=7,
                       xytext=(4, 4), textcoords="offset points")
-    frontier = pareto_frontier(points, metric) if measured else []
+    frontier = pareto_frontier(measured, metric)
     axes.plot([p.output_throughput for p in frontier], [p.latencies_ms[metric] for p in frontier], "--",
               color="gray", label="Pareto frontier")
     if best:
@@ -213,12 +222,9 @@ def plot_frontier(points: list[TunePoint], best: TunePoint | None, args: argpars
     if args.slo and metric in args.slo:
         axes.axhline(args.slo[metric], color="tab:red", linestyle=":", label=f"{metric} SLO")
     axes.set_xlabel("output tokens/s")
-    axes.set_ylabel(f"p{args.slo_percentile:g} {metric.upper()} (ms)")
-    axes.set_title(f"serval bench tune: {args.model}")
+    axes.set_ylabel(f"p{percentile_label(args.slo_percentile)} {metric.upper()} (ms)")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    canvas.print_png(str(path))
 
 
 def format_table(points: list[TunePoint], best: TunePoint | None, args: argparse.Namespace) -> str:
