@@ -40,7 +40,7 @@ def serval_families(texts: list[str]) -> list[Metric]:
     """
     merged: dict[str, Metric] = {}
     for text in texts:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(serval_lines(text)):
             if not family.name.startswith(RAY_PREFIX + SERVAL_PREFIX):
                 continue
             name = family.name.removeprefix(RAY_PREFIX)
@@ -48,6 +48,17 @@ def serval_families(texts: list[str]) -> list[Metric]:
             target.samples.extend(sample._replace(name=sample.name.removeprefix(RAY_PREFIX))
                                   for sample in family.samples)
     return list(merged.values())
+
+
+def serval_lines(text: str) -> str:
+    """The lines of a Prometheus text page that belong to ``ray_serval_*`` families (samples, HELP, TYPE).
+
+    A node's page holds all of Ray's and Serve's metrics too, many times more lines than ours:
+    parsing only these keeps a scrape of the app fast however much else the node exports.
+    """
+    prefix = RAY_PREFIX + SERVAL_PREFIX
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if line.startswith(prefix) or line.startswith(("# HELP " + prefix, "# TYPE " + prefix)))
 
 
 class _Families(Collector):

@@ -20,6 +20,7 @@ from deployments.launcher import free_port
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_CONFIG = ROOT / "configs" / "prometheus" / "prometheus.yml"
 LOOPBACK = "127.0.0.1"
+APP_SCRAPE_INTERVAL = "5s"
 
 
 def prometheus_binary() -> str:
@@ -34,6 +35,9 @@ def test_config(app_port: int, scrape_interval: str) -> dict:
     config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = scrape_interval
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     jobs["serval"]["static_configs"] = [{"targets": [f"{LOOPBACK}:{app_port}"]}]
+    # A scrape times out after its interval: the app's /metrics reads every node's agent through the
+    # ingress, which on a busy 2-core machine can take longer than one second.
+    jobs["serval"]["scrape_interval"] = jobs["serval"]["scrape_timeout"] = APP_SCRAPE_INTERVAL
     return config
 
 
