@@ -90,6 +90,7 @@ class _AddCommand:
     params: SamplingParams
     priority: int
     cache_salt: str | None
+    kv_transfer_params: dict | None
     collector: RequestOutputCollector
     # (prompt text, prompt token ids) once queued in the engine, or the ValueError that refused it.
     future: concurrent.futures.Future
@@ -223,7 +224,7 @@ class EngineThread:
             return  # the caller went away before the request was queued
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
-                                    command.cache_salt)
+                                    command.cache_salt, command.kv_transfer_params)
         except Exception as error:  # bad input: refuse this request, keep serving the others
             command.future.set_exception(error)
             return
@@ -364,7 +365,8 @@ class AsyncLLM:
         return self.tokenizer
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       kv_transfer_params: dict | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs as ``sampling_params.output_kind`` says; the last has finished=True.
 
         Bad input or a request id in use (ValueError), EngineOverloadedError and
@@ -377,7 +379,7 @@ class AsyncLLM:
         collector = RequestOutputCollector(request_id, sampling_params, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._engine_thread.submit_add(_AddCommand(request_id, prompt, sampling_params, priority, cache_salt,
-                                                   collector, future))
+                                                   kv_transfer_params, collector, future))
         self._collectors[request_id] = collector
         is_finished = False
         try:

@@ -103,6 +103,22 @@ class ParallelConfig(_FrozenConfig):
         return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "ray")
 
 
+class KVTransferConfig(_FrozenConfig):
+    """Disaggregated prefill: this engine's role, and how its workers move KV blocks to the other side.
+
+    ``object_store``: the prefill worker puts each block in Ray's object store and the decode
+    worker gets the ones it lacks (any executor). ``ray_direct``: Ray Direct Transport, the decode
+    side pulls the blocks it lacks straight from the prefill worker over ``tensor_transport``
+    (gloo on CPU, nccl on GPU); both engines run Ray executor workers, and a pair of workers
+    without a shared collective group falls back to the object store.
+    """
+
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"]
+    kv_connector: Literal["object_store", "ray_direct"] = "object_store"
+    tensor_transport: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="ray_direct only: auto = nccl on GPU workers, gloo on CPU.")
+
+
 class DeviceConfig(_FrozenConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; None = all cores.")
@@ -120,3 +136,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    kv_transfer_config: KVTransferConfig | None = None  # disaggregated prefill only

@@ -13,7 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                           SchedulerConfig)
 
 
 class EngineArgs(BaseModel):
@@ -52,6 +53,8 @@ class EngineArgs(BaseModel):
     disable_log_stats: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1)
+    # Disaggregated prefill: this engine's role and transport (the PD app sets it for each pool).
+    kv_transfer_config: KVTransferConfig | None = None
 
     def create_parallel_config(self) -> ParallelConfig:
         """Needs no checkpoint: the Serve app builder sizes a replica's placement group from it."""
@@ -63,6 +66,9 @@ class EngineArgs(BaseModel):
 
     def create_engine_config(self) -> EngineConfig:
         """Validates every part (reads the checkpoint's config.json for the context length)."""
+        if self.kv_transfer_config is not None and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
+            raise ValueError("KV transfer (disaggregated prefill) supports tensor_parallel_size=1 and "
+                             "pipeline_parallel_size=1 engines only.")
         max_position = _max_position_embeddings(self.model)
         max_model_len = self.max_model_len or max_position
         if max_model_len > max_position:
@@ -86,6 +92,7 @@ class EngineArgs(BaseModel):
                 max_num_queued_reqs=self.max_num_queued_reqs, stream_interval=self.stream_interval),
             parallel_config=self.create_parallel_config(),
             device_config=DeviceConfig(device=self.device, num_threads=self.num_threads),
+            kv_transfer_config=self.kv_transfer_config,
         )
 
 

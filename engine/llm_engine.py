@@ -61,8 +61,11 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
-        """Queues a request (``n`` > 1 fans out into n core requests). Raises ValueError on bad input."""
+                    cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> None:
+        """Queues a request (``n`` > 1 fans out into n core requests). Raises ValueError on bad input.
+
+        ``kv_transfer_params`` (disaggregated prefill, see ``engine.core.kv_connector``) go to every child.
+        """
         if request_id in self.core_ids_of:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         prompt_text, prompt_token_ids = self.processor.tokenize_prompt(prompt)
@@ -78,7 +81,8 @@ class LLMEngine:
         for core_id, _ in children:
             if core_id in self.output_processor.states:
                 raise ValueError(f"Request id {request_id!r} would reuse the in-flight request id {core_id!r}.")
-        requests = [self.processor.make_request(core_id, prompt_token_ids, child_params, priority, cache_salt)
+        requests = [self.processor.make_request(core_id, prompt_token_ids, child_params, priority, cache_salt,
+                                                kv_transfer_params=kv_transfer_params)
                     for core_id, child_params in children]  # validates everything before queueing anything
         arrival_time = time.monotonic() if self.stat_loggers else None
         for index, request in enumerate(requests):

@@ -46,6 +46,7 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # a prefill engine's finished request: where its KV went
     times: RequestTimes | None = None  # when the engine keeps latency statistics
 
 
@@ -132,6 +133,7 @@ class OutputProcessor:
         if finish_reason is not None:
             state.finish_reason = finish_reason
             state.stop_reason = core_output.stop_reason
+            state.kv_transfer_params = core_output.kv_transfer_params
         return False
 
     def _to_positions(self, lists: LogprobsLists) -> list[PositionLogprobs]:
@@ -166,7 +168,8 @@ class OutputProcessor:
                 outputs = [completion]
         return RequestOutput(request_id=state.user_request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=outputs, finished=all_finished,
-                             prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens)
+                             prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
+                             kv_transfer_params=state.kv_transfer_params)
 
     def _is_stream_due(self, state: RequestState) -> bool:
         if self.stream_interval == 1:

@@ -40,3 +40,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # disaggregated prefill: where a prefill engine put the prompt's KV

@@ -57,12 +57,14 @@ class Processor:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary: {bad_stop[:8]}.")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> Request:
+                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
+                     kv_transfer_params: dict | None = None) -> Request:
         self.validate(prompt_token_ids, params)
         if self.extra_stop_token_ids and not params.ignore_eos:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + self.extra_stop_token_ids)
         return Request(request_id, prompt_token_ids, params, self.eos_token_id, priority=priority,
-                       arrival_time=arrival_time or time.time(), cache_salt=cache_salt)
+                       arrival_time=arrival_time or time.time(), cache_salt=cache_salt,
+                       kv_transfer_params=kv_transfer_params)
 
 
 def _as_token_ids(token_ids) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.kv_connector import KVConnectorMetadata, KVTransferOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class SchedulerOutput:
     # Requests the workers must drop before this step: preempted here, or finished since the last step.
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
+    kv_connector_metadata: KVConnectorMetadata | None = None  # only with KV transfer configured
 
     @property
     def is_empty(self) -> bool:
@@ -77,6 +79,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] | None = None
     prompt_logprobs: dict[str, LogprobsLists] | None = None
+    kv_transfer_output: KVTransferOutput | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +94,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: LogprobsLists | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when the request was first admitted to run
+    kv_transfer_params: dict | None = None  # a prefill engine's finished request: where its KV went
 
     @property
     def finished(self) -> bool:

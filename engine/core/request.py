@@ -61,6 +61,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"Request {request_id!r}: the prompt is empty; at least one token is required.")
@@ -71,6 +72,9 @@ class Request:
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # Disaggregated prefill: {"do_remote_decode": True} on the prefill side, {"remote_kv": KVHandle} on
+        # the decode side (see ``kv_connector``); the connector consumes the handle when it plans the load.
+        self.kv_transfer_params = dict(kv_transfer_params) if kv_transfer_params else None
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []

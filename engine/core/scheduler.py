@@ -14,7 +14,8 @@ import time
 
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from engine.core.kv_connector import KVConnectorScheduler
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from engine.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                  SchedulerOutput)
@@ -33,7 +34,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_transfer_config: KVTransferConfig | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
@@ -45,6 +47,8 @@ class Scheduler:
         # Finished or aborted since the last schedule(): the workers must drop them.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.kv_connector = None if kv_transfer_config is None else \
+            KVConnectorScheduler(kv_transfer_config.kv_role, cache_config.block_size)
 
     def _check_pool_holds_one_sequence(self) -> None:
         # Otherwise one long request could preempt everything, then itself, forever.
@@ -159,17 +163,25 @@ class Scheduler:
             request = self.waiting.peek()
             # Waiting requests (new or preempted) hold no blocks: start from the prefix cache.
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
-            num_wanted = request.num_tokens - num_hit_tokens
+            # Then what a remote prefill computed (disaggregated serving): loaded, not computed, this step.
+            num_external_tokens = 0 if self.kv_connector is None else \
+                self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            num_computed_tokens = num_hit_tokens + num_external_tokens
+            num_wanted = request.num_tokens - num_computed_tokens
             if not self.scheduler_config.enable_chunked_prefill and num_wanted > token_budget:
                 break
-            num_new_tokens = self._num_tokens_to_compute(request, num_hit_tokens, token_budget)
-            if kv.allocate_slots(request, num_new_tokens, num_hit_tokens, computed_blocks) is None:
+            num_new_tokens = self._num_tokens_to_compute(request, num_computed_tokens, token_budget)
+            if kv.allocate_slots(request, num_external_tokens + num_new_tokens, num_hit_tokens,
+                                 computed_blocks) is None:
                 break
             kv.record_prefix_cache_query(request, num_hit_tokens)
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id),
+                                                           num_hit_tokens, num_external_tokens)
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.monotonic()
@@ -190,6 +202,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if self.kv_connector is not None:
+            self.kv_connector.preempted(request)
         self.waiting.prepend(request)
 
     def _build_output(self, scheduled_new: list[Request], scheduled_running: list[Request],
@@ -221,6 +235,9 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens, total_num_scheduled_tokens=total_num_scheduled_tokens,
             preempted_req_ids={request.request_id for request in preempted},
             finished_req_ids=self.finished_req_ids)
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(num_scheduled_tokens,
+                                                                                  kv.get_block_ids)
         self.finished_req_ids = set()
         return output
 
@@ -238,6 +255,8 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs or {}
         any_finished = False
         requests = self.requests
+        if self.kv_connector is not None:
+            self.kv_connector.update_connector_output(model_runner_output.kv_transfer_output)
         for req_id, sampled in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -254,7 +273,7 @@ class Scheduler:
             outputs.append(output)
             if output.finish_reason is not None:
                 any_finished = True
-                self._free_request(request)
+                output.kv_transfer_params = self._free_request(request)
         if any_finished:
             self.running = [request for request in self.running if request.status == RequestStatus.RUNNING]
         return outputs
@@ -266,10 +285,12 @@ class Scheduler:
                 return sampled_token_ids[:num_accepted]
         return sampled_token_ids
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict | None:
+        """Frees the request's blocks and forgets it; returns its ``kv_transfer_params`` (KV it saved)."""
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        return None if self.kv_connector is None else self.kv_connector.request_finished(request)
 
     # ------------------------------------------------------------------- stats
 

@@ -26,8 +26,10 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig
+from engine.core.kv_connector import KVLoad, KVTransferOutput
 from engine.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.distributed.parallel_state import get_parallel_state, recv_from_prev_stage, send_to_next_stage
+from engine.kv_transfer import KVConnectorWorker
 from engine.model import get_model
 from engine.model.layers.cpu_prepack import prepack_linears
 from engine.sample import Sampler, SamplingMetadata, make_generator
@@ -70,6 +72,9 @@ class ModelRunner:
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         self._tokenizer = None
+        # Disaggregated prefill: loads remote KV before a step's forward, saves finished prompts after it.
+        self.kv_connector = None if config.kv_transfer_config is None else \
+            KVConnectorWorker(config.kv_transfer_config, self.block_size, device)
 
     # ------------------------------------------------------------------ set-up
 
@@ -131,9 +136,14 @@ class ModelRunner:
         """
         self._update_states(scheduler_output)
         parallel = self.parallel_state
+        kv_meta = scheduler_output.kv_connector_metadata
+        kv_output = KVTransferOutput() if kv_meta else None
+        if kv_meta and kv_meta.loads:
+            for failed_load in self.kv_connector.start_load_kv(kv_meta, self.kv_caches, kv_output):
+                self._compute_failed_load(failed_load)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if parallel.is_output_rank else None
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
         intermediate = None
         if not parallel.is_first_stage:
             intermediate = recv_from_prev_stage(inputs.attn_metadata.num_actual_tokens, self.hidden_size,
@@ -143,6 +153,8 @@ class ModelRunner:
             send_to_next_stage(*output)  # (hidden, residual)
             return None
         hidden = output  # [num_tokens, hidden_size]
+        if kv_meta and kv_meta.saves:
+            self.kv_connector.save_kv(kv_meta, self.kv_caches, kv_output)
         prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, inputs, hidden)
         logits = None
         if inputs.sampled_req_ids:  # with tp_size > 1 a collective: every rank of the last stage computes them
@@ -155,7 +167,15 @@ class ModelRunner:
             sampled_tokens, logprobs = self._sample(inputs.sampled_req_ids, logits)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids, sampled_token_ids=[sampled_tokens.get(r, []) for r in inputs.req_ids],
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, kv_transfer_output=kv_output)
+
+    def _compute_failed_load(self, load: KVLoad) -> None:
+        """Computes the KV a failed load should have brought: one forward over those tokens alone."""
+        state = self.requests[load.req_id]
+        end = state.num_computed_tokens  # local hits + the external tokens; this step's tokens start here
+        state.num_computed_tokens = load.src_block_indices[0] * self.block_size  # the local hits
+        inputs = self._prepare_inputs({load.req_id: end - state.num_computed_tokens})  # moves it back to end
+        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, None)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -189,9 +209,9 @@ class ModelRunner:
             self.block_table.remove_request(state.slot)
         return state
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, num_scheduled_tokens: dict[str, int]) -> StepInputs:
         """Flattens the step's tokens into one batch; advances each request's num_computed_tokens."""
-        req_ids = list(scheduler_output.num_scheduled_tokens)
+        req_ids = list(num_scheduled_tokens)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -202,7 +222,7 @@ class ModelRunner:
         sample_indices: list[int] = []
         for req_id in req_ids:
             state = self.requests[req_id]
-            num_new = scheduler_output.num_scheduled_tokens[req_id]
+            num_new = num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
             end = start + num_new
             input_ids.extend(state.token_ids[start:end])

@@ -1,0 +1,108 @@
+"""KV transports over Ray (the ``engine.kv_transfer.KVTransport`` interface).
+
+* ``ObjectStoreTransport``: the prefill worker puts every block in the object
+  store as its own object; the handle is the list of references, and the decode
+  worker gets only the blocks it lacks. References are counted by Ray: the
+  blocks live while a handle to them does (in a response, a queued request)
+  and are freed when the last one is dropped, so an aborted or failed request
+  leaks nothing. Any executor, any node.
+* ``RayDirectTransport``: Ray Direct Transport. The prefill worker (a Ray
+  executor worker actor) keeps the blocks in its outbox; the decode engine's
+  executor has them sent straight from that actor to its own worker actor over
+  a collective group (gloo on CPU, nccl on GPU), ahead of the step that needs
+  them (``cluster.kv_direct``). Blocks leave the outbox when read, or after
+  ``OUTBOX_TTL_S``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from engine.config import KVTransferConfig
+from engine.kv_transfer.transport import KVTransport
+
+LOAD_TIMEOUT_S = 10.0  # a block that takes longer is lost: the decode side computes it instead
+OUTBOX_TTL_S = 120.0  # blocks nobody read by then (the request was aborted, the decode side died) are dropped
+
+
+class ObjectStoreTransport(KVTransport):
+    def save(self, kv_id: str, blocks: list[torch.Tensor]) -> list[ray.ObjectRef]:
+        return [ray.put(block) for block in blocks]
+
+    def load(self, req_id: str, data: list[ray.ObjectRef], block_indices: list[int]) -> list[torch.Tensor]:
+        return ray.get([data[index] for index in block_indices], timeout=LOAD_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class DirectKVRef:
+    """Where a saved request's blocks wait: the prefill worker actor, and the key in its outbox."""
+
+    worker: Any  # ray.actor.ActorHandle of a cluster.worker_actor.RayWorker
+    kv_id: str
+
+
+class KVOutbox:
+    """Saved blocks waiting to be pulled, by key; thread-safe (the pull runs on Ray's system thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[float, list[torch.Tensor]]] = {}
+        # Blocks received for a request of this worker's engine, until its step loads them.
+        self._inbox: dict[str, list[torch.Tensor]] = {}
+
+    def put(self, kv_id: str, blocks: list[torch.Tensor]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for key in [key for key, (saved_at, _) in self._entries.items() if now - saved_at > OUTBOX_TTL_S]:
+                del self._entries[key]
+            self._entries[kv_id] = (now, blocks)
+
+    def take(self, kv_id: str, block_indices: list[int]) -> list[torch.Tensor]:
+        """The blocks at ``block_indices``; the entry is dropped (each request is read once)."""
+        with self._lock:
+            entry = self._entries.pop(kv_id, None)
+        if entry is None:
+            raise KeyError(f"No KV blocks saved under {kv_id!r} (expired or already read).")
+        return [entry[1][index] for index in block_indices]
+
+    def deliver(self, req_id: str, blocks: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._inbox[req_id] = blocks
+
+    def receive(self, req_id: str) -> list[torch.Tensor]:
+        with self._lock:
+            blocks = self._inbox.pop(req_id, None)
+        if blocks is None:
+            raise KeyError(f"The KV blocks of {req_id!r} never arrived.")
+        return blocks
+
+
+_outbox = KVOutbox()  # one per worker process
+
+
+def get_outbox() -> KVOutbox:
+    return _outbox
+
+
+class RayDirectTransport(KVTransport):
+    """Needs Ray executor workers on both sides (the app builder sets that up)."""
+
+    def __init__(self, config: KVTransferConfig, device: torch.device) -> None:
+        super().__init__(config, device)
+        self._worker = None
+
+    def save(self, kv_id: str, blocks: list[torch.Tensor]) -> DirectKVRef:
+        if self._worker is None:
+            self._worker = ray.get_runtime_context().current_actor
+        get_outbox().put(kv_id, blocks)
+        return DirectKVRef(self._worker, kv_id)
+
+    def load(self, req_id: str, data: DirectKVRef, block_indices: list[int]) -> list[torch.Tensor]:
+        # The executor had the blocks sent to this worker before the step (cluster.kv_direct).
+        return get_outbox().receive(req_id)

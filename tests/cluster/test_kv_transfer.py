@@ -1,0 +1,153 @@
+"""Disaggregated prefill at the engine level: a prefill engine and a decode engine in this process,
+KV blocks moving between them through Ray's object store.
+
+Greedy tokens equal colocated serving, blocks the decode side already holds are not
+transferred, a lost transfer is computed locally, and both pools end clean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from engine.config import KVTransferConfig
+from engine.engine_args import EngineArgs
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from tests.conftest import assert_pool_clean, random_token_ids, token_prompt
+
+ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=96, block_size=16, dtype="float32")
+PROMPT_LENGTHS = (1, 5, 16, 17, 40, 64, 100, 181)
+MAX_TOKENS = 12
+
+
+class _Engine:
+    """An LLMEngine that ``assert_pool_clean`` accepts (it reads ``llm_engine``)."""
+
+    def __init__(self, model: str, role: str | None, connector: str = "object_store") -> None:
+        kv_config = None if role is None else KVTransferConfig(kv_role=role, kv_connector=connector)
+        args = EngineArgs(model=model, kv_transfer_config=kv_config, **ENGINE_KWARGS)
+        self.llm_engine = LLMEngine(args.create_engine_config())
+
+    @property
+    def connector(self):
+        return self.llm_engine.engine_core.scheduler.kv_connector
+
+    def run(self, requests: dict[str, tuple[list[int], SamplingParams, dict | None]]) -> dict:
+        """Adds the requests, steps until all finish (checking block integrity every step); final outputs."""
+        engine = self.llm_engine
+        for request_id, (token_ids, params, kv_params) in requests.items():
+            engine.add_request(request_id, token_prompt(token_ids), params, kv_transfer_params=kv_params)
+        finals = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finals[output.request_id] = output
+            engine.engine_core.scheduler.kv_cache_manager.check_integrity()
+        return finals
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _prefill(prefill: _Engine, prompts: dict[str, list[int]]) -> dict[str, dict]:
+    finals = prefill.run({rid: (ids, _greedy(1), {"do_remote_decode": True}) for rid, ids in prompts.items()})
+    return {rid: output.kv_transfer_params for rid, output in finals.items()}
+
+
+def _decode(decode: _Engine, prompts: dict[str, list[int]], kv_params: dict[str, dict]) -> dict[str, list[int]]:
+    finals = decode.run({rid: (ids, _greedy(MAX_TOKENS), kv_params.get(rid)) for rid, ids in prompts.items()})
+    return {rid: output.outputs[0].token_ids for rid, output in finals.items()}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> dict[str, list[int]]:
+    rng = random.Random(7)
+    return {f"r{i}": random_token_ids(rng, length) for i, length in enumerate(PROMPT_LENGTHS)}
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens(model, prompts) -> dict[str, list[int]]:
+    llm = LLM(model, **ENGINE_KWARGS)
+    outputs = llm.generate([token_prompt(ids) for ids in prompts.values()], _greedy(MAX_TOKENS))
+    return {rid: output.outputs[0].token_ids for rid, output in zip(prompts, outputs)}
+
+
+def test_object_store_decode_equals_colocated(local_ray, model, prompts, colocated_tokens):
+    prefill, decode = _Engine(model, "kv_producer"), _Engine(model, "kv_consumer")
+    kv_params = _prefill(prefill, prompts)
+    handles = {rid: params["remote_kv"] for rid, params in kv_params.items()}
+    assert {rid: handle.num_tokens for rid, handle in handles.items()} == {r: len(p) for r, p in prompts.items()}
+    assert_pool_clean(prefill)  # the prefill side copied its blocks out and freed them at once
+
+    assert _decode(decode, prompts, kv_params) == colocated_tokens
+    assert_pool_clean(decode)
+    stats = decode.connector.stats
+    # Every prompt but the 1-token one has KV to load: the blocks holding all its tokens but the last.
+    expected_blocks = sum(-(-(len(ids) - 1) // 16) for ids in prompts.values())
+    assert (stats.num_loads, stats.num_loaded_blocks, stats.num_failed_loads) == (len(prompts) - 1, expected_blocks, 0)
+    handle = handles["r7"]
+    assert stats.num_loaded_bytes == expected_blocks * handle.num_bytes // handle.num_blocks
+
+
+def test_prefix_hits_on_the_decode_side_skip_transfers(local_ray, model, prompts, colocated_tokens):
+    prefill, decode = _Engine(model, "kv_producer"), _Engine(model, "kv_consumer")
+    long_prompt = {"r7": prompts["r7"]}  # 181 tokens: 11 full blocks and a partial one
+    _decode(decode, long_prompt, _prefill(prefill, long_prompt))
+    stats = decode.connector.stats
+    assert (stats.num_loads, stats.num_loaded_blocks, stats.num_skipped_blocks) == (1, 12, 0)
+
+    # The same prompt again: its 11 full blocks are in the decode side's prefix cache; only the partial one moves.
+    assert _decode(decode, long_prompt, _prefill(prefill, long_prompt)) == {"r7": colocated_tokens["r7"]}
+    assert (stats.num_loads, stats.num_loaded_blocks, stats.num_skipped_blocks) == (2, 13, 11)
+
+    # A prompt sharing its first 160 tokens (10 blocks): only the 4 blocks past them move.
+    extended = {"x": prompts["r7"][:160] + random_token_ids(random.Random(3), 60)}
+    expected = _decode(_Engine(model, None), extended, {})
+    assert _decode(decode, extended, _prefill(prefill, extended)) == expected
+    assert (stats.num_loads, stats.num_loaded_blocks, stats.num_skipped_blocks) == (3, 17, 21)
+    assert_pool_clean(prefill)
+    assert_pool_clean(decode)
+
+
+def test_a_lost_transfer_is_computed_locally(local_ray, model, prompts, colocated_tokens):
+    """Blocks that cannot be fetched (here: references whose task failed, as a lost object's do) are
+    computed on the decode side, in the same step."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def lost_block():
+        raise RuntimeError("the prefill replica holding this block is gone")
+
+    prefill, decode = _Engine(model, "kv_producer"), _Engine(model, "kv_consumer")
+    kv_params = _prefill(prefill, prompts)
+    for rid in ("r4", "r6"):
+        handle = kv_params[rid]["remote_kv"]
+        refs = [lost_block.remote() for _ in handle.data]
+        kv_params[rid] = {"remote_kv": dataclasses.replace(handle, data=refs)}
+    assert _decode(decode, prompts, kv_params) == colocated_tokens
+    assert decode.connector.stats.num_failed_loads == 2
+    assert_pool_clean(decode)
+
+
+def test_an_aborted_decode_frees_its_loaded_blocks(local_ray, model, prompts):
+    prefill, decode = _Engine(model, "kv_producer"), _Engine(model, "kv_consumer")
+    kv_params = _prefill(prefill, prompts)
+    engine = decode.llm_engine
+    for rid, ids in prompts.items():
+        engine.add_request(rid, token_prompt(ids), _greedy(MAX_TOKENS), kv_transfer_params=kv_params[rid])
+    engine.step()  # admitted, KV loaded
+    assert decode.connector.stats.num_loads > 0
+    engine.abort_request(list(prompts))
+    engine.step()
+    assert_pool_clean(decode)
