@@ -35,13 +35,15 @@ def route_engine_stats_log_to_replica_log() -> None:
 class LLMServer:
     """One replica: an ``AsyncLLM`` for ``llm_config`` and the OpenAI endpoints over it."""
 
-    def __init__(self, llm_config: LLMConfig) -> None:
+    def __init__(self, llm_config: LLMConfig, metrics_model_name: str | None = None) -> None:
+        """``metrics_model_name``: the ``model_name`` label of this replica's metrics (default: the model id)."""
         bind_replica_grpc_to_node_ip()
         route_engine_stats_log_to_replica_log()
         self.model_id = llm_config.model_id
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncLLM.from_engine_args(llm_config.engine_args(),
-                                                stat_loggers=[RayStatLogger(self.model_id, replica_id)])
+                                                stat_loggers=[RayStatLogger(metrics_model_name or self.model_id,
+                                                                            replica_id)])
         self.serving = OpenAIServing(self.engine, self.model_id)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 

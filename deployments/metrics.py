@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ray.util import metrics
 
+from engine.core.kv_connector import KVTransferStats
 from engine.core.scheduler import SchedulerStats
 from engine.metrics import IterationStats
 
@@ -61,6 +62,7 @@ class RayStatLogger:
                                        REQUEST_LATENCY_BUCKETS)
         self.decode_time = _histogram("serval_request_decode_time_seconds", "First token -> last token.",
                                       REQUEST_LATENCY_BUCKETS)
+        self.kv_transfer = KVTransferMetrics()
         # The scheduler's counters are totals since start; Ray counters take increments.
         self._last_preemptions = self._last_queries = self._last_hits = 0
 
@@ -89,6 +91,8 @@ class RayStatLogger:
             self.decode_time.observe(finished.decode_time_s, tags)
             if finished.num_generation_tokens > 1:
                 self.time_per_output_token.observe(finished.mean_time_per_output_token_s, tags)
+        if scheduler_stats.kv_transfer_stats is not None:
+            self.kv_transfer.record(scheduler_stats.kv_transfer_stats, iteration_stats.kv_load_latencies_s, tags)
 
     def _add_total(self, counter: metrics.Counter, last_attr: str, total: int) -> None:
         increment = total - getattr(self, last_attr)
@@ -98,3 +102,58 @@ class RayStatLogger:
 
     def log(self) -> None:
         """Nothing to print: Ray's metrics agent exports continuously."""
+
+
+class KVTransferMetrics:
+    """Disaggregated prefill, per engine: KV blocks saved (prefill pool) and loaded (decode pool)."""
+
+    def __init__(self) -> None:
+        self.saved_bytes = metrics.Counter("serval_kv_transfer_saved_bytes",
+                                           "KV bytes a prefill engine handed off.", tag_keys=TAG_KEYS)
+        self.loaded_bytes = metrics.Counter("serval_kv_transfer_loaded_bytes",
+                                            "KV bytes a decode engine received.", tag_keys=TAG_KEYS)
+        self.loaded_blocks = metrics.Counter("serval_kv_transfer_loaded_blocks", "KV blocks received.",
+                                             tag_keys=TAG_KEYS)
+        self.skipped_blocks = metrics.Counter(
+            "serval_kv_transfer_skipped_blocks", "Remote KV blocks not transferred: the decode side's prefix "
+            "cache held them.", tag_keys=TAG_KEYS)
+        self.failed_loads = metrics.Counter("serval_kv_transfer_failed_loads",
+                                            "KV loads that failed (the decode side computed the KV).",
+                                            tag_keys=TAG_KEYS)
+        self.latency = _histogram("serval_kv_transfer_latency_seconds", "Time to load one request's KV.",
+                                  TOKEN_LATENCY_BUCKETS)
+        self._last: dict[str, int] = {}
+
+    def record(self, stats: KVTransferStats, load_latencies_s: list[float], tags: dict) -> None:
+        for counter, total in ((self.saved_bytes, stats.num_saved_bytes), (self.loaded_bytes, stats.num_loaded_bytes),
+                               (self.loaded_blocks, stats.num_loaded_blocks),
+                               (self.skipped_blocks, stats.num_skipped_blocks),
+                               (self.failed_loads, stats.num_failed_loads)):
+            increment = total - self._last.get(counter.info["name"], 0)
+            if increment > 0:
+                counter.inc(increment, tags)
+                self._last[counter.info["name"]] = total
+        for latency in load_latencies_s:
+            self.latency.observe(latency, tags)
+
+
+class RemotePrefillMetrics:
+    """A decode replica's view of the prefill pool: requests waiting on it, prefill time, failures."""
+
+    def __init__(self, model_name: str, replica: str) -> None:
+        self.tags = {"model_name": model_name, "replica": replica}
+        self.queue = metrics.Gauge("serval_prefill_queue", "Requests waiting for the prefill pool.",
+                                   tag_keys=TAG_KEYS)
+        self.prefill_time = _histogram("serval_remote_prefill_seconds",
+                                       "Remote prefill round trip (queue, prefill, KV hand-off).", REQUEST_LATENCY_BUCKETS)
+        self.failures = metrics.Counter("serval_remote_prefill_failures", "Remote prefills that failed or timed out.",
+                                        tag_keys=TAG_KEYS)
+
+    def set_queue(self, num_waiting: int) -> None:
+        self.queue.set(num_waiting, self.tags)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.prefill_time.observe(seconds, self.tags)
+
+    def count_failure(self) -> None:
+        self.failures.inc(1, self.tags)

@@ -22,9 +22,11 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator
+import dataclasses
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.core.kv_connector import KVTransferStats
 from engine.engine_args import EngineArgs
 from engine.metrics import LoggingStatLogger, StatLogger
 from engine.executor.base import Executor
@@ -67,6 +69,7 @@ class EngineStats:
     num_steps_total: int
     prefix_cache_hits: int
     prefix_cache_queries: int
+    kv_transfer: KVTransferStats | None = None  # disaggregated prefill only (a copy)
 
 
 def _deliver(batch: list[tuple[RequestOutputCollector, RequestOutput]]) -> None:
@@ -316,7 +319,9 @@ class EngineThread:
             num_prompt_tokens_total=self._num_prompt_tokens, num_finished_reqs_total=self._num_finished_reqs,
             num_aborted_reqs_total=self._num_aborted_reqs, num_preemptions_total=scheduler_stats.num_preemptions,
             num_steps_total=self._num_steps, prefix_cache_hits=prefix.num_hit_tokens,
-            prefix_cache_queries=prefix.num_queried_tokens)
+            prefix_cache_queries=prefix.num_queried_tokens,
+            kv_transfer=None if scheduler_stats.kv_transfer_stats is None else
+            dataclasses.replace(scheduler_stats.kv_transfer_stats))
 
 
 def _copy_shared_lists(output: RequestOutput) -> None:
@@ -373,6 +378,7 @@ class AsyncLLM:
         EngineDeadError are raised by the first ``__anext__``, before any output.
         Closing or cancelling the generator early aborts the request (its KV
         blocks are freed); ``abort(request_id)`` ends it with finish_reason "abort".
+        ``kv_transfer_params``: disaggregated prefill (``engine.core.kv_connector``).
         """
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")

@@ -117,6 +117,9 @@ class LLMEngine:
 
     def _record_stats(self, iteration_stats: IterationStats) -> None:
         scheduler_stats = self.engine_core.make_stats()
+        kv_connector = self.engine_core.scheduler.kv_connector
+        if kv_connector is not None:
+            iteration_stats.kv_load_latencies_s = kv_connector.take_load_latencies()
         for stat_logger in self.stat_loggers:
             stat_logger.record(scheduler_stats, iteration_stats)
         if iteration_stats.now - self._last_log_time >= self.log_interval_s:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
-from engine.core.kv_connector import KVConnectorScheduler
+from engine.core.kv_connector import KVConnectorScheduler, KVTransferStats
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from engine.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                  SchedulerOutput)
@@ -31,6 +31,7 @@ class SchedulerStats:
     kv_cache_usage: float
     num_preemptions: int  # since start
     prefix_cache_stats: PrefixCacheStats
+    kv_transfer_stats: KVTransferStats | None = None  # with KV transfer configured
 
 
 class Scheduler:
@@ -298,4 +299,5 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=self.num_preemptions,
-            prefix_cache_stats=self.kv_cache_manager.prefix_cache_stats)
+            prefix_cache_stats=self.kv_cache_manager.prefix_cache_stats,
+            kv_transfer_stats=None if self.kv_connector is None else self.kv_connector.stats)

@@ -53,6 +53,7 @@ class IterationStats:
     time_to_first_tokens_s: list[float] = field(default_factory=list)
     inter_token_latencies_s: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    kv_load_latencies_s: list[float] = field(default_factory=list)  # remote KV loads (disaggregated prefill)
 
     def record_tokens(self, times: RequestTimes, num_new_tokens: int, first_scheduled_time: float | None) -> None:
         """A step's output for one request (``num_new_tokens`` may be 0: prompt logprobs of a chunk)."""

@@ -78,8 +78,14 @@ def from_validation_error(exc: ValidationError) -> ErrorResponse:
     return bad_request("; ".join(problems), param=param)
 
 
+class ServiceUnavailableError(RuntimeError):
+    """Something the request needs (another pool of replicas) failed or is busy; retrying may work (503)."""
+
+
 def from_exception(exc: BaseException) -> ErrorResponse:
-    """Maps what the engine raises to a status: bad input 400, overload 503, anything else 500."""
+    """Maps what the engine raises to a status: bad input 400, overload or unavailable 503, anything else 500."""
+    if isinstance(exc, ServiceUnavailableError):
+        return make_error(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, retry_after=RETRY_AFTER_S)
     if isinstance(exc, EngineOverloadedError):
         return make_error(str(exc) or "The engine is overloaded; retry later.", HTTPStatus.SERVICE_UNAVAILABLE,
                           retry_after=RETRY_AFTER_S)

@@ -1,0 +1,165 @@
+"""Disaggregated prefill and decode through a real Ray Serve app, driven by the official OpenAI client.
+
+Two PD apps run side by side: ``/`` fails a request whose prefill fails (503),
+``/fb`` prefills it on the decode replica instead. The prefill pool's
+max_model_len (128) is below the decode pool's (512): a longer prompt is a real
+prefill failure, with no test hooks. Greedy outputs equal the colocated engine;
+both pools end with every KV block free.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from tests.conftest import random_token_ids
+from tests.serve.cluster import LOOPBACK, deploy_and_wait, llm_config
+
+MODEL = "tiny-llama"
+PREFILL_MAX_MODEL_LEN = 128
+LENGTHS = (3, 17, 40, 90, 120)
+MAX_TOKENS = 16
+
+
+def pd_app(name: str, route_prefix: str, model_source: str, fallback: bool) -> dict:
+    prefill = llm_config(MODEL, model_source, max_model_len=PREFILL_MAX_MODEL_LEN, num_gpu_blocks_override=64)
+    decode = llm_config(MODEL, model_source, num_gpu_blocks_override=160)
+    for config in (prefill, decode):
+        config["deployment_config"]["ray_actor_options"]["num_cpus"] = 0.2
+    return {"name": name, "route_prefix": route_prefix, "import_path": "deployments.app:build_pd_openai_app",
+            "args": {"prefill_config": prefill, "decode_config": decode, "fallback_to_local_prefill": fallback,
+                     "prefill_timeout_s": 30, "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.05}}}}
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_head, tiny_checkpoint):
+    source = tiny_checkpoint("llama")
+    config = {"proxy_location": "HeadOnly", "http_options": {"host": LOOPBACK, "port": ray_head.http_port},
+              "applications": [pd_app("llm", "/", source, fallback=False), pd_app("fb", "/fb", source, fallback=True)]}
+    deploy_and_wait(ray_head, config)
+    yield ray_head.base_url
+    for app in ("llm", "fb"):
+        serve.delete(app)
+
+
+def client_for(base_url: str, prefix: str = "") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}{prefix}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoint):
+    from engine import LLM
+    return LLM(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=512)
+
+
+def offline_greedy(llm, token_ids: list[int], max_tokens: int = MAX_TOKENS) -> str:
+    from engine import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0].outputs[0].text
+
+
+def completion_text(client: openai.OpenAI, token_ids: list[int]) -> str:
+    response = client.completions.create(model=MODEL, prompt=[token_ids], max_tokens=MAX_TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == MAX_TOKENS
+    return response.choices[0].text
+
+
+def stats(app: str, deployment: str) -> dict:
+    return serve.get_deployment_handle(f"{deployment}:{MODEL}", app_name=app).stats.remote().result()
+
+
+def wait_all_blocks_free(app: str, timeout_s: float = 30.0) -> None:
+    """Every KV block of both pools is free again: nothing leaked on either side."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = [stats(app, "LLMServer"), stats(app, "PrefillServer")]
+        if all(s["num_free_blocks"] == s["num_total_blocks"] and s["num_running_reqs"] == s["num_waiting_reqs"] == 0
+               for s in pools):
+            return
+        assert time.monotonic() < deadline, f"blocks still held: {pools}"
+        time.sleep(0.5)
+
+
+def test_greedy_outputs_equal_colocated_for_mixed_lengths(base_url, offline):
+    client = client_for(base_url)
+    rng = random.Random(11)
+    prompts = [random_token_ids(rng, length) for length in LENGTHS]
+    for token_ids in prompts:
+        assert completion_text(client, token_ids) == offline_greedy(offline, token_ids)
+    kv = stats("llm", "LLMServer")["kv_transfer"]
+    assert kv["num_loads"] == len(prompts) and kv["num_failed_loads"] == 0
+    assert kv["num_loaded_blocks"] == sum(-(-(length - 1) // 16) for length in LENGTHS)
+    assert stats("llm", "PrefillServer")["kv_transfer"]["num_saves"] == len(prompts)
+    wait_all_blocks_free("llm")
+
+
+def test_prefix_hits_on_the_decode_side_skip_transfers(base_url, offline):
+    client = client_for(base_url)
+    token_ids = random_token_ids(random.Random(5), 97)  # 6 full blocks, one partial
+    before = stats("llm", "LLMServer")["kv_transfer"]
+    assert completion_text(client, token_ids) == offline_greedy(offline, token_ids)
+    assert completion_text(client, token_ids) == offline_greedy(offline, token_ids)
+    after = stats("llm", "LLMServer")["kv_transfer"]
+    # First time: blocks 0-5 (tokens 0..95; the 97th is recomputed). Again: all 6 are in the prefix cache.
+    assert after["num_loaded_blocks"] - before["num_loaded_blocks"] == 6
+    assert after["num_loads"] - before["num_loads"] == 1
+    assert after["num_skipped_blocks"] - before["num_skipped_blocks"] == 0
+    wait_all_blocks_free("llm")
+
+
+def test_streaming_equals_unstreamed_chat(base_url):
+    client = client_for(base_url)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about foxes."}], max_tokens=20,
+                  temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_an_aborted_stream_frees_blocks_on_both_sides(base_url):
+    with httpx.stream("POST", f"{base_url}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
+                            "ignore_eos": True}) as response:
+        assert response.status_code == 200
+        for index, _ in enumerate(response.iter_lines()):
+            if index >= 3:
+                break  # leave mid-stream: the decode request is aborted
+    wait_all_blocks_free("llm")
+
+
+def test_a_failed_prefill_is_a_503_and_disturbs_nothing(base_url, offline):
+    long_prompt = random_token_ids(random.Random(9), 200)  # above the prefill pool's max_model_len
+    with pytest.raises(openai.InternalServerError) as raised:
+        client_for(base_url).completions.create(model=MODEL, prompt=[long_prompt], max_tokens=4)
+    assert raised.value.status_code == 503 and "prefill pool failed" in str(raised.value)
+    short = random_token_ids(random.Random(10), 30)
+    assert completion_text(client_for(base_url), short) == offline_greedy(offline, short)
+    wait_all_blocks_free("llm")
+
+
+def test_a_failed_prefill_falls_back_to_local_prefill_when_configured(base_url, offline):
+    long_prompt = random_token_ids(random.Random(9), 200)
+    assert completion_text(client_for(base_url, "/fb"), long_prompt) == offline_greedy(offline, long_prompt)
+    assert stats("fb", "LLMServer")["kv_transfer"]["num_loads"] == 0
+    wait_all_blocks_free("fb")
+
+
+def test_metrics_report_transfers_and_the_prefill_queue(base_url):
+    deadline = time.monotonic() + 60
+    wanted = ("serval_kv_transfer_loaded_bytes", "serval_kv_transfer_saved_bytes", "serval_kv_transfer_latency_seconds",
+              "serval_remote_prefill_seconds", "serval_remote_prefill_failures", "serval_prefill_queue")
+    while True:
+        text = httpx.get(f"{base_url}/metrics", timeout=30).text
+        missing = [name for name in wanted if name not in text]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"metrics missing from /metrics: {missing}"
+        time.sleep(2)
+    assert f'model_name="{MODEL}:prefill"' in text
