@@ -48,39 +48,42 @@ class DirectKVRef:
 
 
 class KVOutbox:
-    """Saved blocks waiting to be pulled, by key; thread-safe (the pull runs on Ray's system thread)."""
+    """Blocks saved here until a decode engine pulls them (by key), and blocks delivered here until this
+    worker's step loads them (by request id). Thread-safe: pulls run on their own actor thread. Entries
+    nobody takes within ``OUTBOX_TTL_S`` (an aborted request, a transfer that timed out) are dropped."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[str, tuple[float, list[torch.Tensor]]] = {}
-        # Blocks received for a request of this worker's engine, until its step loads them.
-        self._inbox: dict[str, list[torch.Tensor]] = {}
+        self._saved: dict[str, tuple[float, list[torch.Tensor]]] = {}
+        self._delivered: dict[str, tuple[float, list[torch.Tensor]]] = {}
 
     def put(self, kv_id: str, blocks: list[torch.Tensor]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for key in [key for key, (saved_at, _) in self._entries.items() if now - saved_at > OUTBOX_TTL_S]:
-                del self._entries[key]
-            self._entries[kv_id] = (now, blocks)
+        self._add(self._saved, kv_id, blocks)
 
     def take(self, kv_id: str, block_indices: list[int]) -> list[torch.Tensor]:
-        """The blocks at ``block_indices``; the entry is dropped (each request is read once)."""
-        with self._lock:
-            entry = self._entries.pop(kv_id, None)
-        if entry is None:
-            raise KeyError(f"No KV blocks saved under {kv_id!r} (expired or already read).")
-        return [entry[1][index] for index in block_indices]
+        """The blocks at ``block_indices``; the entry is dropped (a request is pulled once)."""
+        blocks = self._pop(self._saved, kv_id, "No KV blocks saved under {!r} (expired or already read).")
+        return [blocks[index] for index in block_indices]
 
     def deliver(self, req_id: str, blocks: list[torch.Tensor]) -> None:
-        with self._lock:
-            self._inbox[req_id] = blocks
+        self._add(self._delivered, req_id, blocks)
 
     def receive(self, req_id: str) -> list[torch.Tensor]:
+        return self._pop(self._delivered, req_id, "The KV blocks of {!r} never arrived.")
+
+    def _add(self, entries: dict, key: str, blocks: list[torch.Tensor]) -> None:
+        now = time.monotonic()
         with self._lock:
-            blocks = self._inbox.pop(req_id, None)
-        if blocks is None:
-            raise KeyError(f"The KV blocks of {req_id!r} never arrived.")
-        return blocks
+            for stale in [k for k, (added_at, _) in entries.items() if now - added_at > OUTBOX_TTL_S]:
+                del entries[stale]
+            entries[key] = (now, blocks)
+
+    def _pop(self, entries: dict, key: str, missing: str) -> list[torch.Tensor]:
+        with self._lock:
+            entry = entries.pop(key, None)
+        if entry is None:
+            raise KeyError(missing.format(key))
+        return entry[1]
 
 
 _outbox = KVOutbox()  # one per worker process

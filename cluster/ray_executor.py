@@ -40,7 +40,8 @@ from ray.dag.context import DAGContext
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
-from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, RayWorker
+from cluster.kv_direct import KVDirectClient
+from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, KV_CONCURRENCY_GROUP, RayWorker
 from engine.config import EngineConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture
@@ -114,15 +115,19 @@ class RayExecutor(Executor):
         self.dag = None
         self._failure: BaseException | None = None
         self.placement_group, self._owns_placement_group = acquire_placement_group(parallel, use_gpu)
+        self.kv_direct: KVDirectClient | None = None
         try:
             self.workers = self._start_workers(worker_resources(parallel, use_gpu))
             self._init_workers(config_for_workers(self.config))
+            kv_config = self.config.kv_transfer_config
+            if kv_config is not None and kv_config.kv_connector == "ray_direct":
+                self.kv_direct = KVDirectClient(self.workers[0], kv_config, use_gpu)
         except BaseException:
             self.shutdown()
             raise
 
     def _start_workers(self, resources: dict[str, float]) -> list:
-        actor_class = ray.remote(concurrency_groups={HEALTH_CONCURRENCY_GROUP: 1})(RayWorker)
+        actor_class = ray.remote(concurrency_groups={HEALTH_CONCURRENCY_GROUP: 1, KV_CONCURRENCY_GROUP: 2})(RayWorker)
         return [actor_class.options(
             num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -165,6 +170,9 @@ class RayExecutor(Executor):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         self._raise_if_failed()
+        kv_meta = scheduler_output.kv_connector_metadata
+        if self.kv_direct is not None and kv_meta and kv_meta.loads:
+            self.kv_direct.pull(kv_meta.loads)  # the blocks reach the worker before the step that loads them
         try:
             if self.dag is not None:
                 return _GraphStep(self, self.dag.execute(scheduler_output))

@@ -19,6 +19,8 @@ from engine.config import EngineConfig
 from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 HEALTH_CONCURRENCY_GROUP = "health"
+# KV transfers (disaggregated prefill) run beside steps: a pull must not wait for a long prefill to finish.
+KV_CONCURRENCY_GROUP = "kv"
 
 
 class RayWorker:
@@ -66,6 +68,31 @@ class RayWorker:
     def step_stats(self) -> tuple[int, float]:
         """(steps run, seconds spent inside them) since start."""
         return self.num_steps, self.busy_s
+
+    # ---- KV transfer (ray_direct): blocks this worker saved leave through read_kv*, blocks for its
+    # own requests arrive through receive_kv (see cluster.kv_direct).
+
+    @ray.method(concurrency_group=KV_CONCURRENCY_GROUP)
+    def read_kv(self, kv_id: str, block_indices: list[int]) -> list:
+        """Saved blocks, through the object store (a pair of workers outside the collective group)."""
+        from cluster.kv_transport import get_outbox
+        return get_outbox().take(kv_id, block_indices)
+
+    @ray.method(concurrency_group=KV_CONCURRENCY_GROUP, tensor_transport="gloo")
+    def read_kv_gloo(self, kv_id: str, block_indices: list[int]) -> list:
+        """Saved blocks, kept here until the caller passes them on to a worker of the gloo group."""
+        return self.read_kv(kv_id, block_indices)
+
+    @ray.method(concurrency_group=KV_CONCURRENCY_GROUP, tensor_transport="nccl")
+    def read_kv_nccl(self, kv_id: str, block_indices: list[int]) -> list:
+        """Saved blocks (on the GPU), kept here until the caller passes them on to a worker of the nccl group."""
+        return self.read_kv(kv_id, block_indices)
+
+    @ray.method(concurrency_group=KV_CONCURRENCY_GROUP)
+    def receive_kv(self, req_id: str, blocks: list) -> None:
+        """Blocks for one of this worker's requests, until its step loads them."""
+        from cluster.kv_transport import get_outbox
+        get_outbox().deliver(req_id, blocks)
 
     # Health calls run in their own thread: with the task control path a step occupies the default one.
     @ray.method(concurrency_group=HEALTH_CONCURRENCY_GROUP)

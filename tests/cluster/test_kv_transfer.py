@@ -29,7 +29,9 @@ class _Engine:
 
     def __init__(self, model: str, role: str | None, connector: str = "object_store") -> None:
         kv_config = None if role is None else KVTransferConfig(kv_role=role, kv_connector=connector)
-        args = EngineArgs(model=model, kv_transfer_config=kv_config, **ENGINE_KWARGS)
+        backend = "ray" if connector == "ray_direct" else None  # ray_direct moves blocks between worker actors
+        args = EngineArgs(model=model, kv_transfer_config=kv_config, distributed_executor_backend=backend,
+                          num_cpus_per_worker=0.5, **ENGINE_KWARGS)
         self.llm_engine = LLMEngine(args.create_engine_config())
 
     @property
@@ -151,3 +153,31 @@ def test_an_aborted_decode_frees_its_loaded_blocks(local_ray, model, prompts):
     engine.abort_request(list(prompts))
     engine.step()
     assert_pool_clean(decode)
+
+
+def test_ray_direct_moves_blocks_worker_to_worker_over_gloo(local_ray, model, prompts, colocated_tokens):
+    """Both engines run Ray worker actors; the coordinator forms one gloo group over them and every
+    block goes prefill worker -> decode worker through it (not through the object store)."""
+    import ray
+
+    from cluster.kv_direct import COORDINATOR_NAME, COORDINATOR_NAMESPACE
+    from cluster.kv_transport import DirectKVRef
+
+    prefill, decode = _Engine(model, "kv_producer", "ray_direct"), _Engine(model, "kv_consumer", "ray_direct")
+    kv_params = _prefill(prefill, prompts)
+    assert all(isinstance(params["remote_kv"].data, DirectKVRef) for params in kv_params.values())
+    assert _decode(decode, prompts, kv_params) == colocated_tokens
+    coordinator = ray.get_actor(COORDINATOR_NAME, namespace=COORDINATOR_NAMESPACE)
+    assert ray.get(coordinator.stats.remote()) == {"num_registered": 2, "group_size": 2,
+                                                    "num_transfers": {"direct": len(prompts) - 1, "object_store": 0}}
+    stats = decode.connector.stats
+    assert stats.num_loads == len(prompts) - 1 and stats.num_failed_loads == 0
+    assert_pool_clean(prefill)
+    assert_pool_clean(decode)
+    # A handle pulled once is gone from the prefill worker: a second pull fails, and that decode computes it.
+    again = {"r7": prompts["r7"]}
+    fresh = _Engine(model, "kv_consumer", "ray_direct")
+    assert _decode(fresh, again, {"r7": kv_params["r7"]}) == {"r7": colocated_tokens["r7"]}
+    assert fresh.connector.stats.num_failed_loads == 1
+    for engine in (prefill, decode, fresh):
+        engine.llm_engine.shutdown()

@@ -1,7 +1,8 @@
 """Disaggregated prefill and decode through a real Ray Serve app, driven by the official OpenAI client.
 
-Two PD apps run side by side: ``/`` fails a request whose prefill fails (503),
-``/fb`` prefills it on the decode replica instead. The prefill pool's
+Three PD apps run side by side: ``/`` fails a request whose prefill fails (503),
+``/fb`` prefills it on the decode replica instead; both move KV through the
+object store. ``/rd`` moves it worker to worker with Ray Direct Transport (gloo). The prefill pool's
 max_model_len (128) is below the decode pool's (512): a longer prompt is a real
 prefill failure, with no test hooks. Greedy outputs equal the colocated engine;
 both pools end with every KV block free.
@@ -26,13 +27,17 @@ LENGTHS = (3, 17, 40, 90, 120)
 MAX_TOKENS = 16
 
 
-def pd_app(name: str, route_prefix: str, model_source: str, fallback: bool) -> dict:
-    prefill = llm_config(MODEL, model_source, max_model_len=PREFILL_MAX_MODEL_LEN, num_gpu_blocks_override=64)
-    decode = llm_config(MODEL, model_source, num_gpu_blocks_override=160)
+def pd_app(name: str, route_prefix: str, model_source: str, fallback: bool, kv_connector: str = "object_store") -> dict:
+    # ray_direct runs each engine's worker in its own actor: a small CPU share each.
+    worker_kwargs = {"num_cpus_per_worker": 0.1} if kv_connector == "ray_direct" else {}
+    prefill = llm_config(MODEL, model_source, max_model_len=PREFILL_MAX_MODEL_LEN, num_gpu_blocks_override=64,
+                         **worker_kwargs)
+    decode = llm_config(MODEL, model_source, num_gpu_blocks_override=160, **worker_kwargs)
     for config in (prefill, decode):
         config["deployment_config"]["ray_actor_options"]["num_cpus"] = 0.2
     return {"name": name, "route_prefix": route_prefix, "import_path": "deployments.app:build_pd_openai_app",
             "args": {"prefill_config": prefill, "decode_config": decode, "fallback_to_local_prefill": fallback,
+                     "kv_transfer_config": {"kv_connector": kv_connector},
                      "prefill_timeout_s": 30, "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.05}}}}
 
 
@@ -40,10 +45,11 @@ def pd_app(name: str, route_prefix: str, model_source: str, fallback: bool) -> d
 def base_url(ray_head, tiny_checkpoint):
     source = tiny_checkpoint("llama")
     config = {"proxy_location": "HeadOnly", "http_options": {"host": LOOPBACK, "port": ray_head.http_port},
-              "applications": [pd_app("llm", "/", source, fallback=False), pd_app("fb", "/fb", source, fallback=True)]}
+              "applications": [pd_app("llm", "/", source, fallback=False), pd_app("fb", "/fb", source, fallback=True),
+                               pd_app("rd", "/rd", source, fallback=False, kv_connector="ray_direct")]}
     deploy_and_wait(ray_head, config)
     yield ray_head.base_url
-    for app in ("llm", "fb"):
+    for app in ("llm", "fb", "rd"):
         serve.delete(app)
 
 
@@ -111,6 +117,23 @@ def test_prefix_hits_on_the_decode_side_skip_transfers(base_url, offline):
     assert after["num_loads"] - before["num_loads"] == 1
     assert after["num_skipped_blocks"] - before["num_skipped_blocks"] == 0
     wait_all_blocks_free("llm")
+
+
+def test_ray_direct_transport_between_the_pools(base_url, offline):
+    import ray
+
+    from cluster.kv_direct import COORDINATOR_NAME, COORDINATOR_NAMESPACE
+
+    client = client_for(base_url, "/rd")
+    rng = random.Random(12)
+    prompts = [random_token_ids(rng, length) for length in LENGTHS]
+    for token_ids in prompts:
+        assert completion_text(client, token_ids) == offline_greedy(offline, token_ids)
+    coordinator = ray.get_actor(COORDINATOR_NAME, namespace=COORDINATOR_NAMESPACE)
+    assert ray.get(coordinator.stats.remote()) == {"num_registered": 2, "group_size": 2,
+                                                    "num_transfers": {"direct": len(prompts), "object_store": 0}}
+    assert stats("rd", "LLMServer")["kv_transfer"]["num_failed_loads"] == 0
+    wait_all_blocks_free("rd")
 
 
 def test_streaming_equals_unstreamed_chat(base_url):
