@@ -145,7 +145,8 @@ class RemotePrefillMetrics:
         self.queue = metrics.Gauge("serval_prefill_queue", "Requests waiting for the prefill pool.",
                                    tag_keys=TAG_KEYS)
         self.prefill_time = _histogram("serval_remote_prefill_seconds",
-                                       "Remote prefill round trip (queue, prefill, KV hand-off).", REQUEST_LATENCY_BUCKETS)
+                                       "Remote prefill round trip (queue, prefill, KV hand-off).",
+                                       REQUEST_LATENCY_BUCKETS)
         self.failures = metrics.Counter("serval_remote_prefill_failures", "Remote prefills that failed or timed out.",
                                         tag_keys=TAG_KEYS)
 

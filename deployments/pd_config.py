@@ -59,9 +59,17 @@ class PDServingArgs(PDOptions):
             raise ValueError(f"prefill_config serves {self.prefill_config.model_id!r} but decode_config serves "
                              f"{self.decode_config.model_id!r}: both pools must serve the same model_id.")
         for name, config in (("prefill_config", self.prefill_config), ("decode_config", self.decode_config)):
-            if "kv_transfer_config" in config.engine_kwargs:
+            kwargs = config.engine_kwargs
+            if "kv_transfer_config" in kwargs:
                 raise ValueError(f"{name}.engine_kwargs.kv_transfer_config is set by the PD builder; "
                                  "use the app's kv_transfer_config.")
+            if kwargs.get("tensor_parallel_size", 1) != 1 or kwargs.get("pipeline_parallel_size", 1) != 1:
+                raise ValueError(f"{name}: disaggregated serving supports tensor_parallel_size=1 and "
+                                 "pipeline_parallel_size=1 engines only.")
+        pools = (self.prefill_config, self.decode_config)
+        block_sizes = {config.engine_kwargs.get("block_size", 16) for config in pools}
+        if len(block_sizes) > 1:
+            raise ValueError(f"Both pools must use the same block_size (KV moves block by block), got {block_sizes}.")
         return self
 
     @property

@@ -66,7 +66,8 @@ class PrefillServer(LLMServer):
                                                  kv_transfer_params={"do_remote_decode": True}):
             final = output
         if final is None or not final.kv_transfer_params:
-            raise RuntimeError(f"Prefill of {request_id!r} ended without KV ({final and final.outputs[0].finish_reason}).")
+            reason = final.outputs[0].finish_reason if final is not None else "no output"
+            raise RuntimeError(f"Prefill of {request_id!r} ended without KV ({reason}).")
         return final.kv_transfer_params
 
 

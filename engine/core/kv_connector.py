@@ -161,11 +161,15 @@ class KVConnectorScheduler:
                 del self._pending_saves[req_id]
         return meta
 
-    def update_connector_output(self, output: KVTransferOutput | None) -> None:
-        """Takes the worker's report of a step: the handles saved, the bytes loaded and how long it took."""
+    def update_connector_output(self, output: KVTransferOutput | None, live_req_ids) -> None:
+        """Takes the worker's report of a step: the handles saved, the bytes loaded and how long it took.
+
+        Handles of requests no longer in ``live_req_ids`` (aborted while the step ran) are dropped here:
+        kept, they would hold the saved blocks (object references) forever.
+        """
         if output is None:
             return
-        self._handles.update(output.saved)
+        self._handles.update({req_id: handle for req_id, handle in output.saved.items() if req_id in live_req_ids})
         self.stats.num_saves += len(output.saved)
         self.stats.num_saved_bytes += sum(handle.num_bytes for handle in output.saved.values())
         self.stats.num_loaded_bytes += output.num_loaded_bytes

@@ -257,7 +257,7 @@ class Scheduler:
         any_finished = False
         requests = self.requests
         if self.kv_connector is not None:
-            self.kv_connector.update_connector_output(model_runner_output.kv_transfer_output)
+            self.kv_connector.update_connector_output(model_runner_output.kv_transfer_output, requests)
         for req_id, sampled in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -65,7 +65,11 @@ def test_llm_configs_may_be_yaml_files(tmp_path):
     assert options["autoscaling_config"]["max_replicas"] == 4
 
 
-@pytest.mark.parametrize("path", sorted((SERVAL_ROOT / "configs/serve").glob("*.yaml")), ids=lambda p: p.name)
+SHIPPED_SERVE_CONFIGS = sorted([*(SERVAL_ROOT / "configs/serve").glob("*.yaml"),
+                                *(SERVAL_ROOT / "benchmarks/configs").glob("*.yaml")])
+
+
+@pytest.mark.parametrize("path", SHIPPED_SERVE_CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_serve_config_is_valid(path):
     from ray.serve.schema import ServeDeploySchema
 
@@ -73,6 +77,42 @@ def test_every_shipped_serve_config_is_valid(path):
         config = yaml.safe_load(f)
     ServeDeploySchema.model_validate(config)  # what `serve deploy` checks
     for app in config["applications"]:
+        if app["import_path"] == "deployments.app:build_pd_openai_app":
+            from deployments.pd_config import PDServingArgs
+            PDServingArgs.model_validate(app["args"])  # what the PD builder checks
+            continue
         args = LLMServingArgs.model_validate(app["args"])  # what the builder checks
         names = {c.server_deployment_name() for c in args.llm_configs}
         assert {d["name"] for d in app.get("deployments", [])} <= names
+
+
+def test_pd_yaml_validates_and_gives_each_pool_its_role():
+    from deployments.pd_config import PDServingArgs
+
+    with open(SERVAL_ROOT / "configs/serve/pd.yaml", encoding="utf-8") as f:
+        app = yaml.safe_load(f)["applications"][0]
+    assert app["import_path"] == "deployments.app:build_pd_openai_app"
+    args = PDServingArgs.model_validate(app["args"])
+    assert args.prefill_deployment_name() == "PrefillServer:tiny-llama"
+    prefill = args.with_role(args.prefill_config, "kv_producer").engine_args()
+    decode = args.with_role(args.decode_config, "kv_consumer").engine_args()
+    assert (prefill.kv_transfer_config.kv_role, decode.kv_transfer_config.kv_role) == ("kv_producer", "kv_consumer")
+    assert decode.kv_transfer_config.kv_connector == "object_store"
+    direct = PDServingArgs.model_validate({**app["args"], "kv_transfer_config": {"kv_connector": "ray_direct"}})
+    assert direct.with_role(direct.decode_config, "kv_consumer").engine_args().distributed_executor_backend == "ray"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"decode_config": {"model_loading_config": {"model_id": "other"}}}, "same model_id"),
+    ({"decode_config": {**MINIMAL, "engine_kwargs": {"block_size": 32}}}, "same block_size"),
+    ({"prefill_config": {**MINIMAL, "engine_kwargs": {"tensor_parallel_size": 2}}}, "tensor_parallel_size=1"),
+    ({"prefill_config": {**MINIMAL, "engine_kwargs": {"kv_transfer_config": {"kv_role": "kv_both"}}}},
+     "set by the PD builder"),
+    ({"kv_transfer_config": {"kv_connector": "nixl"}}, "kv_connector"),
+    ({"prefill_timeout_s": 0}, "prefill_timeout_s"),
+])
+def test_pd_args_refuse_what_cannot_work(change, message):
+    from deployments.pd_config import PDServingArgs
+
+    with pytest.raises(ValidationError, match=message):
+        PDServingArgs.model_validate({"prefill_config": MINIMAL, "decode_config": MINIMAL, **change})
