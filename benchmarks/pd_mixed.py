@@ -121,6 +121,7 @@ def report(args: argparse.Namespace) -> int:
 
 def plot(summaries: list[dict], path: str) -> None:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -134,6 +135,8 @@ def plot(summaries: list[dict], path: str) -> None:
             fractions = [(index + 1) / len(values) for index in range(len(values))]
             axis.plot(values, fractions, label=summary["label"])
         axis.set_xscale("log")
+        axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.set_xlabel("ms (log scale)")
         axis.set_ylabel("fraction of samples")
         axis.set_title(title)

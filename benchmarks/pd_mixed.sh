@@ -16,6 +16,7 @@ DURATION=${DURATION:-60}
 PEER_PORT=${PEER_PORT:-8100}
 export RAY_AUTH_MODE=token
 mkdir -p "$OUT"
+source benchmarks/peer.sh
 
 for mode in colocated disaggregated ray-direct; do
   echo "== $mode"
@@ -25,13 +26,7 @@ for mode in colocated disaggregated ray-direct; do
   make stop
 done
 
-../shared/peers/vllm_cpu_server.sh "$PWD/models/tiny-llama" "$PEER_PORT" > "$OUT/vllm-server.log" 2>&1 &
-peer=$!
-trap 'kill $peer 2>/dev/null || true' EXIT
-until curl -sf "http://127.0.0.1:$PEER_PORT/health" >/dev/null; do
-  kill -0 $peer 2>/dev/null || { tail -20 "$OUT/vllm-server.log"; exit 1; }
-  sleep 2
-done
+start_vllm_peer "$OUT/vllm-server.log" "$PEER_PORT"
 .venv/bin/python benchmarks/pd_mixed.py run --url "http://127.0.0.1:$PEER_PORT" --model "$PWD/models/tiny-llama" \
   --tokenizer models/tiny-llama --label vllm-cpu --duration-s "$DURATION" --out "$OUT/vllm-cpu.json" || true
 

@@ -22,6 +22,7 @@ TUNE_SLO=${TUNE_SLO:-ttft=1000,tpot=30}   # for 32 users always waiting on a rep
 PEER_PORT=${PEER_PORT:-8100}
 export RAY_AUTH_MODE=token
 mkdir -p "$OUT"
+source benchmarks/peer.sh
 
 bench() {  # bench ENGINE URL MODEL RATE
   echo "== $1 at $4 req/s"
@@ -37,13 +38,7 @@ for rate in $RATES; do bench serval http://127.0.0.1:8000 tiny-llama "$rate"; do
   --num-prompts "$NUM_PROMPTS" --request-rate inf --max-concurrency 32 --slo "$TUNE_SLO" --result-dir "$OUT/tune"
 make stop
 
-../shared/peers/vllm_cpu_server.sh "$PWD/models/tiny-llama" "$PEER_PORT" > "$OUT/vllm-server.log" 2>&1 &
-peer=$!
-trap 'kill $peer 2>/dev/null || true' EXIT
-until curl -sf "http://127.0.0.1:$PEER_PORT/health" >/dev/null; do
-  kill -0 $peer 2>/dev/null || { tail -20 "$OUT/vllm-server.log"; exit 1; }
-  sleep 2
-done
+start_vllm_peer "$OUT/vllm-server.log" "$PEER_PORT"
 for rate in $RATES; do bench vllm-cpu "http://127.0.0.1:$PEER_PORT" "$PWD/models/tiny-llama" "$rate"; done
 
 .venv/bin/python benchmarks/serve_sweep_report.py "$OUT/serval" "$OUT/vllm-cpu" --plot "$OUT/latency-vs-rate.png"

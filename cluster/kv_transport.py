@@ -1,8 +1,9 @@
 """KV transports over Ray (the ``engine.kv_transfer.KVTransport`` interface).
 
-* ``ObjectStoreTransport``: the prefill worker puts every block in the object
-  store as its own object; the handle is the list of references, and the decode
-  worker gets only the blocks it lacks. References are counted by Ray: the
+* ``ObjectStoreTransport``: the prefill worker puts the blocks in the object
+  store, consecutive blocks together up to about 1 MiB an object; the handle is
+  the list of references, and the decode worker gets only the objects holding
+  blocks it lacks. References are counted by Ray: the
   blocks live while a handle to them does (in a response, a queued request)
   and are freed when the last one is dropped, so an aborted or failed request
   leaks nothing. Any executor, any node.
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from dataclasses import dataclass
@@ -28,15 +30,33 @@ from engine.config import KVTransferConfig
 from engine.kv_transfer.transport import KVTransport
 
 LOAD_TIMEOUT_S = 10.0  # a block that takes longer is lost: the decode side computes it instead
+CHUNK_TARGET_BYTES = 1 << 20  # object store: consecutive blocks share an object up to this size
 OUTBOX_TTL_S = 120.0  # blocks nobody read by then (the request was aborted, the decode side died) are dropped
 
 
-class ObjectStoreTransport(KVTransport):
-    def save(self, kv_id: str, blocks: list[torch.Tensor]) -> list[ray.ObjectRef]:
-        return [ray.put(block) for block in blocks]
+@dataclass(frozen=True)
+class ObjectStoreKV:
+    """A saved request in the object store: ``refs[i]`` holds blocks ``starts[i]`` .. ``starts[i + 1] - 1``."""
 
-    def load(self, req_id: str, data: list[ray.ObjectRef], block_indices: list[int]) -> list[torch.Tensor]:
-        return ray.get([data[index] for index in block_indices], timeout=LOAD_TIMEOUT_S)
+    refs: list
+    starts: list[int]  # the first block of each object, then the total number of blocks
+
+
+class ObjectStoreTransport(KVTransport):
+    def save(self, kv_id: str, blocks: list[torch.Tensor]) -> ObjectStoreKV:
+        # Consecutive blocks share an object up to CHUNK_TARGET_BYTES: a put costs about a millisecond
+        # whatever its size, and a prompt has hundreds of small blocks (32 KiB each for the tiny model).
+        block_bytes = blocks[0].numel() * blocks[0].element_size()
+        per_chunk = max(1, CHUNK_TARGET_BYTES // block_bytes)
+        starts = list(range(0, len(blocks), per_chunk)) + [len(blocks)]
+        refs = [ray.put(torch.stack(blocks[start:end])) for start, end in zip(starts, starts[1:])]
+        return ObjectStoreKV(refs, starts)
+
+    def load(self, req_id: str, data: ObjectStoreKV, block_indices: list[int]) -> list[torch.Tensor]:
+        chunk_of = [bisect.bisect_right(data.starts, index) - 1 for index in block_indices]
+        needed = sorted(set(chunk_of))  # only the objects holding wanted blocks are fetched
+        chunks = dict(zip(needed, ray.get([data.refs[chunk] for chunk in needed], timeout=LOAD_TIMEOUT_S)))
+        return [chunks[chunk][index - data.starts[chunk]] for index, chunk in zip(block_indices, chunk_of)]
 
 
 @dataclass(frozen=True)

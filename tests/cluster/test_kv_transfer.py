@@ -135,8 +135,8 @@ def test_a_lost_transfer_is_computed_locally(local_ray, model, prompts, colocate
     kv_params = _prefill(prefill, prompts)
     for rid in ("r4", "r6"):
         handle = kv_params[rid]["remote_kv"]
-        refs = [lost_block.remote() for _ in handle.data]
-        kv_params[rid] = {"remote_kv": dataclasses.replace(handle, data=refs)}
+        lost = dataclasses.replace(handle.data, refs=[lost_block.remote() for _ in handle.data.refs])
+        kv_params[rid] = {"remote_kv": dataclasses.replace(handle, data=lost)}
     assert _decode(decode, prompts, kv_params) == colocated_tokens
     assert decode.connector.stats.num_failed_loads == 2
     assert_pool_clean(decode)
@@ -181,3 +181,25 @@ def test_ray_direct_moves_blocks_worker_to_worker_over_gloo(local_ray, model, pr
     assert fresh.connector.stats.num_failed_loads == 1
     for engine in (prefill, decode, fresh):
         engine.llm_engine.shutdown()
+
+
+def test_object_store_packs_small_blocks_and_fetches_only_the_objects_needed(local_ray):
+    """64 KiB blocks go 16 to an object; loading blocks 20-39 never touches the object of blocks 0-15."""
+    import ray
+    import torch
+
+    from cluster.kv_transport import ObjectStoreTransport
+
+    @ray.remote(num_cpus=0)
+    def lost_object():
+        raise RuntimeError("this object must not be fetched")
+
+    transport = ObjectStoreTransport(KVTransferConfig(kv_role="kv_both"), torch.device("cpu"))
+    blocks = [torch.full((4, 2, 16, 4, 32), float(index)) for index in range(40)]  # 64 KiB each
+    data = transport.save("req", blocks)
+    assert data.starts == [0, 16, 32, 40] and len(data.refs) == 3
+    data = dataclasses.replace(data, refs=[lost_object.remote(), *data.refs[1:]])
+    loaded = transport.load("req", data, list(range(20, 40)))
+    assert [int(block[0, 0, 0, 0, 0]) for block in loaded] == list(range(20, 40))
+    with pytest.raises(Exception, match="must not be fetched"):
+        transport.load("req", data, [3])
