@@ -135,6 +135,9 @@ def plot(summaries: list[dict], path: str) -> None:
             fractions = [(index + 1) / len(values) for index in range(len(values))]
             axis.plot(values, fractions, label=summary["label"])
         axis.set_xscale("log")
+        low, high = axis.get_xlim()
+        subs = (1.0, 2.0, 5.0) if high / low < 100 else (1.0,)  # within two decades, label 2x and 5x too
+        axis.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=subs))
         axis.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.set_xlabel("ms (log scale)")
