@@ -132,6 +132,11 @@ class PDDecodeServer(LLMServer):
     def __init__(self, llm_config: LLMConfig, prefill_server: DeploymentHandle, options: dict) -> None:
         super().__init__(llm_config)
         replica_id = serve.get_replica_context().replica_id.unique_id
-        client = RemotePrefillEngine(self.engine, prefill_server, PDOptions.model_validate(options),
-                                     RemotePrefillMetrics(self.model_id, replica_id))
-        self.serving = OpenAIServing(client, self.model_id)
+        self.client = RemotePrefillEngine(self.engine, prefill_server, PDOptions.model_validate(options),
+                                          RemotePrefillMetrics(self.model_id, replica_id))
+        self.serving = OpenAIServing(self.client, self.model_id)
+
+    async def check_health(self) -> None:
+        await super().check_health()
+        # Re-set between requests too: Ray stops exporting a gauge nobody sets (the queue would vanish when idle).
+        self.client.metrics.set_queue(self.client.num_waiting_prefills)

@@ -101,6 +101,20 @@ def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
             for panel in _query_panels(dashboard) for target in panel.get("targets", [])]
 
 
+def panel_queries_by_row(dashboard: dict) -> dict[str, list[tuple[str, str]]]:
+    """``panel_queries`` grouped by the title of the row each panel sits under (``""`` before any row)."""
+    by_row: dict[str, list[tuple[str, str]]] = {}
+    row = ""
+    for panel in _all_panels(dashboard):
+        if panel.get("type") == "row":
+            row = panel.get("title", "")
+            by_row.setdefault(row, [])
+            continue
+        by_row.setdefault(row, []).extend((panel.get("title", ""), target.get("expr", ""))
+                                          for target in panel.get("targets", []))
+    return by_row
+
+
 def pin_datasource(dashboard: dict, datasource_uid: str) -> dict:
     """A copy of ``dashboard`` whose ``datasource`` variable starts on the data source ``datasource_uid``."""
     pinned = copy.deepcopy(dashboard)

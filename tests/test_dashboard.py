@@ -42,12 +42,12 @@ def test_packaged_dashboard_is_valid():
     validate_dashboard(dashboard)
     assert dashboard["uid"] == "serval-overview"
     assert [row["title"] for row in dashboard["panels"] if row["type"] == "row"] == [
-        "Serval engine", "Latency", "Ray Serve"]
+        "Serval engine", "Latency", "Ray Serve", "Disaggregated prefill"]
 
 
 def test_every_serval_metric_has_a_panel():
     series = serval_metric_series()
-    assert len(series) == 16, series
+    assert len(series) == 25, series
     exprs = "\n".join(expr for _, expr in panel_queries(load_dashboard()))
     missing = [name for name in series if not re.search(rf"\b{name}\b", exprs)]
     assert not missing, f"no panel reads {missing}"
@@ -55,8 +55,8 @@ def test_every_serval_metric_has_a_panel():
 
 def test_serval_queries_filter_by_model_and_use_the_rate_interval():
     for title, expr in panel_queries(load_dashboard()):
-        if "ray_serval_" in expr:
-            assert 'model_name=~"$model_name"' in expr, title
+        if "ray_serval_" in expr:  # the prefill pool's engines report as "<model>:prefill"
+            assert re.search(r'model_name=~"\$model_name(\(:prefill\)\?)?"', expr), title
         for window in re.findall(r"\[([^\]]*)\]", expr):
             assert window == "$__rate_interval", f"{title}: {expr}"
 
