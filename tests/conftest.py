@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import shutil
 
 # Ray reads this at import: with it, "127.0.0.1" stays loopback instead of being swapped for this
 # machine's network address (tests talk to 127.0.0.1 only).
@@ -24,6 +25,10 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # Token auth for every cluster the tests start and join (Ray enables it once a token file exists; a
 # driver joining such a cluster presents the token only when the mode is set).
 os.environ.setdefault("RAY_AUTH_MODE", "token")
+# Without a GPU, Triton kernels run in its interpreter; Triton reads this when it is first imported (and
+# some test may import it before the kernel tests do), so it is set here, before any test module loads.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

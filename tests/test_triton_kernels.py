@@ -62,3 +62,19 @@ def test_paged_decode_attention_equals_the_reference(block_size, head_dim, num_h
     expected = triton_paged.paged_decode_attention_reference(query, cache, block_tables, seq_lens, scale)
     error = (out.float() - expected.float()).norm() / expected.float().norm()
     assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+def test_the_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_checkpoint):
+    """The whole engine (mixed prefill/decode steps, prefix hits, several block lengths) on the Triton
+    backend: the same greedy tokens as on the torch backend."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(5, 5 + length))} for length in (3, 17, 40)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(tiny_checkpoint("llama"), attention_backend=backend, max_model_len=128, dtype="float32",
+                  num_gpu_blocks_override=32)
+        tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+    assert tokens["triton"] == tokens["torch"]

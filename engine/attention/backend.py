@@ -68,6 +68,8 @@ def get_attention_backend(name: str = "torch") -> AttentionBackend:
     """A new backend instance by name; ``"torch"`` (CPU/any device, plain torch) is the default."""
     if name not in _BACKENDS and name == "torch":
         import engine.attention.torch_paged  # noqa: F401  (registers itself)
+    if name not in _BACKENDS and name == "triton":
+        import engine.attention.triton_paged  # noqa: F401  (registers itself)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS) or ['torch']}")
     return _BACKENDS[name]()

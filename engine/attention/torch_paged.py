@@ -111,19 +111,27 @@ class TorchPagedAttention(AttentionBackend):
         plan = md.backend_plan
         out = torch.empty_like(q)  # [T, H, D]
         if plan.native_decode is not None:
-            native = plan.native_decode
-            if isinstance(native.tokens, slice):  # the usual case: the kernel writes straight into out
-                load_cpu_kernels().paged_decode_attention(q[native.tokens], kv_cache, native.block_tables,
-                                                          native.seq_lens, scale, out[native.tokens])
-            else:
-                out[native.tokens] = load_cpu_kernels().paged_decode_attention(
-                    q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale)
+            self._native_decode(kv_cache, q, plan.native_decode, scale, out)
         for chunk in plan.decode_chunks:
             out[chunk.tokens] = self._decode_chunk(kv_cache, q[chunk.tokens], chunk, scale)
         for prefill in plan.prefills:
             s, e = prefill.start, prefill.end
             out[s:e] = self._prefill(kv_cache, q[s:e], k[s:e], v[s:e], prefill, scale)
         return out.reshape(n, -1)  # [T, H*D]
+
+    @staticmethod
+    def _native_decode(kv_cache: torch.Tensor, q: torch.Tensor, native: _NativeDecode, scale: float,
+                       out: torch.Tensor) -> None:
+        """Every decode of the step in one kernel call (the compiled CPU kernel here), into ``out``."""
+        if isinstance(native.tokens, slice):  # the usual case: the kernel writes straight into out
+            load_cpu_kernels().paged_decode_attention(q[native.tokens], kv_cache, native.block_tables,
+                                                      native.seq_lens, scale, out[native.tokens])
+        else:
+            out[native.tokens] = load_cpu_kernels().paged_decode_attention(
+                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale)
+
+    def _has_native_decode(self, device: torch.device) -> bool:
+        return self.use_cpu_kernel and device.type == "cpu" and load_cpu_kernels() is not None
 
     # ------------------------------------------------------------------ planning
 
@@ -135,7 +143,7 @@ class TorchPagedAttention(AttentionBackend):
         device = md.block_tables.device
         decodes = [i for i, query_len in enumerate(query_lens) if query_len == 1]
         native_decode, chunks = None, []
-        if decodes and self.use_cpu_kernel and device.type == "cpu" and load_cpu_kernels() is not None:
+        if decodes and self._has_native_decode(device):
             native_decode = self._plan_native_decode(decodes, starts, md)
         elif decodes:
             chunks = [self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, device)

@@ -63,7 +63,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, out_ptr, sca
     running_max = tl.full((), float("-inf"), tl.float32)
     running_sum = tl.zeros((), tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE  # not tl.cdiv: a jit helper the interpreter may not wrap
     for index in range(0, num_blocks):
         block = tl.load(block_table_ptr + seq * stride_table + index)
         base = block * stride_block + kv_head * stride_head
