@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _FrozenConfig(BaseModel):
@@ -69,7 +69,19 @@ class ModelConfig(_FrozenConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int = Field(..., ge=2)
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto: triton on CUDA devices, torch (the reference) elsewhere.")
+    enforce_eager: bool = Field(False, description="CUDA: never capture or replay CUDA graphs.")
+    cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
+        None, description="CUDA: decode batch sizes to capture; None = 1, 2, 4, then every 8 up to max_num_seqs "
+                          "(at most 512). A decode step pads to the next captured size.")
+
+    @field_validator("cuda_graph_batch_sizes")
+    @classmethod
+    def _sorted_sizes(cls, sizes: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError("cuda_graph_batch_sizes needs at least one size, each >= 1")
+        return None if sizes is None else tuple(sorted(set(sizes)))
 
     @property
     def tokenizer_path(self) -> str:

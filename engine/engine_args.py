@@ -25,7 +25,9 @@ class EngineArgs(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = Field(None, ge=2, description="Defaults to the checkpoint's max_position_embeddings.")
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly (no CUDA graphs).")
+    cuda_graph_batch_sizes: list[int] | None = Field(None, description="CUDA: decode batch sizes to capture.")
     # Scheduler
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Defaults to max(2048, max_num_seqs).")
@@ -77,7 +79,8 @@ class EngineArgs(BaseModel):
         return EngineConfig(
             model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                      max_model_len=max_model_len, seed=self.seed,
-                                     attention_backend=self.attention_backend),
+                                     attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
+                                     cuda_graph_batch_sizes=self.cuda_graph_batch_sizes),
             cache_config=CacheConfig(block_size=self.block_size, num_blocks=self.num_gpu_blocks_override,
                                      enable_prefix_caching=self.enable_prefix_caching,
                                      prefix_caching_hash_algo=self.prefix_caching_hash_algo,

@@ -6,6 +6,7 @@ imported); on a GPU the same tests run natively.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.kernels import triton_paged  # noqa: E402 - after TRITON_INTERPRET
+from engine.kernels import triton_cache, triton_decode, triton_prefill  # noqa: E402 - after TRITON_INTERPRET
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -31,37 +32,87 @@ def test_write_kv_cache_equals_the_reference(block_size, num_kv_heads, head_dim,
     cache = random_cache(12, block_size, num_kv_heads, head_dim, dtype, generator)
     expected = cache.clone()
     num_tokens = 37
-    slots = torch.randperm(11 * block_size, generator=generator)[:num_tokens].to(DEVICE) + block_size  # no null block
+    slots = torch.randperm(11 * block_size, generator=generator)[:num_tokens] + block_size  # no null block
+    slots[::5] = triton_cache.PAD_SLOT_ID  # padded rows of a CUDA graph batch: skipped
+    slots = slots.to(DEVICE)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
-    triton_paged.write_kv_cache(cache, key, value, slots)
-    triton_paged.write_kv_cache_reference(expected, key, value, slots)
-    assert torch.equal(cache, expected)  # a copy: bit-exact
+    triton_cache.write_kv_cache(cache, key, value, slots)
+    triton_cache.write_kv_cache_reference(expected, key, value, slots)
+    assert torch.equal(cache, expected)  # a copy: bit-exact, and the skipped slots' blocks untouched
 
 
-@pytest.mark.parametrize("block_size, head_dim, num_heads, num_kv_heads, dtype", [
-    (16, 64, 4, 4, torch.float32),   # MHA
-    (16, 128, 8, 2, torch.float32),  # GQA 4
-    (32, 64, 8, 1, torch.bfloat16),  # GQA 8
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.float() - expected.float()).norm() / expected.float().norm())
+
+
+def shuffled_block_tables(num_reqs, max_blocks, generator):
+    """Each request gets its own shuffled blocks (block 0, the null block, is never handed out)."""
+    block_ids = torch.randperm(num_reqs * max_blocks, generator=generator) + 1
+    return block_ids.view(num_reqs, max_blocks).to(torch.int32).to(DEVICE)
+
+
+SHAPES = [  # block_size, head_dim, num_heads, num_kv_heads, dtype
+    (16, 64, 4, 4, torch.float32),    # MHA
+    (16, 128, 8, 2, torch.float32),   # GQA 4
+    (32, 64, 8, 1, torch.bfloat16),   # GQA 8
     (32, 128, 4, 1, torch.bfloat16),  # GQA 4, bf16
-])
-def test_paged_decode_attention_equals_the_reference(block_size, head_dim, num_heads, num_kv_heads, dtype):
+    (16, 64, 14, 2, torch.bfloat16),  # GQA 7 (Qwen2-0.5B): a group that is no power of two
+]
+
+
+@pytest.mark.parametrize("block_size, head_dim, num_heads, num_kv_heads, dtype", SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_decode_attention_equals_the_reference(block_size, head_dim, num_heads, num_kv_heads, dtype,
+                                                     num_splits):
     generator = torch.Generator().manual_seed(1)
-    # Context lengths on, just past and well past block boundaries, in one batch.
-    seq_lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 5 * block_size + 7], dtype=torch.int32)
+    # Context lengths on, just past and well past block boundaries in one batch, and 0 (a padded row).
+    seq_lens = torch.tensor([1, block_size, block_size + 1, 0, 3 * block_size - 1, 9 * block_size + 7],
+                            dtype=torch.int32)
     max_blocks = -(-int(seq_lens.max()) // block_size)
-    num_blocks = 1 + len(seq_lens) * max_blocks
-    cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
-    # Each sequence gets its own shuffled blocks (block 0, the null block, pads the table).
-    block_ids = (torch.randperm(num_blocks - 1, generator=generator) + 1).view(len(seq_lens), max_blocks)
-    block_tables = block_ids.to(torch.int32).to(DEVICE)
+    cache = random_cache(1 + len(seq_lens) * max_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
+    block_tables = shuffled_block_tables(len(seq_lens), max_blocks, generator)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(DEVICE, dtype)
     scale = head_dim ** -0.5
     seq_lens = seq_lens.to(DEVICE)
-    out = triton_paged.paged_decode_attention(query, cache, block_tables, seq_lens, scale)
-    expected = triton_paged.paged_decode_attention_reference(query, cache, block_tables, seq_lens, scale)
-    error = (out.float() - expected.float()).norm() / expected.float().norm()
-    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+    out = triton_decode.paged_decode_attention(query, cache, block_tables, seq_lens, scale, num_splits)
+    expected = triton_decode.paged_decode_attention_reference(query, cache, block_tables, seq_lens, scale)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    assert not out[3].any()  # the empty sequence: zeros, not NaN
+
+
+def test_split_counts_fill_the_gpu_and_stay_powers_of_two():
+    assert triton_decode.choose_num_splits(1, 8, 4096, 16) == 32  # batch 1: split the long context
+    assert triton_decode.choose_num_splits(256, 8, 4096, 16) == 1  # enough programs already
+    assert triton_decode.choose_num_splits(1, 8, 40, 16) == 1  # too short to split
+    assert all(n & (n - 1) == 0 for n in (triton_decode.choose_num_splits(b, 2, 2048, 16) for b in range(1, 300)))
+
+
+@pytest.mark.parametrize("block_size, head_dim, num_heads, num_kv_heads, dtype", SHAPES)
+def test_paged_prefill_attention_equals_the_reference(block_size, head_dim, num_heads, num_kv_heads, dtype):
+    """A mixed batch: fresh prompts, chunks over a cached prefix (crossing block boundaries), decodes."""
+    generator = torch.Generator().manual_seed(2)
+    requests = [  # (new tokens, sequence length after the step)
+        (5, 5), (1, 40), (17, 17 + 3 * block_size), (70, 70), (1, block_size), (33, 34 + block_size), (1, 1)]
+    query_lens = [q for q, _ in requests]
+    max_blocks = max(-(-s // block_size) for _, s in requests)
+    cache = random_cache(1 + len(requests) * max_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
+    block_tables = shuffled_block_tables(len(requests), max_blocks, generator)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    starts = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([s for _, s in requests], dtype=torch.int32, device=DEVICE)
+    tiles = triton_prefill.plan_prefill_tiles(query_lens, num_heads // num_kv_heads, DEVICE)
+    scale = head_dim ** -0.5
+    out = triton_prefill.paged_prefill_attention(query, cache, block_tables, starts, seq_lens, tiles, scale)
+    expected = triton_prefill.paged_prefill_attention_reference(query, cache, block_tables, starts, seq_lens, scale)
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
+def test_prefill_tiles_cover_every_query_token_once():
+    tiles = triton_prefill.plan_prefill_tiles([1, 20, 9, 3], queries_per_kv=7, device="cpu")
+    assert tiles.queries_per_tile == 9  # 64 rows // 7 heads per KV head
+    assert tiles.req.tolist() == [0, 1, 1, 1, 2, 3]
+    assert tiles.first_query.tolist() == [0, 0, 9, 18, 0, 0]
 
 
 def test_the_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_checkpoint):

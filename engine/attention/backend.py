@@ -32,6 +32,9 @@ from engine.kernels.memory import advise_huge_pages
 class AttentionBackend(ABC):
     name: str = "abstract"
     accepts_written_kv: bool = False  # see the module docstring
+    # Whether a decode-only step can be captured in a CUDA graph: no host syncs, no host planning
+    # from the batch's values (only from its size and ``max_seq_len``), padded rows (slot -1, seq_len 0) ignored.
+    supports_cuda_graphs: bool = False
 
     @staticmethod
     @abstractmethod
@@ -62,6 +65,13 @@ _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
     """Make ``get_attention_backend(name)`` return ``factory()`` (e.g. a Triton backend)."""
     _BACKENDS[name] = factory
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``"auto"`` becomes the device's backend: Triton kernels on CUDA, the torch reference elsewhere."""
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" else "torch"
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:

@@ -46,6 +46,13 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        """(query_lens, seq_lens) as Python lists, derived from the tensors if the builder left them empty."""
+        if self.seq_lens_cpu and self.query_lens_cpu:
+            return self.query_lens_cpu, self.seq_lens_cpu
+        starts = self.query_start_loc.tolist()
+        return [b - a for a, b in zip(starts, starts[1:])], self.seq_lens.tolist()
+
     @property
     def context_lens_cpu(self) -> list[int]:
         return [s - q for s, q in zip(self.seq_lens_cpu, self.query_lens_cpu)]

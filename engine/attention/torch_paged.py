@@ -70,14 +70,6 @@ class _StepPlan:
     prefills: list[_Prefill]
 
 
-def _cpu_lists(md: AttentionMetadata) -> tuple[list[int], list[int]]:
-    """(query_lens, seq_lens) as Python lists, derived from tensors if the runner left them empty."""
-    if md.seq_lens_cpu and md.query_lens_cpu:
-        return md.query_lens_cpu, md.seq_lens_cpu
-    qsl = md.query_start_loc.tolist()
-    return [b - a for a, b in zip(qsl, qsl[1:])], md.seq_lens.tolist()
-
-
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
     accepts_written_kv = True
@@ -136,7 +128,7 @@ class TorchPagedAttention(AttentionBackend):
     # ------------------------------------------------------------------ planning
 
     def _plan(self, md: AttentionMetadata, block_size: int, row_elems: int) -> _StepPlan:
-        query_lens, seq_lens = _cpu_lists(md)
+        query_lens, seq_lens = md.host_lens()
         starts = [0]
         for query_len in query_lens:
             starts.append(starts[-1] + query_len)

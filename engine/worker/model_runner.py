@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.attention.backend import resolve_backend_name
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig
 from engine.core.kv_connector import KVLoad, KVTransferOutput
@@ -34,6 +35,7 @@ from engine.model import get_model
 from engine.model.layers.cpu_prepack import prepack_linears
 from engine.sample import Sampler, SamplingMetadata, make_generator
 from engine.sample.logprobs import compute_prompt_logprobs
+from engine.worker.cuda_graphs import DecodeGraphRunner, default_batch_sizes
 from engine.worker.request_state import BlockTable, CachedRequestState
 
 
@@ -71,6 +73,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
+        self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only, set up with the caches
         self._tokenizer = None
         # Disaggregated prefill: loads remote KV before a step's forward, saves finished prompts after it.
         self.kv_connector = None if config.kv_transfer_config is None else \
@@ -82,7 +85,8 @@ class ModelRunner:
         """Loads this rank's part of the model: its pipeline stage, its tensor-parallel slice."""
         parallel = self.parallel_state = get_parallel_state()
         self.model = get_model(self.config.model_config.model, dtype=self.dtype, device=self.device,
-                               attn_backend=self.config.model_config.attention_backend,
+                               attn_backend=resolve_backend_name(self.config.model_config.attention_backend,
+                                                                 self.device),
                                tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
                                pp_rank=parallel.pp_rank, pp_size=parallel.pp_size)
         prepack_linears(self.model)  # bf16 on CPU: oneDNN layouts once, not per call
@@ -99,7 +103,20 @@ class ModelRunner:
         return num_elements * self.model.num_local_layers * self.dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the caches, then (CUDA, unless ``enforce_eager``) captures the decode graphs over them."""
         self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size)
+        if self._uses_cuda_graphs():
+            model_config = self.config.model_config
+            sizes = model_config.cuda_graph_batch_sizes or \
+                default_batch_sizes(self.config.scheduler_config.max_num_seqs)
+            self.decode_graphs = DecodeGraphRunner(self.model, self.kv_caches, list(sizes), self.max_num_blocks_per_req,
+                                                   model_config.max_model_len, self.device)
+            self.decode_graphs.capture()
+
+    def _uses_cuda_graphs(self) -> bool:
+        # One rank only: a stage boundary (PP) or a collective (TP) inside a graph is not supported yet.
+        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
+                and self.model.backend.supports_cuda_graphs and self.config.parallel_config.world_size == 1)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -148,7 +165,7 @@ class ModelRunner:
         if not parallel.is_first_stage:
             intermediate = recv_from_prev_stage(inputs.attn_metadata.num_actual_tokens, self.hidden_size,
                                                 self.dtype, self.device)
-        output = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
+        output = self._forward(inputs, intermediate)
         if not parallel.is_last_stage:
             send_to_next_stage(*output)  # (hidden, residual)
             return None
@@ -168,6 +185,12 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=inputs.req_ids, sampled_token_ids=[sampled_tokens.get(r, []) for r in inputs.req_ids],
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, kv_transfer_output=kv_output)
+
+    def _forward(self, inputs: StepInputs, intermediate: tuple[torch.Tensor, torch.Tensor] | None):
+        """The model on the step's batch: a replayed CUDA graph for a small decode-only step, else eagerly."""
+        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs.attn_metadata):
+            return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
 
     def _compute_failed_load(self, load: KVLoad) -> None:
         """Computes the KV a failed load should have brought: one forward over those tokens alone."""

@@ -1,0 +1,149 @@
+"""Triton paged attention for decode steps (one query token per sequence), beside its torch reference.
+
+Each program takes one sequence, one KV head and one split of the sequence's blocks: it loads every
+query head that shares the KV head (GQA: the keys are read once for the whole group, and the group,
+padded to 16 rows, feeds ``tl.dot``), reads its blocks through the block table and keeps an online
+softmax. Split-K: a long context is cut into ``num_splits`` ranges of blocks that run in parallel,
+so a small batch still fills the GPU; a second kernel merges the splits' partial results
+(running max, sum of weights, unnormalized output). A sequence of length 0 (a padded row of a
+CUDA-graph batch) yields zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.triton_common import MIN_DOT_ROWS, dot_options
+
+TARGET_PROGRAMS = 512  # about 4 programs per SM of an H100/H200: enough to hide memory latency
+MIN_BLOCKS_PER_SPLIT = 8
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_stats_ptr, scale,
+                         stride_q_seq, stride_q_head, stride_kv, stride_block, stride_slot, stride_head,
+                         stride_table, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         QUERIES_PER_KV: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    blocks_per_split = (num_blocks + NUM_SPLITS - 1) // NUM_SPLITS
+    first_block = split * blocks_per_split
+    end_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+
+    group = tl.arange(0, GROUP_ROWS)
+    is_head = group < QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + group
+    dims = tl.arange(0, HEAD_DIM)
+    slots = tl.arange(0, BLOCK_SIZE)
+    query = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+                    mask=is_head[:, None], other=0.0)  # [GROUP_ROWS, HEAD_DIM]
+    if UPCAST:
+        query = query.to(tl.float32)
+    running_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((GROUP_ROWS,), tl.float32)
+    acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
+    for index in range(first_block, end_block):
+        block = tl.load(block_table_ptr + seq * stride_table + index)
+        offsets = block * stride_block + kv_head * stride_head + slots[:, None] * stride_slot + dims[None, :]
+        is_key = index * BLOCK_SIZE + slots < seq_len
+        keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_DIM]
+        if UPCAST:
+            keys = keys.to(tl.float32)
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [GROUP_ROWS, BLOCK_SIZE]
+        scores = tl.where(is_key[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the block's first slot is a key
+        correction = tl.exp(running_max - new_max)
+        weights = tl.exp(scores - new_max[:, None])
+        values = tl.load(cache_ptr + stride_kv + offsets, mask=is_key[:, None], other=0.0)
+        if UPCAST:
+            values = values.to(tl.float32)
+        acc = acc * correction[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
+        running_sum = running_sum * correction + tl.sum(weights, axis=1)
+        running_max = new_max
+    # Partials of (seq, head, split): out [HEAD_DIM] unnormalized; stats = (max, sum).
+    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_ROWS]
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_head[:, None])
+    tl.store(part_stats_ptr + part * 2, running_max, mask=is_head)
+    tl.store(part_stats_ptr + part * 2 + 1, running_sum, mask=is_head)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_stats_ptr, out_ptr, stride_out_seq, stride_out_head,
+                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    is_split = splits < NUM_SPLITS
+    dims = tl.arange(0, HEAD_DIM)
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits  # [SPLITS_POW2]
+    maxima = tl.load(part_stats_ptr + part * 2, mask=is_split, other=float("-inf"))
+    sums = tl.load(part_stats_ptr + part * 2 + 1, mask=is_split, other=0.0)
+    overall_max = tl.max(maxima, axis=0)
+    overall_max = tl.where(overall_max == float("-inf"), 0.0, overall_max)  # an empty sequence
+    weights = tl.where(sums > 0, tl.exp(maxima - overall_max), 0.0)  # an empty split weighs nothing
+    total = tl.sum(sums * weights, axis=0)
+    outs = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=is_split[:, None], other=0.0)
+    merged = tl.sum(outs * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # [HEAD_DIM]
+    tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims, merged.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
+    """Splits per sequence: enough programs to fill the GPU, each split still a few blocks long.
+    A power of two, so few kernel variants get compiled."""
+    max_blocks = -(-max_seq_len // block_size)
+    wanted = -(-TARGET_PROGRAMS // max(num_seqs * num_kv_heads, 1))
+    splits = max(1, min(wanted, max_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, num_splits: int = 1) -> torch.Tensor:
+    """``query`` [N, Hq, D] (one token per sequence) over its cached context; returns [N, Hq, D].
+
+    ``block_tables`` [N, max_blocks] int32, ``seq_lens`` [N] int32 (the query token's own KV included;
+    0 gives a zero row); ``head_dim`` and ``block_size`` powers of two, at least 16.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    queries_per_kv = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    part_stats = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache, block_tables, seq_lens, part_out, part_stats, scale,
+        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), block_tables.stride(0), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        QUERIES_PER_KV=queries_per_kv, GROUP_ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(queries_per_kv)),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **dot_options(query.dtype))
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        part_out, part_stats, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
+        SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
+    return out
+
+
+def paged_decode_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    num_heads, num_kv_heads, block_size = query.shape[1], kv_cache.shape[3], kv_cache.shape[2]
+    outputs = []
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            outputs.append(torch.zeros(query.shape[1:], dtype=torch.float32, device=query.device))
+            continue
+        blocks = block_tables[seq, :-(-seq_len // block_size)].long()
+        keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float()  # [S, Hk, D]
+        values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float()
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, Hq, D]
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,shd->hs", query[seq].float(), keys) * scale  # [Hq, S]
+        outputs.append(torch.einsum("hs,shd->hd", scores.softmax(-1), values))  # [Hq, D]
+    return torch.stack(outputs).to(query.dtype)

@@ -1,0 +1,147 @@
+"""Triton paged attention for a mixed batch, beside its torch reference.
+
+Any mix of requests: prefill chunks whose queries attend causally to their cached prefix plus the
+chunk itself, and decodes (a chunk of one token). Every key, the chunk's own included, is read from
+the paged cache, so the caller writes the step's K/V first.
+
+A program takes ``QUERIES_PER_TILE`` consecutive query tokens of one request and every query head of
+one KV head: its ``TILE_ROWS`` rows are (token, head in group) pairs, so keys are read once per group
+(GQA). It walks the request's blocks up to the tile's last causal position with an online softmax.
+The host lists the tiles (request, first query token) once per step (``plan_prefill_tiles``), so the
+kernel needs no search over the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.triton_common import MIN_DOT_ROWS, dot_options
+
+TILE_ROWS = 64
+
+
+@dataclass
+class PrefillTiles:
+    """The programs of one step: tile ``t`` covers request ``req[t]``'s query tokens from ``first_query[t]``."""
+
+    req: torch.Tensor  # [num_tiles] int32
+    first_query: torch.Tensor  # [num_tiles] int32, relative to the request's first new token
+    queries_per_tile: int
+
+
+def plan_prefill_tiles(query_lens: list[int], queries_per_kv: int, device: torch.device | str) -> PrefillTiles:
+    """Cuts each request's new tokens into tiles of ``TILE_ROWS // queries_per_kv`` tokens."""
+    if queries_per_kv > TILE_ROWS:
+        raise ValueError(f"{queries_per_kv} query heads per KV head exceed the kernel's {TILE_ROWS} rows")
+    queries_per_tile = TILE_ROWS // queries_per_kv
+    lens = np.asarray(query_lens, dtype=np.int64)
+    tiles_per_req = -(-lens // queries_per_tile)
+    req = np.repeat(np.arange(len(lens)), tiles_per_req)  # [num_tiles]
+    first_tile = np.cumsum(tiles_per_req) - tiles_per_req  # each request's first tile
+    first_query = (np.arange(len(req)) - first_tile[req]) * queries_per_tile
+    as_tensor = lambda a: torch.from_numpy(a.astype(np.int32)).to(device)  # noqa: E731
+    return PrefillTiles(as_tensor(req), as_tensor(first_query), queries_per_tile)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, tile_req_ptr,
+                    tile_query_ptr, out_ptr, scale, stride_q_token, stride_q_head, stride_kv, stride_block,
+                    stride_slot, stride_head, stride_table, QUERIES_PER_KV: tl.constexpr,
+                    QUERIES_PER_TILE: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    first_query = tl.load(tile_query_ptr + tile)
+    query_start = tl.load(query_start_ptr + req)
+    query_len = tl.load(query_start_ptr + req + 1) - query_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, TILE_ROWS)
+    query_index = first_query + rows // QUERIES_PER_KV  # within the request's new tokens
+    is_query = (rows < QUERIES_PER_TILE * QUERIES_PER_KV) & (query_index < query_len)
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    query_position = context_len + query_index  # absolute: it sees keys 0..query_position
+    dims = tl.arange(0, HEAD_DIM)
+    slots = tl.arange(0, BLOCK_SIZE)
+    q_offsets = (query_start + query_index)[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    query = tl.load(q_ptr + q_offsets, mask=is_query[:, None], other=0.0)  # [TILE_ROWS, HEAD_DIM]
+    if UPCAST:
+        query = query.to(tl.float32)
+    running_max = tl.full((TILE_ROWS,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((TILE_ROWS,), tl.float32)
+    acc = tl.zeros((TILE_ROWS, HEAD_DIM), tl.float32)
+    last_query = tl.minimum(first_query + QUERIES_PER_TILE, query_len) - 1
+    num_blocks = (context_len + last_query + BLOCK_SIZE) // BLOCK_SIZE  # blocks up to the last causal key
+    for index in range(0, num_blocks):
+        block = tl.load(block_table_ptr + req * stride_table + index)
+        offsets = block * stride_block + kv_head * stride_head + slots[:, None] * stride_slot + dims[None, :]
+        key_position = index * BLOCK_SIZE + slots
+        is_key = key_position < seq_len
+        keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_DIM]
+        values = tl.load(cache_ptr + stride_kv + offsets, mask=is_key[:, None], other=0.0)
+        if UPCAST:
+            keys = keys.to(tl.float32)
+            values = values.to(tl.float32)
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [TILE_ROWS, BLOCK_SIZE]
+        # Causal. Every row sees key 0 in the first block, so its running max is finite from then on
+        # (rows past the request's end too: their positions only grow).
+        scores = tl.where(key_position[None, :] <= query_position[:, None], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp(running_max - new_max)
+        weights = tl.exp(scores - new_max[:, None])
+        acc = acc * correction[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
+        running_sum = running_sum * correction + tl.sum(weights, axis=1)
+        running_max = new_max
+    out = acc / running_sum[:, None]
+    out_offsets = (query_start + query_index)[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])
+
+
+def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tiles: PrefillTiles,
+                            scale: float) -> torch.Tensor:
+    """``query`` [T, Hq, D] (every request's new tokens, flattened; see ``engine/attention/metadata.py``);
+    returns [T, Hq, D]: each new token's causal attention over its request's cached sequence.
+
+    ``query_start_loc`` [R + 1] and ``seq_lens`` [R] int32, ``block_tables`` [R, max_blocks] int32,
+    ``tiles`` from ``plan_prefill_tiles``; ``head_dim`` and ``block_size`` powers of two, at least 16.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.empty_like(query)
+    num_tiles = tiles.req.shape[0]
+    if num_tiles == 0:
+        return out
+    _prefill_kernel[(num_tiles, num_kv_heads)](
+        query, kv_cache, block_tables, query_start_loc, seq_lens, tiles.req, tiles.first_query, out, scale,
+        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), block_tables.stride(0), QUERIES_PER_KV=num_heads // num_kv_heads,
+        QUERIES_PER_TILE=tiles.queries_per_tile, TILE_ROWS=max(TILE_ROWS, MIN_DOT_ROWS), BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, **dot_options(query.dtype))
+    return out
+
+
+def paged_prefill_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                      scale: float) -> torch.Tensor:
+    num_heads, num_kv_heads, block_size = query.shape[1], kv_cache.shape[3], kv_cache.shape[2]
+    starts = query_start_loc.tolist()
+    out = torch.empty_like(query)
+    for req, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[req], starts[req + 1]
+        blocks = block_tables[req, :-(-seq_len // block_size)].long()
+        keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // num_kv_heads, 1)
+        scores = torch.einsum("qhd,shd->hqs", query[start:end].float(), keys) * scale  # [Hq, Q, S]
+        query_positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        visible = torch.arange(seq_len, device=query.device)[None, :] <= query_positions[:, None]  # [Q, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), values).to(query.dtype)
+    return out
