@@ -82,10 +82,10 @@ def test_paged_decode_attention_equals_the_reference(block_size, head_dim, num_h
 
 
 def test_split_counts_fill_the_gpu_and_stay_powers_of_two():
-    assert triton_decode.choose_num_splits(1, 8, 4096, 16) == 32  # batch 1: split the long context
-    assert triton_decode.choose_num_splits(256, 8, 4096, 16) == 1  # enough programs already
-    assert triton_decode.choose_num_splits(1, 8, 40, 16) == 1  # too short to split
-    assert all(n & (n - 1) == 0 for n in (triton_decode.choose_num_splits(b, 2, 2048, 16) for b in range(1, 300)))
+    assert triton_decode.choose_num_splits(1, 8, 4096) == 32  # batch 1: split the long context
+    assert triton_decode.choose_num_splits(256, 8, 4096) == 1  # enough programs already
+    assert triton_decode.choose_num_splits(1, 8, 100) == 1  # too short to split
+    assert all(n & (n - 1) == 0 for n in (triton_decode.choose_num_splits(b, 2, 2048) for b in range(1, 300)))
 
 
 @pytest.mark.parametrize("block_size, head_dim, num_heads, num_kv_heads, dtype", SHAPES)

@@ -42,7 +42,7 @@ class TritonPagedAttention(AttentionBackend):
                            md.slot_mapping[:n])
         num_kv_heads = kv_cache.shape[3]
         if md.max_query_len == 1:  # rows are requests; a CUDA graph's padded rows have seq_len 0
-            num_splits = choose_num_splits(n, num_kv_heads, md.max_seq_len, kv_cache.shape[2])
+            num_splits = choose_num_splits(n, num_kv_heads, md.max_seq_len)
             out = paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, scale, num_splits)
         else:
             if md.backend_plan is None:

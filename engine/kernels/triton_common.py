@@ -7,6 +7,9 @@ import os
 import torch
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows (and columns)
+# Key positions the attention kernels read per iteration, whatever the cache's block size: each
+# position finds its block through the block table, so a tile spans several blocks (or a part of one).
+KV_TILE = 64
 
 
 def dot_options(dtype: torch.dtype) -> dict:

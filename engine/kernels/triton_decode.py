@@ -1,9 +1,10 @@
 """Triton paged attention for decode steps (one query token per sequence), beside its torch reference.
 
-Each program takes one sequence, one KV head and one split of the sequence's blocks: it loads every
+Each program takes one sequence, one KV head and one split of the sequence's keys: it loads every
 query head that shares the KV head (GQA: the keys are read once for the whole group, and the group,
-padded to 16 rows, feeds ``tl.dot``), reads its blocks through the block table and keeps an online
-softmax. Split-K: a long context is cut into ``num_splits`` ranges of blocks that run in parallel,
+padded to 16 rows, feeds ``tl.dot``), reads its keys ``KV_TILE`` positions at a time through the block
+table and keeps an online softmax. Split-K: a long context is cut into ``num_splits`` ranges of tiles
+that run in parallel,
 so a small batch still fills the GPU; a second kernel merges the splits' partial results
 (running max, sum of weights, unnormalized output). A sequence of length 0 (a padded row of a
 CUDA-graph batch) yields zeros.
@@ -15,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_common import MIN_DOT_ROWS, dot_options
+from engine.kernels.triton_common import KV_TILE, MIN_DOT_ROWS, dot_options
 
 TARGET_PROGRAMS = 512  # about 4 programs per SM of an H100/H200: enough to hide memory latency
-MIN_BLOCKS_PER_SPLIT = 8
+MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
 
 
@@ -27,21 +28,21 @@ def _decode_split_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_o
                          stride_q_seq, stride_q_head, stride_kv, stride_block, stride_slot, stride_head,
                          stride_table, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          QUERIES_PER_KV: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         KV_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+                         UPCAST: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-    blocks_per_split = (num_blocks + NUM_SPLITS - 1) // NUM_SPLITS
-    first_block = split * blocks_per_split
-    end_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+    num_tiles = (seq_len + KV_TILE - 1) // KV_TILE
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    first_tile = split * tiles_per_split
+    end_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
 
     group = tl.arange(0, GROUP_ROWS)
     is_head = group < QUERIES_PER_KV
     heads = kv_head * QUERIES_PER_KV + group
     dims = tl.arange(0, HEAD_DIM)
-    slots = tl.arange(0, BLOCK_SIZE)
     query = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
                     mask=is_head[:, None], other=0.0)  # [GROUP_ROWS, HEAD_DIM]
     if UPCAST:
@@ -49,21 +50,24 @@ def _decode_split_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_o
     running_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
     running_sum = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
-    for index in range(first_block, end_block):
-        block = tl.load(block_table_ptr + seq * stride_table + index)
-        offsets = block * stride_block + kv_head * stride_head + slots[:, None] * stride_slot + dims[None, :]
-        is_key = index * BLOCK_SIZE + slots < seq_len
-        keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_DIM]
-        if UPCAST:
-            keys = keys.to(tl.float32)
-        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [GROUP_ROWS, BLOCK_SIZE]
-        scores = tl.where(is_key[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the block's first slot is a key
-        correction = tl.exp(running_max - new_max)
-        weights = tl.exp(scores - new_max[:, None])
+    for tile in range(first_tile, end_tile):
+        positions = tile * KV_TILE + tl.arange(0, KV_TILE)
+        is_key = positions < seq_len
+        # Each key position's block, through the table (a tile spans KV_TILE / BLOCK_SIZE blocks).
+        blocks = tl.load(block_table_ptr + seq * stride_table + positions // BLOCK_SIZE, mask=is_key, other=0)
+        blocks = blocks.to(tl.int64)  # a large cache has more than 2**31 elements
+        offsets = (blocks[:, None] * stride_block + (positions % BLOCK_SIZE)[:, None] * stride_slot
+                   + kv_head * stride_head + dims[None, :])  # [KV_TILE, HEAD_DIM]
+        keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)
         values = tl.load(cache_ptr + stride_kv + offsets, mask=is_key[:, None], other=0.0)
         if UPCAST:
+            keys = keys.to(tl.float32)
             values = values.to(tl.float32)
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [GROUP_ROWS, KV_TILE]
+        scores = tl.where(is_key[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the tile's first position is a key
+        correction = tl.exp(running_max - new_max)
+        weights = tl.exp(scores - new_max[:, None])
         acc = acc * correction[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
         running_sum = running_sum * correction + tl.sum(weights, axis=1)
         running_max = new_max
@@ -95,12 +99,12 @@ def _merge_splits_kernel(part_out_ptr, part_stats_ptr, out_ptr, stride_out_seq, 
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims, merged.to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
-    """Splits per sequence: enough programs to fill the GPU, each split still a few blocks long.
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Splits per sequence: enough programs to fill the GPU, each split still a few tiles long.
     A power of two, so few kernel variants get compiled."""
-    max_blocks = -(-max_seq_len // block_size)
+    max_tiles = -(-max_seq_len // KV_TILE)
     wanted = -(-TARGET_PROGRAMS // max(num_seqs * num_kv_heads, 1))
-    splits = max(1, min(wanted, max_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    splits = max(1, min(wanted, max_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
@@ -124,10 +128,10 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables.stride(0), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
         QUERIES_PER_KV=queries_per_kv, GROUP_ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(queries_per_kv)),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **dot_options(query.dtype))
+        BLOCK_SIZE=block_size, KV_TILE=KV_TILE, HEAD_DIM=head_dim, **dot_options(query.dtype))
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out, part_stats, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim)
+        SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
     return out
 
 

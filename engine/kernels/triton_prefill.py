@@ -6,7 +6,8 @@ the paged cache, so the caller writes the step's K/V first.
 
 A program takes ``QUERIES_PER_TILE`` consecutive query tokens of one request and every query head of
 one KV head: its ``TILE_ROWS`` rows are (token, head in group) pairs, so keys are read once per group
-(GQA). It walks the request's blocks up to the tile's last causal position with an online softmax.
+(GQA). It walks the request's keys, ``KV_TILE`` positions at a time through the block table, up to
+the tile's last causal position, with an online softmax.
 The host lists the tiles (request, first query token) once per step (``plan_prefill_tiles``), so the
 kernel needs no search over the batch.
 """
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_common import MIN_DOT_ROWS, dot_options
+from engine.kernels.triton_common import KV_TILE, MIN_DOT_ROWS, dot_options
 
 TILE_ROWS = 64
 
@@ -53,7 +54,8 @@ def _prefill_kernel(q_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens
                     tile_query_ptr, out_ptr, scale, stride_q_token, stride_q_head, stride_kv, stride_block,
                     stride_slot, stride_head, stride_table, QUERIES_PER_KV: tl.constexpr,
                     QUERIES_PER_TILE: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    KV_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
@@ -69,7 +71,6 @@ def _prefill_kernel(q_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens
     heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
     query_position = context_len + query_index  # absolute: it sees keys 0..query_position
     dims = tl.arange(0, HEAD_DIM)
-    slots = tl.arange(0, BLOCK_SIZE)
     q_offsets = (query_start + query_index)[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
     query = tl.load(q_ptr + q_offsets, mask=is_query[:, None], other=0.0)  # [TILE_ROWS, HEAD_DIM]
     if UPCAST:
@@ -78,19 +79,21 @@ def _prefill_kernel(q_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens
     running_sum = tl.zeros((TILE_ROWS,), tl.float32)
     acc = tl.zeros((TILE_ROWS, HEAD_DIM), tl.float32)
     last_query = tl.minimum(first_query + QUERIES_PER_TILE, query_len) - 1
-    num_blocks = (context_len + last_query + BLOCK_SIZE) // BLOCK_SIZE  # blocks up to the last causal key
-    for index in range(0, num_blocks):
-        block = tl.load(block_table_ptr + req * stride_table + index)
-        offsets = block * stride_block + kv_head * stride_head + slots[:, None] * stride_slot + dims[None, :]
-        key_position = index * BLOCK_SIZE + slots
+    num_tiles = (context_len + last_query + KV_TILE) // KV_TILE  # tiles up to the last causal key
+    for tile in range(0, num_tiles):
+        key_position = tile * KV_TILE + tl.arange(0, KV_TILE)
         is_key = key_position < seq_len
-        keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_DIM]
+        blocks = tl.load(block_table_ptr + req * stride_table + key_position // BLOCK_SIZE, mask=is_key, other=0)
+        blocks = blocks.to(tl.int64)  # a large cache has more than 2**31 elements
+        offsets = (blocks[:, None] * stride_block + (key_position % BLOCK_SIZE)[:, None] * stride_slot
+                   + kv_head * stride_head + dims[None, :])  # [KV_TILE, HEAD_DIM]
+        keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)
         values = tl.load(cache_ptr + stride_kv + offsets, mask=is_key[:, None], other=0.0)
         if UPCAST:
             keys = keys.to(tl.float32)
             values = values.to(tl.float32)
-        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [TILE_ROWS, BLOCK_SIZE]
-        # Causal. Every row sees key 0 in the first block, so its running max is finite from then on
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [TILE_ROWS, KV_TILE]
+        # Causal. Every row sees key 0 in the first tile, so its running max is finite from then on
         # (rows past the request's end too: their positions only grow).
         scores = tl.where(key_position[None, :] <= query_position[:, None], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -124,7 +127,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables.stride(0), QUERIES_PER_KV=num_heads // num_kv_heads,
         QUERIES_PER_TILE=tiles.queries_per_tile, TILE_ROWS=max(TILE_ROWS, MIN_DOT_ROWS), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, **dot_options(query.dtype))
+        KV_TILE=KV_TILE, HEAD_DIM=head_dim, **dot_options(query.dtype))
     return out
 
 
