@@ -115,17 +115,18 @@ def test_prefill_tiles_cover_every_query_token_once():
     assert tiles.first_query.tolist() == [0, 0, 9, 18, 0, 0]
 
 
-def test_the_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_checkpoint):
-    """The whole engine (mixed prefill/decode steps, prefix hits, several block lengths) on the Triton
-    backend: the same greedy tokens as on the torch backend."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_checkpoint, arch):
+    """The whole engine on the Triton backend: mixed prefill/decode steps, prompts chunked by a small token
+    budget, prefix-cache hits (the prompts share prefixes): the same greedy tokens as the torch backend."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    prompts = [{"prompt_token_ids": list(range(5, 5 + length))} for length in (3, 17, 40)]
+    prompts = [{"prompt_token_ids": list(range(5, 5 + length))} for length in (3, 17, 40, 21)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = LLM(tiny_checkpoint("llama"), attention_backend=backend, max_model_len=128, dtype="float32",
-                  num_gpu_blocks_override=32)
+        llm = LLM(tiny_checkpoint(arch), attention_backend=backend, max_model_len=128, dtype="float32",
+                  num_gpu_blocks_override=32, max_num_seqs=4, max_num_batched_tokens=16)
         tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]

@@ -71,6 +71,7 @@ class DecodeGraphRunner:
     def padded_size(self, num_tokens: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_tokens)]
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Captures one graph per batch size, largest first, all in one memory pool (with ``use_cuda_graphs``)."""
         if not self.use_cuda_graphs:
