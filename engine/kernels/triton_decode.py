@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_common import KV_TILE, MIN_DOT_ROWS, dot_options
+from engine.kernels.triton_common import KV_TILE, MIN_DOT_ROWS, dot_options, load_kv_tile, online_softmax_step
 
 TARGET_PROGRAMS = 512  # about 4 programs per SM of an H100/H200: enough to hide memory latency
 MIN_TILES_PER_SPLIT = 2
@@ -51,26 +51,12 @@ def _decode_split_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_o
     running_sum = tl.zeros((GROUP_ROWS,), tl.float32)
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
     for tile in range(first_tile, end_tile):
-        positions = tile * KV_TILE + tl.arange(0, KV_TILE)
-        is_key = positions < seq_len
-        # Each key position's block, through the table (a tile spans KV_TILE / BLOCK_SIZE blocks).
-        blocks = tl.load(block_table_ptr + seq * stride_table + positions // BLOCK_SIZE, mask=is_key, other=0)
-        blocks = blocks.to(tl.int64)  # a large cache has more than 2**31 elements
-        offsets = (blocks[:, None] * stride_block + (positions % BLOCK_SIZE)[:, None] * stride_slot
-                   + kv_head * stride_head + dims[None, :])  # [KV_TILE, HEAD_DIM]
-        keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)
-        values = tl.load(cache_ptr + stride_kv + offsets, mask=is_key[:, None], other=0.0)
-        if UPCAST:
-            keys = keys.to(tl.float32)
-            values = values.to(tl.float32)
-        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [GROUP_ROWS, KV_TILE]
-        scores = tl.where(is_key[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # finite: the tile's first position is a key
-        correction = tl.exp(running_max - new_max)
-        weights = tl.exp(scores - new_max[:, None])
-        acc = acc * correction[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
-        running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        running_max = new_max
+        keys, values, positions = load_kv_tile(
+            cache_ptr, block_table_ptr + seq * stride_table, tile * KV_TILE, seq_len, kv_head, stride_kv,
+            stride_block, stride_slot, stride_head, BLOCK_SIZE, KV_TILE, HEAD_DIM, UPCAST)
+        # The tile's first position is a key (tile < num_tiles), so every row's max is finite.
+        running_max, running_sum, acc = online_softmax_step(
+            query, keys, values, (positions < seq_len)[None, :], scale, running_max, running_sum, acc, PRECISION)
     # Partials of (seq, head, split): out [HEAD_DIM] unnormalized; stats = (max, sum).
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_ROWS]
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_head[:, None])

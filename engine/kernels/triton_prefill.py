@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_common import KV_TILE, MIN_DOT_ROWS, dot_options
+from engine.kernels.triton_common import KV_TILE, MIN_DOT_ROWS, dot_options, load_kv_tile, online_softmax_step
 
 TILE_ROWS = 64
 
@@ -81,30 +81,16 @@ def _prefill_kernel(q_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens
     last_query = tl.minimum(first_query + QUERIES_PER_TILE, query_len) - 1
     num_tiles = (context_len + last_query + KV_TILE) // KV_TILE  # tiles up to the last causal key
     for tile in range(0, num_tiles):
-        key_position = tile * KV_TILE + tl.arange(0, KV_TILE)
-        is_key = key_position < seq_len
-        blocks = tl.load(block_table_ptr + req * stride_table + key_position // BLOCK_SIZE, mask=is_key, other=0)
-        blocks = blocks.to(tl.int64)  # a large cache has more than 2**31 elements
-        offsets = (blocks[:, None] * stride_block + (key_position % BLOCK_SIZE)[:, None] * stride_slot
-                   + kv_head * stride_head + dims[None, :])  # [KV_TILE, HEAD_DIM]
-        keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)
-        values = tl.load(cache_ptr + stride_kv + offsets, mask=is_key[:, None], other=0.0)
-        if UPCAST:
-            keys = keys.to(tl.float32)
-            values = values.to(tl.float32)
-        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [TILE_ROWS, KV_TILE]
-        # Causal. Every row sees key 0 in the first tile, so its running max is finite from then on
-        # (rows past the request's end too: their positions only grow).
-        scores = tl.where(key_position[None, :] <= query_position[:, None], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        weights = tl.exp(scores - new_max[:, None])
-        acc = acc * correction[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
-        running_sum = running_sum * correction + tl.sum(weights, axis=1)
-        running_max = new_max
+        keys, values, key_position = load_kv_tile(
+            cache_ptr, block_table_ptr + req * stride_table, tile * KV_TILE, seq_len, kv_head, stride_kv,
+            stride_block, stride_slot, stride_head, BLOCK_SIZE, KV_TILE, HEAD_DIM, UPCAST)
+        # Causal. Every row sees key 0 in the first tile (rows past the request's end too: their
+        # positions only grow), as online_softmax_step requires.
+        is_visible = key_position[None, :] <= query_position[:, None]
+        running_max, running_sum, acc = online_softmax_step(
+            query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION)
     out = acc / running_sum[:, None]
-    out_offsets = (query_start + query_index)[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])
+    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])
 
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -116,9 +102,10 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     ``query_start_loc`` [R + 1] and ``seq_lens`` [R] int32, ``block_tables`` [R, max_blocks] int32,
     ``tiles`` from ``plan_prefill_tiles``; ``head_dim`` and ``block_size`` powers of two, at least 16.
     """
+    query = query.contiguous()
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    out = torch.empty_like(query)
+    out = torch.empty_like(query)  # contiguous as query: the kernel stores through query's offsets
     num_tiles = tiles.req.shape[0]
     if num_tiles == 0:
         return out
