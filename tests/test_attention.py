@@ -178,6 +178,14 @@ def test_backend_registry():
         get_attention_backend("nope")
 
 
+def test_auto_picks_triton_on_cuda_and_the_torch_reference_elsewhere():
+    from engine.attention import resolve_backend_name
+    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend_name("triton", torch.device("cpu")) == "triton"  # an explicit choice wins
+    assert resolve_backend_name("torch", torch.device("cuda")) == "torch"
+
+
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_native_decode_kernel_reads_strided_queries_and_writes_into_out(head_dim):
     """q as a view into a packed qkv output, out as a slice of a bigger buffer (the layer's calls)."""

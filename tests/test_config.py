@@ -42,3 +42,15 @@ def test_sampling_params_normalise_vllm_spellings():
     params = SamplingParams(stop="###", top_k=-1, temperature=0.0)
     assert params.stop == ["###"] and params.top_k == 0 and params.is_greedy
     assert params.clone(seed=3).seed == 3 and params.seed is None
+
+
+def test_cuda_graph_batch_sizes_are_sorted_and_positive():
+    from engine.config import ModelConfig
+    config = ModelConfig(model="m", max_model_len=16, cuda_graph_batch_sizes=[8, 1, 4, 4])
+    assert config.cuda_graph_batch_sizes == (1, 4, 8)
+    assert config.attention_backend == "auto" and not config.enforce_eager
+    for bad in ([], [0, 2]):
+        with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+            ModelConfig(model="m", max_model_len=16, cuda_graph_batch_sizes=bad)
+    with pytest.raises(ValueError):
+        ModelConfig(model="m", max_model_len=16, attention_backend="flash")
