@@ -71,6 +71,9 @@ class EngineArgs(BaseModel):
         if self.kv_transfer_config is not None and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
             raise ValueError("KV transfer (disaggregated prefill) supports tensor_parallel_size=1 and "
                              "pipeline_parallel_size=1 engines only.")
+        if self.cuda_graph_batch_sizes and max(self.cuda_graph_batch_sizes) > self.max_num_seqs:
+            raise ValueError(f"cuda_graph_batch_sizes go up to {max(self.cuda_graph_batch_sizes)}, past max_num_seqs "
+                             f"({self.max_num_seqs}): no decode step is that large.")
         max_position = _max_position_embeddings(self.model)
         max_model_len = self.max_model_len or max_position
         if max_model_len > max_position:

@@ -36,3 +36,15 @@ def test_default_budget_is_capped_at_what_can_be_used(tiny_checkpoint):
 def test_a_budget_below_one_sequence_is_a_clear_error(tiny_checkpoint):
     with pytest.raises(ValueError, match="fewer than max_model_len"):
         LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 * 1024)
+
+
+def test_the_profiling_step_fills_the_token_budget_with_prompts_that_fit():
+    from engine.worker.model_runner import _split_budget
+    assert _split_budget(8192, 2047, 256) == [2047, 2047, 2047, 2047, 4]  # a budget past max_model_len
+    assert _split_budget(2048, 4095, 256) == [2048]
+    assert _split_budget(100, 10, 3) == [10, 10, 10]  # no more prompts than max_num_seqs
+
+
+def test_cuda_graph_sizes_past_max_num_seqs_are_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="past max_num_seqs"):
+        LLM(tiny_checkpoint("llama"), max_num_seqs=8, cuda_graph_batch_sizes=[1, 16])

@@ -12,6 +12,18 @@ Usage::
 
     serval make-model /tmp/llama-tiny --arch llama --size tiny
     python -m engine.tools.make_model /tmp/qwen-w1 --arch qwen2 --size w1 --dtype bfloat16
+    python -m engine.tools.make_model /tmp/llama-8b --arch llama --size 8b --dtype bfloat16 \
+        --max-shard-size 4000000000 --threads 16
+
+The ``8b`` preset has Llama-3-8B's shapes (16 GB in bfloat16), for GPU
+benchmarks (``benchmarks/gpu_check.sh``). Its 128256-token vocabulary is more
+than BPE can learn from the stdlib corpus (about 27k merges), so its
+tokenizer learns ``bpe_vocab`` tokens and fills the remaining ids with
+``<|reserved_N|>`` entries: plain vocabulary entries that decode to their own
+text but that no merge ever produces (Llama 3 likewise reserves ids it never
+emits). Generating 8B random values takes minutes on one core; ``--threads``
+generates tensors in parallel, with the same bytes as one thread (each tensor
+has its own seeded generator), so it is not part of the spec.
 """
 
 from __future__ import annotations
@@ -37,7 +49,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class SizePreset:
-    """Shape of one model size (head_dim = hidden // heads)."""
+    """Shape of one model size (head_dim = hidden // heads).
+
+    ``bpe_vocab``: at most this many tokenizer ids are learned by BPE; the rest
+    of ``vocab`` are reserved tokens (see the module docstring). None: all.
+    """
 
     hidden: int
     layers: int
@@ -45,6 +61,7 @@ class SizePreset:
     kv_heads: int
     intermediate: int
     vocab: int
+    bpe_vocab: int | None = None
 
 
 SIZES: dict[str, SizePreset] = {
@@ -52,7 +69,11 @@ SIZES: dict[str, SizePreset] = {
     "small": SizePreset(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=352, vocab=2048),
     "w2": SizePreset(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, vocab=8192),
     "w1": SizePreset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=16384),
+    # Llama-3-8B's shapes: 8.03B parameters, untied.
+    "8b": SizePreset(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
+                     bpe_vocab=16384),
 }
+RESERVED_TOKEN = "<|reserved_{}|>"
 
 # arch -> (config class, architectures entry, tied by default, tokenizer adds BOS, rope_theta).
 # rope_theta follows the real families (not HF's 10000 default) so engines
@@ -122,13 +143,14 @@ def _clear_output(path: Path) -> None:
 def make_model(path, arch: str = "llama", size: str = "tiny", seed: int = 0,
                dtype: str = "float32", max_shard_size: int | None = None,
                tie_word_embeddings: bool | None = None, force: bool = False,
-               vocab_size: int | None = None, quiet: bool = False) -> Path:
+               vocab_size: int | None = None, quiet: bool = False, threads: int = 1) -> Path:
     """Write a random-weight HF checkpoint to ``path`` and return it as a Path.
 
     Deterministic in ``(arch, size, seed, dtype, tie_word_embeddings,
     vocab_size)``.  Skips work when ``path`` already holds a complete
     checkpoint with the same spec, unless ``force``.  ``vocab_size`` overrides
-    the preset's vocabulary (tokenizer and embedding alike).
+    the preset's vocabulary (tokenizer and embedding alike). ``threads``
+    generates that many tensors at once; the bytes do not depend on it.
     """
     if arch not in ARCHS or size not in SIZES or dtype not in DTYPES:
         raise ValueError(f"unknown arch/size/dtype: {arch!r}/{size!r}/{dtype!r}")
@@ -149,9 +171,11 @@ def make_model(path, arch: str = "llama", size: str = "tiny", seed: int = 0,
     _write_generation_config(path, config)
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json
     # (transformers 5 would otherwise write a separate chat_template.jinja).
-    build_hf_tokenizer(config.vocab_size, ARCHS[arch][3], MAX_POSITION_EMBEDDINGS).save_pretrained(
-        path, save_jinja_files=False)
-    n_params = write_weights(path, config, seed, dtype, max_shard_size)
+    bpe_vocab = min(config.vocab_size, SIZES[size].bpe_vocab or config.vocab_size)
+    tokenizer = build_hf_tokenizer(bpe_vocab, ARCHS[arch][3], MAX_POSITION_EMBEDDINGS)
+    _reserve_vocab(tokenizer, config.vocab_size)
+    tokenizer.save_pretrained(path, save_jinja_files=False)
+    n_params = write_weights(path, config, seed, dtype, max_shard_size, threads=threads)
     # Written last: its presence marks the checkpoint as complete.
     (path / SPEC_FILE).write_text(json.dumps({**spec, "num_parameters": n_params}, indent=2) + "\n")
     if not quiet:
@@ -159,6 +183,26 @@ def make_model(path, arch: str = "llama", size: str = "tiny", seed: int = 0,
         print(f"serval make-model: {arch}/{size} {n_params / 1e6:.2f}M params ({tied}), "
               f"{dtype}, seed {seed} -> {path}")
     return path
+
+
+def _reserve_vocab(tokenizer, vocab_size: int) -> None:
+    """Grow ``tokenizer``'s BPE vocabulary to ``vocab_size`` ids with ``<|reserved_N|>`` entries, in place.
+
+    No merge produces them, so encoding is unchanged; they decode to their
+    own text (every character of the name is in the byte-level alphabet).
+    """
+    from tokenizers import Tokenizer
+
+    backend = tokenizer.backend_tokenizer
+    start = backend.get_vocab_size(with_added_tokens=False)
+    if start >= vocab_size:
+        return
+    document = json.loads(backend.to_str())
+    vocab = document["model"]["vocab"]
+    if sorted(vocab.values()) != list(range(start)):
+        raise RuntimeError("BPE vocabulary ids are not contiguous; cannot append reserved tokens")
+    vocab.update({RESERVED_TOKEN.format(i): i for i in range(start, vocab_size)})
+    backend.model = Tokenizer.from_str(json.dumps(document)).model
 
 
 def _write_generation_config(path: Path, config) -> None:
@@ -182,13 +226,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction,
                         default=None, help="default: tied for qwen2/qwen3, untied for llama/mistral")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="generate this many tensors at once (same bytes as 1; default 1)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``make-model`` for parsed ``args``; returns the exit code."""
     make_model(args.path, arch=args.arch, size=args.size, seed=args.seed, dtype=args.dtype,
                max_shard_size=args.max_shard_size, tie_word_embeddings=args.tie_word_embeddings,
-               force=args.force, vocab_size=args.vocab_size)
+               force=args.force, vocab_size=args.vocab_size, threads=args.threads)
     return 0
 
 

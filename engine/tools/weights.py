@@ -33,15 +33,19 @@ Measured on random prompts (see tests/test_make_model.py): median top-1 vs
 top-2 logit gap ~0.5-1.0 in float32, i.e. far above float32 noise.
 
 Every tensor uses its own ``torch.Generator`` seeded from ``(seed, name)``, so
-the bytes do not depend on generation order or shard layout.
+the bytes do not depend on generation order or shard layout, nor on how many
+tensors are generated at once (``threads``: torch's normal sampling runs on
+one core per generator and releases the GIL, so threads scale it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -104,17 +108,21 @@ def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int,
 
 
 def _shard_tensors(names: list[str], shapes, seed: int, hidden: int,
-                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    for name in names:
-        yield name, init_tensor(name, shapes[name], seed, hidden).to(dtype).contiguous()
+                   dtype: torch.dtype, pool: ThreadPoolExecutor | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    def make(name: str) -> torch.Tensor:
+        return init_tensor(name, shapes[name], seed, hidden).to(dtype).contiguous()
+
+    yield from zip(names, pool.map(make, names) if pool is not None else map(make, names))
 
 
 def write_weights(directory: Path, config, seed: int, dtype: str,
-                  max_shard_size: int | None = None) -> int:
+                  max_shard_size: int | None = None, threads: int = 1) -> int:
     """Write safetensors weights for ``config`` into ``directory``.
 
     A single ``model.safetensors`` unless ``max_shard_size`` (bytes) forces
     several ``model-0000i-of-0000n.safetensors`` plus the HF index file.
+    ``threads`` > 1 generates that many tensors at once (same bytes).
     Returns the number of parameters written.
     """
     torch_dtype = _DTYPES[dtype]
@@ -122,14 +130,15 @@ def write_weights(directory: Path, config, seed: int, dtype: str,
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     shards = _plan_shards(shapes, itemsize, max_shard_size)
     weight_map: dict[str, str] = {}
-    for index, names in enumerate(shards, start=1):
-        filename = ("model.safetensors" if len(shards) == 1
-                    else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
-        tensors = dict(_shard_tensors(names, shapes, seed, config.hidden_size, torch_dtype))
-        save_file(tensors, str(directory / filename), metadata={"format": "pt"})
-        os.chmod(directory / filename, 0o644)  # safetensors creates files as 0600
-        del tensors
-        weight_map.update({name: filename for name in names})
+    with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
+        for index, names in enumerate(shards, start=1):
+            filename = ("model.safetensors" if len(shards) == 1
+                        else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
+            tensors = dict(_shard_tensors(names, shapes, seed, config.hidden_size, torch_dtype, pool))
+            save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+            os.chmod(directory / filename, 0o644)  # safetensors creates files as 0600
+            del tensors
+            weight_map.update({name: filename for name in names})
     n_params = sum(math.prod(s) for s in shapes.values())
     if len(shards) > 1:
         index_doc = {"metadata": {"total_size": n_params * itemsize,

@@ -120,26 +120,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """One forward of a full token budget, to find (on GPU) the activation peak.
+        """One forward of a full step's token budget, to find (on GPU) the activation peak.
 
-        With tp_size > 1 a collective: every rank of the stage must call it at
-        once. Stages do not talk to each other here (a later stage runs on zeros).
+        The budget is split into prompts of at most ``max_model_len - 1`` tokens (at most
+        ``max_num_seqs`` of them), and logits are computed for ``max_num_seqs`` rows, as the
+        largest decode step does. With tp_size > 1 a collective: every rank of the stage must
+        call it at once. Stages do not talk to each other here (a later stage runs on zeros).
         """
-        num_tokens = min(self.config.scheduler_config.max_num_batched_tokens,
-                         self.config.scheduler_config.max_model_len - 1)
-        num_blocks = -(-num_tokens // self.block_size)
-        kv_caches = self.model.make_kv_caches(num_blocks + 1, self.block_size)
-        metadata = build_attention_metadata([num_tokens], [num_tokens], [list(range(1, num_blocks + 1))],
-                                            self.block_size, device=self.device)
+        scheduler_config = self.config.scheduler_config
+        lengths = _split_budget(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len - 1,
+                                scheduler_config.max_num_seqs)
+        num_tokens = sum(lengths)
+        tables, next_block = [], 1
+        for length in lengths:
+            num_blocks = -(-length // self.block_size)
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+        kv_caches = self.model.make_kv_caches(next_block, self.block_size)
+        metadata = build_attention_metadata(lengths, lengths, tables, self.block_size, device=self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+        positions = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
         intermediate = None
         if not self.parallel_state.is_first_stage:
             zeros = torch.zeros(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
             intermediate = (zeros, zeros.clone())
         hidden = self.model(input_ids, positions, kv_caches, metadata, intermediate)
         if self.parallel_state.is_last_stage:
-            self.model.compute_logits(hidden[-1:])
+            num_rows = min(scheduler_config.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:1].expand(num_rows, -1))
         del kv_caches, hidden
 
     # -------------------------------------------------------------------- step
@@ -345,3 +353,12 @@ class ModelRunner:
             self._tokenizer = AutoTokenizer.from_pretrained(self.config.model_config.tokenizer_path)
         from engine.sample.masks import tokenize_bad_words
         return tokenize_bad_words(params.bad_words, self._tokenizer)
+
+
+def _split_budget(num_tokens: int, max_prompt_len: int, max_num_prompts: int) -> list[int]:
+    """Prompt lengths that fill ``num_tokens``: each at most ``max_prompt_len``, at most ``max_num_prompts``."""
+    lengths = []
+    while num_tokens > 0 and len(lengths) < max_num_prompts:
+        lengths.append(min(num_tokens, max_prompt_len))
+        num_tokens -= lengths[-1]
+    return lengths
