@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -322,7 +323,7 @@ def test_tensor_parallel_weight_loader_slices(tmp_path, tp_rank):
 
 def test_prepacked_bf16_linears_match_plain_linears(tmp_path):
     """The oneDNN-prepacked bf16 path gives what F.linear gives (it only changes the weight layout); on a
-    CPU without oneDNN bf16, nothing is packed."""
+    CPU without oneDNN bf16, the layer computes in float32 from a float32 copy of its weight."""
     from engine.model.layers.cpu_prepack import can_prepack, prepack_linears
     from engine.model.layers.linear import LinearBase
 
@@ -330,11 +331,11 @@ def test_prepacked_bf16_linears_match_plain_linears(tmp_path):
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     if not can_prepack(layer.weight):
-        # No oneDNN bf16 on this CPU (no AVX-512 BF16 / AMX): packing must decline and change nothing.
+        # No bf16 matrix instructions on this CPU (no AVX-512 BF16 / AMX): float32 products, bf16 output.
         x = torch.randn(7, 64, dtype=torch.bfloat16)
-        expected = layer(x)
-        assert prepack_linears(layer) == 0 and getattr(layer, "packed_weight", None) is None
-        assert torch.equal(layer(x), expected)
+        assert prepack_linears(layer) == 1 and layer.packed_weight.dtype == torch.float32
+        expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
+        assert layer(x).dtype == torch.bfloat16 and torch.equal(layer(x), expected)
         return
     for num_rows in (1, 7, 64, 300):
         x = torch.randn(num_rows, 64, dtype=torch.bfloat16)

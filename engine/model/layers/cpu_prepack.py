@@ -1,9 +1,14 @@
-"""oneDNN-prepacked weights for bf16 linears on CPU.
+"""Weights prepared once after loading for bf16 linears on CPU.
 
-A bf16 ``F.linear`` on CPU re-lays out the weight for oneDNN on every call; at
-decode batch sizes (tens of rows) that costs up to a third of the matmul, and
-with one row far more. Packing once after loading removes it. Only bf16 on a
-CPU with oneDNN bf16 support is packed; everything else keeps ``F.linear``.
+* On a CPU with bf16 matrix instructions (AVX-512 BF16, AMX), a bf16 ``F.linear`` re-lays out the
+  weight for oneDNN on every call; at decode batch sizes (tens of rows) that costs up to a third of
+  the matmul, and with one row far more. The weight is packed once into oneDNN's layout.
+* On a CPU without them (AVX2), oneDNN emulates bf16 products at about 15 GFLOP/s against 90-180 in
+  float32 (``benchmarks/bench_matmul.py`` on cpu-2c-avx2): the layer keeps a float32 copy of its bf16
+  weight and computes in float32, rounding the output back to bf16 (the model's dtype stays bf16:
+  activations, KV cache; the products are more exact, not less).
+
+Everything else (float32 models, GPUs) keeps ``F.linear``.
 """
 
 from __future__ import annotations
@@ -21,23 +26,38 @@ def can_prepack(weight: torch.Tensor) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def computes_in_fp32(weight: torch.Tensor) -> bool:
+    """A bf16 weight on a CPU without bf16 matrix instructions (see the module docstring)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_SIZE_HINT)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed_weight: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` through the packed weight when there is one (x: [T, in] -> [T, out])."""
+    """``F.linear`` through the prepared weight when there is one (x: [T, in] -> [T, out])."""
     if packed_weight is None:
         return F.linear(x, weight, bias)
+    if packed_weight.dtype == torch.float32 and x.dtype != torch.float32:  # the float32 copy of a bf16 weight
+        return F.linear(x.float(), packed_weight, None if bias is None else bias.float()).to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Packs the weight of every module that has a ``packed_weight`` slot; returns how many."""
+    """Prepares the weight of every module that has a ``packed_weight`` slot (a oneDNN layout, or a
+    float32 copy: see the module docstring); returns how many."""
     num_packed = 0
     for module in model.modules():
-        if hasattr(module, "packed_weight") and can_prepack(module.weight):
+        if not hasattr(module, "packed_weight"):
+            continue
+        if can_prepack(module.weight):
             module.packed_weight = pack_weight(module.weight)
-            num_packed += 1
+        elif computes_in_fp32(module.weight):
+            module.packed_weight = module.weight.float()
+        else:
+            continue
+        num_packed += 1
     return num_packed
