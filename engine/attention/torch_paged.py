@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, register_backend
-from engine.kernels.cpu import load_cpu_kernels
+from engine.kernels.cpu import load_cpu_kernels, product_dtype
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -225,11 +225,12 @@ class TorchPagedAttention(AttentionBackend):
         else:
             keys = self._gather(kv_cache[0], prefill.block_ids)[:prefill.seq_len]  # [S, Hk, D]
             vals = self._gather(kv_cache[1], prefill.block_ids)[:prefill.seq_len]
+        dtype = product_dtype(q.dtype, q.device)  # float32 for bf16 on CPUs without bf16 matrix instructions
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            vals.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=prefill.mask, is_causal=prefill.mask is None,
+            q.transpose(0, 1).unsqueeze(0).to(dtype), keys.transpose(0, 1).unsqueeze(0).to(dtype),
+            vals.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=prefill.mask, is_causal=prefill.mask is None,
             scale=scale, enable_gqa=q.shape[1] != hk)  # [1, H, Q, D]
-        return out[0].transpose(0, 1)
+        return out[0].transpose(0, 1).to(q.dtype)
 
 
 register_backend("torch", TorchPagedAttention)

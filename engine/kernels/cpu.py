@@ -83,3 +83,21 @@ def use_cpu_kernels(enabled: bool):
         yield
     finally:
         _is_enabled = previous
+
+
+@functools.lru_cache(maxsize=None)
+def has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX, through oneDNN).
+
+    Without it (AVX2), oneDNN emulates bf16 products at about 15 GFLOP/s against 90-180 in float32
+    (``benchmarks/bench_matmul.py`` on cpu-2c-avx2), so bf16 models compute their products in float32.
+    """
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def product_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype matrix products of ``dtype`` tensors on ``device`` run in: float32 for bf16 on a CPU
+    without bf16 matrix instructions, else ``dtype`` itself."""
+    if dtype == torch.bfloat16 and device.type == "cpu" and not has_bf16_matmul():
+        return torch.float32
+    return dtype

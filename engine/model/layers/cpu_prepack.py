@@ -17,19 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu import has_bf16_matmul, product_dtype
+
 # Rows the packed layout is tuned for (a typical decode batch); any row count works.
 _BATCH_SIZE_HINT = 64
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and has_bf16_matmul()
 
 
 def computes_in_fp32(weight: torch.Tensor) -> bool:
     """A bf16 weight on a CPU without bf16 matrix instructions (see the module docstring)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return product_dtype(weight.dtype, weight.device) == torch.float32 and weight.dtype != torch.float32
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
