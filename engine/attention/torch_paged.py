@@ -10,7 +10,7 @@ Forward plan (see ``backend.py`` for the contract):
 
 1. write the K/V of every new token at ``slot_mapping`` (one ``index_copy_``);
 2. decodes (requests with one new token): on CPU, one call of the compiled
-   kernel (``engine/kernels/csrc/cpu_ops.cpp``) that reads keys and values through the
+   kernel (``engine/kernels/csrc/decode_attention.cpp``) that reads keys and values through the
    block table. Elsewhere, or without a compiler: sorted by length, gathered
    into padded [n, S, Hk, D] tensors (``index_select`` over whole blocks, the
    fast gather on CPU) in chunks bounded by ``decode_chunk_elems``, one masked
