@@ -25,9 +25,10 @@ from collections.abc import AsyncGenerator
 import dataclasses
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.core.kv_connector import KVTransferStats
 from engine.engine_args import EngineArgs
+from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError  # errors re-exported
 from engine.metrics import LoggingStatLogger, StatLogger
 from engine.executor.base import Executor
 from engine.llm_engine import LLMEngine, load_tokenizer
@@ -37,14 +38,6 @@ from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The busy loop died (or the engine was shut down): no request can be served any more."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """``max_num_queued_reqs`` requests are already waiting; the caller should retry later (HTTP 503)."""
 
 
 @dataclass(frozen=True)
@@ -334,7 +327,7 @@ def _copy_shared_lists(output: RequestOutput) -> None:
             completion.logprobs = list(completion.logprobs)
 
 
-class AsyncLLM:
+class AsyncLLM(EngineClient):
     """The engine behind an asyncio server: ``generate`` streams, ``abort`` stops, ``get_stats`` observes.
 
     Use it from one event loop at a time (the HTTP server's). Construction loads
@@ -365,6 +358,10 @@ class AsyncLLM:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config.model_config
 
     def get_tokenizer(self):
         return self.tokenizer

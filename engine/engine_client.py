@@ -1,0 +1,89 @@
+"""``EngineClient``: what a server may call on an engine (vLLM's ``EngineClient``).
+
+The OpenAI layer (``engine/entrypoints/openai``) and the Serve deployments
+depend on this protocol only, never on a concrete engine, so anything that
+serves one model's requests can stand behind them:
+
+* ``AsyncLLM``: the colocated engine (busy-loop thread in this process);
+* ``deployments.pd_servers.RemotePrefillEngine``: a decode engine that has a
+  prefill replica compute each prompt's KV first.
+
+Every member is used from ONE event loop (the server's). The errors a client
+raises, and what the OpenAI layer turns them into (``errors.from_exception``):
+
+* ``ValueError``: bad input (an empty or too long prompt, ids outside the
+  vocabulary, a request id in use); nothing was queued, every other request
+  runs on undisturbed (HTTP 400).
+* ``EngineOverloadedError``: too many requests already wait; nothing was
+  queued, retrying later may work (HTTP 503).
+* ``EngineDeadError``: the engine can no longer serve any request; every open
+  stream and every later call raise it (HTTP 500; Serve replaces the replica).
+
+Anything else a call raises is a bug or an infrastructure failure (HTTP 500).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # annotations only: the engine modules import this one
+    from engine.async_llm import EngineStats
+    from engine.config import ModelConfig
+    from engine.outputs import RequestOutput
+    from engine.processor import PromptType
+    from engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The busy loop died (or the engine was shut down): no request can be served any more."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """``max_num_queued_reqs`` requests are already waiting; the caller should retry later (HTTP 503)."""
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """One model's engine as a server sees it: stream a request, stop it, ask about the engine.
+
+    ``isinstance(obj, EngineClient)`` checks only that every member exists; the
+    promises below are each implementation's to keep.
+    """
+
+    # The Hugging Face tokenizer the event loop may use (chat templates, ``/tokenize``), never the busy
+    # loop's own. A plain attribute, not a property, so an implementation may simply assign it.
+    tokenizer: Any
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: prompt plus generated tokens of one request, at most."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids in ``[0, vocab_size)`` are valid; any other id in a prompt is a ValueError."""
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """The served checkpoint's configuration (``model``: its path, the ``/v1/models`` root)."""
+
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Streams the request's outputs as ``sampling_params.output_kind`` says; the last has finished=True.
+
+        Nothing runs until the first ``__anext__``, which raises ValueError (bad
+        input, ``request_id`` in use), EngineOverloadedError or EngineDeadError
+        before any output; on those nothing was queued. Later, EngineDeadError
+        ends the stream if the engine dies. Closing or cancelling the generator
+        before its last output aborts the request and frees its KV blocks.
+        """
+
+    async def abort(self, request_id: str) -> None:
+        """Stops the request before the next step; its stream ends with finish_reason "abort".
+        An unknown or finished ``request_id`` changes nothing."""
+
+    async def check_health(self) -> None:
+        """Returns if the engine can serve; raises EngineDeadError (or what a lost worker raised) if not."""
+
+    def get_stats(self) -> EngineStats:
+        """The latest published snapshot of the engine's counters; cheap, never blocks."""
