@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_connector import KVConnectorScheduler, KVTransferStats
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from engine.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
@@ -34,12 +35,31 @@ class SchedulerStats:
     kv_transfer_stats: KVTransferStats | None = None  # with KV transfer configured
 
 
+@dataclass(slots=True)
+class _StepPlan:
+    """What one ``schedule()`` has decided so far, and the token budget it has left."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # running requests' new blocks
+    scheduled_running: list[Request] = field(default_factory=list)
+    scheduled_new: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def unschedule(self, request: Request) -> None:
+        """Takes back a running request scheduled earlier this step: its tokens return to the budget."""
+        self.scheduled_running.remove(request)
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        del self.new_block_ids[request.request_id]
+
+
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_transfer_config: KVTransferConfig | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
+        self._long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold  # read per request
         self._check_pool_holds_one_sequence()
         self.kv_cache_manager = KVCacheManager(cache_config, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -98,69 +118,78 @@ class Scheduler:
     # ----------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
-        """Decides this step: how many tokens each request computes."""
-        config = self.scheduler_config
-        token_budget = config.max_num_batched_tokens
-        num_scheduled_tokens: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        scheduled_running: list[Request] = []
-        preempted: list[Request] = []
+        """Decides this step: how many tokens each request computes.
 
-        threshold = config.long_prefill_token_threshold
+        Running requests first (preempting when the pool runs dry), then, unless one was preempted,
+        waiting ones. The output describes the requests as they were before this step; only then does
+        ``_update_after_schedule`` move them past it.
+        """
+        plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._admit_waiting(plan)
+        output = self._build_output(plan)
+        self._update_after_schedule(output)
+        return output
+
+    def _num_tokens_to_compute(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        """How many of ``request``'s tokens past ``num_computed_tokens`` fit this step (0: none are new)."""
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self._long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return num_new_tokens if num_new_tokens < token_budget else token_budget
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Gives running requests, oldest first, their next tokens while ``plan``'s budget lasts."""
+        running = self.running
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        # Locals: this loop runs once per running request per step.
+        num_scheduled_tokens, new_block_ids = plan.num_scheduled_tokens, plan.new_block_ids
+        scheduled_running = plan.scheduled_running
         index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
-            # Inlined _num_tokens_to_compute: this loop runs once per running request per step.
-            num_new_tokens = len(request.all_token_ids) - request.num_computed_tokens
-            if threshold > 0 and num_new_tokens > threshold:
-                num_new_tokens = threshold
-            if num_new_tokens > token_budget:
-                num_new_tokens = token_budget
+        while index < len(running) and plan.token_budget > 0:
+            request = running[index]
+            num_new_tokens = self._num_tokens_to_compute(request, request.num_computed_tokens, plan.token_budget)
             if num_new_tokens == 0:  # nothing new since the last step (its output is not in yet)
                 index += 1
                 continue
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
-                victim = self._pick_victim()
-                victim_index = self.running.index(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-                if victim_index < index:  # only the priority policy picks an already scheduled victim
-                    index -= 1
-                    scheduled_running.remove(victim)
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id)
+            new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
-                break  # ``request`` itself was preempted; everything after it has been too
+                new_blocks = self._preempt_until_fits(request, num_new_tokens, plan)
+                if new_blocks is None:
+                    break  # ``request`` itself was preempted: the pool holds nothing more this step
+                index = running.index(request)  # victims ahead of it (priority policy) moved it forward
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
-            token_budget -= num_new_tokens
+            plan.token_budget -= num_new_tokens
             index += 1
 
-        scheduled_new: list[Request] = []
-        if not preempted:
-            token_budget = self._admit_waiting(token_budget, scheduled_new, num_scheduled_tokens)
+    def _preempt_until_fits(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
+        """Preempts the policy's victims one by one until ``num_new_tokens`` slots fit for running ``request``.
 
-        return self._build_output(scheduled_new, scheduled_running, num_scheduled_tokens, new_block_ids,
-                                  preempted, config.max_num_batched_tokens - token_budget)
+        Returns the new blocks; None when ``request`` itself became the victim (it is preempted then).
+        Every victim is appended to ``plan.preempted``; one already scheduled this step (only the
+        priority policy picks one) is taken out of ``plan`` and its tokens go back to the budget.
+        """
+        while True:
+            victim = self._pick_victim()
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+            if victim.request_id in plan.num_scheduled_tokens:
+                plan.unschedule(victim)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
 
-    def _num_tokens_to_compute(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        if threshold > 0:
-            num_new_tokens = min(num_new_tokens, threshold)
-        return min(num_new_tokens, token_budget)
-
-    def _admit_waiting(self, token_budget: int, scheduled_new: list[Request],
-                       num_scheduled_tokens: dict[str, int]) -> int:
-        """Moves waiting requests to running while budget, seats and blocks last."""
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        """Moves waiting requests to running while ``plan``'s budget, seats and blocks last."""
         kv = self.kv_cache_manager
-        while len(self.waiting) > 0 and token_budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
+        while len(self.waiting) > 0 and plan.token_budget > 0 and \
+                len(self.running) < self.scheduler_config.max_num_seqs:
             request = self.waiting.peek()
             # Waiting requests (new or preempted) hold no blocks: start from the prefix cache.
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
@@ -169,9 +198,9 @@ class Scheduler:
                 self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
             num_computed_tokens = num_hit_tokens + num_external_tokens
             num_wanted = request.num_tokens - num_computed_tokens
-            if not self.scheduler_config.enable_chunked_prefill and num_wanted > token_budget:
+            if not self.scheduler_config.enable_chunked_prefill and num_wanted > plan.token_budget:
                 break
-            num_new_tokens = self._num_tokens_to_compute(request, num_computed_tokens, token_budget)
+            num_new_tokens = self._num_tokens_to_compute(request, num_computed_tokens, plan.token_budget)
             if kv.allocate_slots(request, num_external_tokens + num_new_tokens, num_hit_tokens,
                                  computed_blocks) is None:
                 break
@@ -186,10 +215,9 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.monotonic()
-            scheduled_new.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-        return token_budget
+            plan.scheduled_new.append(request)
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
 
     def _pick_victim(self) -> Request:
         if self.scheduler_config.policy == "priority":
@@ -207,9 +235,8 @@ class Scheduler:
             self.kv_connector.preempted(request)
         self.waiting.prepend(request)
 
-    def _build_output(self, scheduled_new: list[Request], scheduled_running: list[Request],
-                      num_scheduled_tokens: dict[str, int], new_block_ids: dict[str, list[int]],
-                      preempted: list[Request], total_num_scheduled_tokens: int) -> SchedulerOutput:
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step as the workers see it, read from the requests' state before the step; changes nothing."""
         kv = self.kv_cache_manager
         new_reqs_data = [
             NewRequestData(req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -217,30 +244,37 @@ class Scheduler:
                            sampling_params=request.sampling_params,
                            block_ids=kv.get_block_ids(request.request_id),
                            num_computed_tokens=request.num_computed_tokens)
-            for request in scheduled_new]
+            for request in plan.scheduled_new]
         cached = CachedRequestData()
-        for request in scheduled_running:
+        num_scheduled_tokens, new_block_ids = plan.num_scheduled_tokens, plan.new_block_ids
+        for request in plan.scheduled_running:
             num_computed = request.num_computed_tokens
             num_new_tokens = num_scheduled_tokens[request.request_id]
             cached.req_ids.append(request.request_id)
             cached.new_token_ids.append(request.all_token_ids[num_computed:num_computed + num_new_tokens])
             cached.new_block_ids.append(new_block_ids[request.request_id])
             cached.num_computed_tokens.append(num_computed)
-        # The step will compute these tokens; count them now so the next schedule() moves on.
-        for request in scheduled_running:
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
-        for request in scheduled_new:
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
-        output = SchedulerOutput(
+        return SchedulerOutput(
             scheduled_new_reqs=new_reqs_data, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens, total_num_scheduled_tokens=total_num_scheduled_tokens,
-            preempted_req_ids={request.request_id for request in preempted},
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=self.scheduler_config.max_num_batched_tokens - plan.token_budget,
+            preempted_req_ids={request.request_id for request in plan.preempted},
             finished_req_ids=self.finished_req_ids)
+
+    def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        """Every state change that follows from scheduling ``output``, in one place.
+
+        The scheduled requests count this step's tokens as computed now, so the next ``schedule()``
+        moves on without waiting for the step to run; the connector plans its saves from those counts;
+        the finished ids are handed over to ``output`` and collection starts afresh.
+        """
+        requests = self.requests
+        for req_id, num_new_tokens in output.num_scheduled_tokens.items():
+            requests[req_id].num_computed_tokens += num_new_tokens
         if self.kv_connector is not None:
-            output.kv_connector_metadata = self.kv_connector.build_connector_meta(num_scheduled_tokens,
-                                                                                  kv.get_block_ids)
+            output.kv_connector_metadata = self.kv_connector.build_connector_meta(
+                output.num_scheduled_tokens, self.kv_cache_manager.get_block_ids)
         self.finished_req_ids = set()
-        return output
 
     # ------------------------------------------------------------------ update
 

@@ -176,6 +176,25 @@ def test_priority_policy_preempts_the_worst_request_even_if_already_scheduled():
     assert output.scheduled_cached_reqs.req_ids == ["high"]
 
 
+def test_priority_policy_preempts_a_victim_that_got_nothing_this_step():
+    # low's last output is not in yet (a pipeline step in flight), so it is skipped, not scheduled, when
+    # high, behind it in the running list, needs the block the pool lacks and low is the victim.
+    scheduler = make_scheduler(block_size=4, num_blocks=9, max_model_len=32, policy="priority")
+    low = add(scheduler, "low", 16, priority=5, arrival=1.0, max_tokens=4, ignore_eos=True)
+    scheduler.schedule()  # low's prompt; its sampled token never comes back here
+    high = add(scheduler, "high", 16, priority=0, arrival=2.0, max_tokens=4, ignore_eos=True)
+    output = scheduler.schedule()  # 4 blocks each: the pool is full
+    assert output.num_scheduled_tokens == {"high": 16}
+    scheduler.update_from_output(output, ModelRunnerOutput(req_ids=["high"], sampled_token_ids=[[7]]))
+    assert [request.request_id for request in scheduler.running] == ["low", "high"]
+    output, _ = step(scheduler)  # high's 17th token needs a 5th block
+    assert output.preempted_req_ids == {"low"} and low.status == RequestStatus.PREEMPTED
+    assert output.num_scheduled_tokens == {"high": 1} and output.scheduled_cached_reqs.req_ids == ["high"]
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert low.num_output_tokens == 4 and high.num_output_tokens == 4
+
+
 def test_priority_policy_admits_by_priority_then_arrival():
     scheduler = make_scheduler(max_num_seqs=1, policy="priority")
     add(scheduler, "late_urgent", 4, priority=0, arrival=3.0, max_tokens=1)
