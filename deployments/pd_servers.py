@@ -31,7 +31,9 @@ from deployments.llm_config import LLMConfig
 from deployments.llm_server import LLMServer
 from deployments.metrics import RemotePrefillMetrics
 from deployments.pd_config import PDOptions
-from engine.async_llm import AsyncLLM
+from engine.async_llm import AsyncLLM, EngineStats
+from engine.config import ModelConfig
+from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ServiceUnavailableError
 from engine.entrypoints.openai.serving import OpenAIServing
 from engine.outputs import RequestOutput
@@ -71,10 +73,9 @@ class PrefillServer(LLMServer):
         return final.kv_transfer_params
 
 
-class RemotePrefillEngine:
-    """The decode replica's engine as ``OpenAIServing`` sees it: ``generate`` prefills remotely first.
-
-    Everything else is the local ``AsyncLLM``'s.
+class RemotePrefillEngine(EngineClient):
+    """The decode replica's ``EngineClient``: ``generate`` prefills remotely first, then decodes on the
+    local ``AsyncLLM``, which answers every other member.
     """
 
     def __init__(self, engine: AsyncLLM, prefill_server: DeploymentHandle, options: PDOptions,
@@ -83,15 +84,31 @@ class RemotePrefillEngine:
         self.prefill_server = prefill_server
         self.options = options
         self.metrics = metrics
-        self.config = engine.config
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.vocab_size
         self.num_waiting_prefills = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        """``AsyncLLM.generate`` after a remote prefill of ``prompt["prompt_token_ids"]``."""
+        """``AsyncLLM.generate`` after a remote prefill of ``prompt["prompt_token_ids"]``.
+
+        Besides ``EngineClient.generate``'s errors: RemotePrefillError (503) when the prefill pool fails
+        or times out, unless ``fallback_to_local_prefill`` has the local engine prefill instead.
+        """
         kv_transfer_params = await self._remote_prefill(prompt["prompt_token_ids"], request_id, cache_salt)
         async for output in self.engine.generate(prompt, sampling_params, request_id, priority=priority,
                                                  cache_salt=cache_salt, kv_transfer_params=kv_transfer_params):
@@ -122,8 +139,18 @@ class RemotePrefillEngine:
             self.num_waiting_prefills -= 1
             self.metrics.set_queue(self.num_waiting_prefills)
 
+    async def abort(self, request_id: str) -> None:
+        """The local engine's abort: a request still waiting on its remote prefill is not in the local
+        engine yet, so nothing changes for it (closing its ``generate`` stream cancels the prefill)."""
+        await self.engine.abort(request_id)
+
     async def check_health(self) -> None:
+        """The local engine's health (the prefill pool's replicas have their own health checks)."""
         await self.engine.check_health()
+
+    def get_stats(self) -> EngineStats:
+        """The local (decode) engine's snapshot."""
+        return self.engine.get_stats()
 
 
 class PDDecodeServer(LLMServer):

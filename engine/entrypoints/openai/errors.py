@@ -13,7 +13,7 @@ from http import HTTPStatus
 
 from pydantic import BaseModel, Field, ValidationError
 
-from engine.async_llm import EngineDeadError, EngineOverloadedError
+from engine.engine_client import EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger(__name__)
 

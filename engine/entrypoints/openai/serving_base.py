@@ -1,5 +1,5 @@
-"""What the completions and chat servings share: the engine, the tokenizer,
-the context-length check and the chat template.
+"""What the endpoint servings (completions, chat, tokenization) share: the
+engine client, the tokenizer, the context-length check and the chat template.
 
 Everything here runs before a request reaches the engine and raises
 ValueError on bad input, which the endpoints turn into a 400 without
@@ -13,7 +13,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
-from engine.async_llm import AsyncLLM
+from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import from_exception
 from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
 from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
@@ -30,16 +30,21 @@ def random_uuid() -> str:
 
 
 class ServingBase:
-    """One served model: its engine and the name clients call it by."""
+    """One served model as an endpoint sees it: its engine client and the name clients call it by."""
 
-    def __init__(self, engine: AsyncLLM, model_id: str) -> None:
+    def __init__(self, engine: EngineClient, model_id: str) -> None:
         self.engine = engine
         self.model_id = model_id
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
 
     def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raises ValueError (vLLM's message) unless the prompt plus ``max_tokens`` fit the context."""
+        """Raises ValueError (vLLM's message) unless the prompt plus ``max_tokens`` fit the context.
+
+        The OpenAI layer's only token-level prompt check: it answers 400 before any engine (a remote prefill
+        pool included) sees the request. The engine checks again for its other callers (``Request``,
+        ``Scheduler.add_request``).
+        """
         if num_prompt_tokens == 0:
             raise ValueError("The prompt is empty; at least one token is required.")
         if max_tokens is None:

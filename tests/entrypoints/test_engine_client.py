@@ -1,0 +1,158 @@
+"""``EngineClient``: both engines a server runs implement it, and the OpenAI layer needs nothing more.
+
+* ``AsyncLLM`` and the PD decode side's ``RemotePrefillEngine`` define every
+  member themselves (declaring the protocol as a base must not hide a missing
+  one behind the protocol's empty stub), and their ``generate`` accepts every
+  argument the protocol's does.
+* ``OpenAIServing`` serves a plain object that only has the protocol's
+  members, and the OpenAI layer's modules never import a concrete engine.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+from pathlib import Path
+from types import SimpleNamespace
+
+from engine.engine_client import EngineClient
+from engine.entrypoints.openai.protocol import CompletionRequest, DetokenizeRequest, TokenizeCompletionRequest
+from engine.outputs import CompletionOutput, RequestOutput
+
+OPENAI_LAYER = Path(__file__).resolve().parents[2] / "engine" / "entrypoints" / "openai"
+# The protocol's members: its methods and properties, and its plain attributes (annotations).
+PROTOCOL_MEMBERS = sorted({name for name in vars(EngineClient) if not name.startswith("_")}
+                          | set(EngineClient.__annotations__))
+
+
+def members_not_defined_by(client) -> list[str]:
+    """The protocol members ``client`` has only through the protocol's own stubs (or not at all)."""
+    def is_own(name: str) -> bool:
+        if name in vars(client):
+            return True
+        for klass in type(client).__mro__:
+            if klass is EngineClient:
+                return False
+            if name in vars(klass):
+                return True
+        return False
+
+    return [name for name in PROTOCOL_MEMBERS if not is_own(name)]
+
+
+def generate_signature_mismatches(client_class: type) -> list[str]:
+    """Parameters of ``EngineClient.generate`` that ``client_class.generate`` lacks or takes differently."""
+    implemented = inspect.signature(client_class.generate).parameters
+    mismatches = []
+    for name, promised in inspect.signature(EngineClient.generate).parameters.items():
+        given = implemented.get(name)
+        if given is None or given.kind != promised.kind or given.default != promised.default:
+            mismatches.append(name)
+    return mismatches
+
+
+class _NoMetrics:
+    def set_queue(self, value: int) -> None:
+        pass
+
+
+def test_the_protocol_lists_what_servers_call():
+    assert PROTOCOL_MEMBERS == sorted(["abort", "check_health", "generate", "get_stats", "max_model_len",
+                                       "model_config", "tokenizer", "vocab_size"])
+
+
+def test_async_llm_implements_engine_client(engine):
+    from engine.async_llm import AsyncLLM
+
+    assert isinstance(engine, EngineClient)
+    assert EngineClient in AsyncLLM.__mro__  # declared openly, not only matched by shape
+    assert members_not_defined_by(engine) == []
+    assert generate_signature_mismatches(AsyncLLM) == []
+    assert engine.model_config is engine.config.model_config
+
+
+def test_remote_prefill_engine_implements_engine_client_from_its_local_engine(engine):
+    from deployments.pd_config import PDOptions
+    from deployments.pd_servers import RemotePrefillEngine
+
+    client = RemotePrefillEngine(engine, prefill_server=None, options=PDOptions(), metrics=_NoMetrics())
+    assert isinstance(client, EngineClient) and EngineClient in RemotePrefillEngine.__mro__
+    assert members_not_defined_by(client) == []
+    assert generate_signature_mismatches(RemotePrefillEngine) == []
+    assert client.tokenizer is engine.tokenizer and client.model_config is engine.model_config
+    assert (client.max_model_len, client.vocab_size) == (engine.max_model_len, engine.vocab_size)
+    assert client.get_stats() == engine.get_stats()
+    asyncio.run(client.check_health())
+
+
+def test_the_openai_layer_imports_no_concrete_engine():
+    for path in sorted(OPENAI_LAYER.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                assert module not in ("engine.async_llm", "engine.llm_engine", "engine.llm"), \
+                    f"{path.name} imports {module}"
+
+
+class _ShapeOnlyEngine:
+    """Only the protocol's members (no base class): the OpenAI layer must need nothing else."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = 64
+        self.vocab_size = 100
+        self.model_config = SimpleNamespace(model="/checkpoints/shape-only")
+        self.generated: list[tuple[str, list[int]]] = []
+        self.num_health_checks = 0
+
+    async def generate(self, prompt, sampling_params, request_id, *, priority=0, cache_salt=None):
+        self.generated.append((request_id, list(prompt["prompt_token_ids"])))
+        yield RequestOutput(request_id, prompt.get("prompt"), list(prompt["prompt_token_ids"]),
+                            [CompletionOutput(0, " done", [7], finish_reason="stop")], finished=True)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    async def check_health(self) -> None:
+        self.num_health_checks += 1
+
+    def get_stats(self):
+        return None
+
+
+async def _items(iterator) -> list:
+    return [item async for item in iterator]
+
+
+def test_openai_serving_serves_any_engine_client(tokenizer):
+    from engine.entrypoints.openai.errors import ErrorResponse
+    from engine.entrypoints.openai.serving import OpenAIServing
+
+    fake = _ShapeOnlyEngine(tokenizer)
+    assert isinstance(fake, EngineClient)
+    serving = OpenAIServing(fake, "shape-only")
+    card = serving.model_card()
+    assert (card.root, card.max_model_len) == ("/checkpoints/shape-only", 64)
+    asyncio.run(serving.check_health())
+    assert fake.num_health_checks == 1
+
+    [response] = asyncio.run(_items(serving.completions(CompletionRequest(prompt=[5, 6, 7], max_tokens=4))))
+    assert response.choices[0].text == " done" and response.usage.prompt_tokens == 3
+    assert [token_ids for _, token_ids in fake.generated] == [[5, 6, 7]]
+
+    # Refused before the engine client sees them: an empty prompt, and one that leaves no room to generate.
+    for prompt in ([[]], [[5] * 64]):
+        [error] = asyncio.run(_items(serving.completions(CompletionRequest(prompt=prompt, max_tokens=None))))
+        assert isinstance(error, ErrorResponse) and error.status_code == 400
+    assert len(fake.generated) == 1
+
+    [tokens] = asyncio.run(_items(serving.tokenize(TokenizeCompletionRequest(prompt="hello"))))
+    assert tokens.tokens == tokenizer.encode("hello") and tokens.max_model_len == 64
+    [error] = asyncio.run(_items(serving.detokenize(DetokenizeRequest(tokens=[5, 100]))))
+    assert error.status_code == 400 and "size 100" in error.error.message
