@@ -86,9 +86,11 @@ class LLMEngine:
                     for core_id, child_params in children]  # validates everything before queueing anything
         arrival_time = time.monotonic() if self.stat_loggers else None
         for index, request in enumerate(requests):
+            # The core first: its scheduler refuses a prompt that leaves no room (check_prompt_fits runs there
+            # only), and then nothing is left behind; the children share the prompt, so the first is refused.
+            self.engine_core.add_request(request)
             self.output_processor.add_request(request.request_id, request_id, index, prompt_text, prompt_token_ids,
                                               children[index][1], parent, arrival_time)
-            self.engine_core.add_request(request)
         self.core_ids_of[request_id] = [request.request_id for request in requests]
 
     def abort_request(self, request_ids: list[str]) -> None:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 
 from engine.config import EngineConfig
-from engine.core.request import Request, check_prompt_fits
+from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.sample.metadata import validate_token_ids
 
@@ -41,10 +41,8 @@ class Processor:
                          f"got {type(prompt).__name__}.")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        max_model_len = self.config.scheduler_config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("The prompt is empty; at least one token is required.")
-        check_prompt_fits(len(prompt_token_ids), max_model_len)
+        # An empty prompt is refused by Request itself, one that leaves no room by Scheduler.add_request:
+        # both cover every way into the core, so they are not repeated here.
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"The prompt contains token ids outside the vocabulary (size {self.vocab_size}): "
