@@ -85,6 +85,12 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def kv_block_counts(self) -> tuple[int, int]:
+        """(usable KV blocks, free ones): the null block is not usable, and a block that only holds
+        a cached prefix counts as free (it is evicted on demand)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return pool.num_blocks - 1, pool.num_free_blocks
+
     def check_health(self) -> None:
         self.executor.check_health()
 

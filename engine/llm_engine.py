@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore
 from engine.executor.base import Executor
-from engine.metrics import IterationStats, StatLogger
+from engine.metrics import EngineStats, EngineTotals, IterationStats, StatLogger
 from engine.model.config import ModelArchConfig
 from engine.output_processor import OutputProcessor, ParentRequest
 from engine.outputs import RequestOutput
@@ -40,7 +40,7 @@ def resolve_eos_token_ids(model_dir: str, arch: ModelArchConfig) -> list[int]:
 
 class LLMEngine:
     """``stat_loggers`` get every step's statistics (and ``log()`` every ``log_interval_s``); with none,
-    no latency statistics are kept (the offline ``LLM``)."""
+    no latency statistics are kept (the offline ``LLM``). ``totals`` are kept either way."""
 
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
                  stat_loggers: list[StatLogger] | None = None, log_interval_s: float = 10.0) -> None:
@@ -55,14 +55,17 @@ class LLMEngine:
         self.processor = Processor(config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch))
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self.core_ids_of: dict[str, list[str]] = {}  # user request id -> the core's ids (n of them)
+        self.totals = EngineTotals()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args.create_engine_config())
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> None:
-        """Queues a request (``n`` > 1 fans out into n core requests). Raises ValueError on bad input.
+                    cache_salt: str | None = None, kv_transfer_params: dict | None = None
+                    ) -> tuple[str | None, list[int]]:
+        """Queues a request (``n`` > 1 fans out into n core requests); returns its (prompt text, prompt
+        token ids). Raises ValueError on bad input.
 
         ``kv_transfer_params`` (disaggregated prefill, see ``engine.core.kv_connector``) go to every child.
         """
@@ -92,18 +95,26 @@ class LLMEngine:
             self.output_processor.add_request(request.request_id, request_id, index, prompt_text, prompt_token_ids,
                                               children[index][1], parent, arrival_time)
         self.core_ids_of[request_id] = [request.request_id for request in requests]
+        self.totals.num_prompt_tokens += len(prompt_token_ids)
+        return prompt_text, prompt_token_ids
 
     def abort_request(self, request_ids: list[str]) -> None:
-        core_ids = [core_id for request_id in request_ids for core_id in self.core_ids_of.pop(request_id, [])]
+        """Ends these requests at once, freeing their blocks; unknown or finished ids are skipped."""
+        core_ids_per_request = [self.core_ids_of.pop(request_id) for request_id in request_ids
+                                if request_id in self.core_ids_of]
+        self.totals.num_aborted_reqs += len(core_ids_per_request)
+        core_ids = [core_id for request_core_ids in core_ids_per_request for core_id in request_core_ids]
         for core_id in core_ids:
             self.output_processor.abort(core_id)
         self.engine_core.abort_requests(core_ids)
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
-        iteration_stats = IterationStats() if self.stat_loggers else None
+        iteration_stats = IterationStats()  # latencies only with stat loggers; the token count always
         outputs, stopped_by_string = self.output_processor.process_outputs(core_outputs, iteration_stats)
-        if iteration_stats is not None:
+        iteration_stats.num_finished_reqs = sum(output.finished for output in outputs)
+        self.totals.record_step(iteration_stats)
+        if self.stat_loggers:
             self._record_stats(iteration_stats)
         if stopped_by_string:
             self.engine_core.abort_requests(stopped_by_string)
@@ -131,6 +142,15 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        """A snapshot of the scheduler's state, the KV pool and ``totals``; it shares nothing mutable."""
+        num_total_blocks, num_free_blocks = self.engine_core.kv_block_counts()
+        return EngineStats.derive(self.engine_core.make_stats(), self.totals, num_total_blocks, num_free_blocks)
+
+    def check_health(self) -> None:
+        """Raises the executor's error if a worker is gone (may block while it pings them)."""
+        self.engine_core.check_health()
 
     def get_tokenizer(self):
         return self.tokenizer

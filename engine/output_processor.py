@@ -85,7 +85,8 @@ class OutputProcessor:
                         ) -> tuple[list[RequestOutput], list[str]]:
         """(outputs to deliver, ids the core must abort because a stop string ended them).
 
-        With ``iteration_stats``, the step's latencies of requests that keep statistics go there.
+        With ``iteration_stats``, every request's new tokens are counted there, and the step's
+        latencies of requests that keep statistics go there.
         """
         request_outputs: list[RequestOutput] = []
         to_abort: list[str] = []
@@ -95,10 +96,10 @@ class OutputProcessor:
                 continue
             if self._update(state, core_output):
                 to_abort.append(state.request_id)
-            if iteration_stats is not None and state.times is not None:
+            if iteration_stats is not None:
                 iteration_stats.record_tokens(state.times, len(core_output.new_token_ids),
                                               core_output.first_scheduled_time)
-                if state.finish_reason is not None:
+                if state.finish_reason is not None and state.times is not None:
                     iteration_stats.record_finished(state.times, state.finish_reason)
             if state.finish_reason is not None:
                 del self.states[state.request_id]

@@ -1,6 +1,9 @@
-"""Per-request latency statistics and the loggers that publish them (no Ray here; see deployments/)."""
+"""Per-request latency statistics, an engine's totals and snapshots, and the loggers that publish them
+(no Ray here; see deployments/)."""
 
+from engine.metrics.engine_stats import EngineStats, EngineTotals
 from engine.metrics.loggers import LoggingStatLogger, StatLogger
 from engine.metrics.stats import FinishedRequestStats, IterationStats, RequestTimes
 
-__all__ = ["FinishedRequestStats", "IterationStats", "LoggingStatLogger", "RequestTimes", "StatLogger"]
+__all__ = ["EngineStats", "EngineTotals", "FinishedRequestStats", "IterationStats", "LoggingStatLogger",
+           "RequestTimes", "StatLogger"]

@@ -45,23 +45,34 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    """One step's token counts and latencies; ``now`` is the step's completion time."""
+    """One step's token counts and latencies; ``now`` is the step's completion time.
+
+    ``num_generation_tokens`` and ``num_finished_reqs`` count every request; the
+    rest only those that keep latency statistics (a ``RequestTimes``).
+    """
 
     now: float = field(default_factory=time.monotonic)
     num_prompt_tokens: int = 0  # prompts whose first token came this step
     num_generation_tokens: int = 0
+    num_finished_reqs: int = 0  # user requests that ended this step (n > 1: once, with its last completion)
     time_to_first_tokens_s: list[float] = field(default_factory=list)
     inter_token_latencies_s: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     kv_load_latencies_s: list[float] = field(default_factory=list)  # remote KV loads (disaggregated prefill)
 
-    def record_tokens(self, times: RequestTimes, num_new_tokens: int, first_scheduled_time: float | None) -> None:
-        """A step's output for one request (``num_new_tokens`` may be 0: prompt logprobs of a chunk)."""
+    def record_tokens(self, times: RequestTimes | None, num_new_tokens: int,
+                      first_scheduled_time: float | None) -> None:
+        """A step's output for one request (``num_new_tokens`` may be 0: prompt logprobs of a chunk).
+
+        With ``times`` None (the request keeps no latency statistics) only the tokens are counted.
+        """
+        self.num_generation_tokens += num_new_tokens
+        if times is None:
+            return
         if times.first_scheduled_time is None:
             times.first_scheduled_time = first_scheduled_time
         if num_new_tokens == 0:
             return
-        self.num_generation_tokens += num_new_tokens
         if times.first_token_time is None:
             self.num_prompt_tokens += times.num_prompt_tokens
             self.time_to_first_tokens_s.append(self.now - times.arrival_time)
