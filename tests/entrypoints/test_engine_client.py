@@ -156,3 +156,25 @@ def test_openai_serving_serves_any_engine_client(tokenizer):
     assert tokens.tokens == tokenizer.encode("hello") and tokens.max_model_len == 64
     [error] = asyncio.run(_items(serving.detokenize(DetokenizeRequest(tokens=[5, 100]))))
     assert error.status_code == 400 and "size 100" in error.error.message
+
+
+def test_a_served_request_checks_its_prompt_length_once(serving, monkeypatch):
+    """The OpenAI layer checks the context itself; the engine's check_prompt_fits then runs once, in the
+    scheduler (wherever a module imported it, every copy is counted)."""
+    import sys
+
+    from engine.core import request as core_request
+
+    original = core_request.check_prompt_fits
+    calls = []
+
+    def counting_check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
+        calls.append(num_prompt_tokens)
+        original(num_prompt_tokens, max_model_len)
+
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "engine" and getattr(module, "check_prompt_fits", None) is original:
+            monkeypatch.setattr(module, "check_prompt_fits", counting_check_prompt_fits)
+    [response] = asyncio.run(_items(serving.completions(CompletionRequest(prompt=[5, 6, 7], max_tokens=2))))
+    assert response.usage.prompt_tokens == 3
+    assert calls == [3]
