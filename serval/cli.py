@@ -16,6 +16,8 @@ import sys
 SUBCOMMANDS = {
     ("make-model",): "engine.tools.make_model",
     ("demo",): "engine.tools.demo",
+    ("serve",): "serval.serve_cmd",
+    ("render-rayservice",): "serval.render_rayservice",
     ("bench", "serve"): "serval.bench.serve",
     ("bench", "throughput"): "serval.bench.throughput",
     ("bench", "latency"): "serval.bench.latency",
