@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
+from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
 
 PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} / {"prompt": "text"}
@@ -58,6 +59,9 @@ class Processor:
                      priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
                      kv_transfer_params: dict | None = None) -> Request:
         self.validate(prompt_token_ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:
+            # Workers ban token ids and never load a tokenizer: the words become ids here, once.
+            params = params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
         if self.extra_stop_token_ids and not params.ignore_eos:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + self.extra_stop_token_ids)
         return Request(request_id, prompt_token_ids, params, self.eos_token_id, priority=priority,

@@ -42,6 +42,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     bad_words: list[str] = field(default_factory=list)
+    # ``bad_words`` as token-id sequences, filled in by the front end (``Processor.make_request``) so
+    # that workers ban ids without ever loading a tokenizer; None until then.
+    bad_words_token_ids: list[list[int]] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
@@ -65,6 +68,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", list(self.stop))
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         object.__setattr__(self, "bad_words", list(self.bad_words or []))
+        if self.bad_words_token_ids is not None:
+            object.__setattr__(self, "bad_words_token_ids", [list(word) for word in self.bad_words_token_ids])
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if self.logit_bias is not None:

@@ -39,7 +39,7 @@ def test_a_budget_below_one_sequence_is_a_clear_error(tiny_checkpoint):
 
 
 def test_the_profiling_step_fills_the_token_budget_with_prompts_that_fit():
-    from engine.worker.model_runner import _split_budget
+    from engine.worker.profiling import split_budget as _split_budget
     assert _split_budget(8192, 2047, 256) == [2047, 2047, 2047, 2047, 4]  # a budget past max_model_len
     assert _split_budget(2048, 4095, 256) == [2048]
     assert _split_budget(100, 10, 3) == [10, 10, 10]  # no more prompts than max_num_seqs

@@ -2,21 +2,25 @@
 
 The model runner calls ``start_load_kv`` before a step's forward (the loaded
 blocks must be in place before attention reads them) and ``save_kv`` after it
-(the prompt's KV has just been written). Loads that fail are returned, not
-raised: the model runner computes those tokens itself in the same step, so a
-lost prefill costs time, never a wrong token or a dead engine.
+(the prompt's KV has just been written). Loads that fail are not raised:
+``start_load_kv`` computes those tokens itself, one extra forward each in the
+same step, so a lost prefill costs time, never a wrong token or a dead engine.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import KVTransferConfig
 from engine.core.kv_connector import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
 from engine.kv_transfer.transport import get_transport_class
+
+if TYPE_CHECKING:
+    from engine.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +48,19 @@ class KVConnectorWorker:
         self.block_size = block_size
         self.transport = get_transport_class(config)(config, device)
 
-    def start_load_kv(self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor],
-                      output: KVTransferOutput) -> list[KVLoad]:
+    def start_load_kv(self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor], output: KVTransferOutput,
+                      input_batch: InputBatch, model: torch.nn.Module) -> None:
+        """Loads every planned block into the cache; computes the KV of each load that failed instead.
+
+        Call after ``input_batch.apply_deltas`` and before the step's forward. The
+        failed loads are named in ``output.failed_load_req_ids``; either way, on return
+        every planned block holds its KV and ``input_batch`` has not changed.
+        """
+        for load in self._load_blocks(metadata, kv_caches, output):
+            self._compute_failed_load(load, kv_caches, input_batch, model)
+
+    def _load_blocks(self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor],
+                     output: KVTransferOutput) -> list[KVLoad]:
         """Loads every planned block into the cache; returns the loads that failed (nothing written)."""
         failed = []
         for load in metadata.loads:
@@ -61,6 +76,14 @@ class KVConnectorWorker:
             output.load_latencies_s.append(time.perf_counter() - start)
             output.num_loaded_bytes += sum(block.numel() * block.element_size() for block in blocks)
         return failed
+
+    def _compute_failed_load(self, load: KVLoad, kv_caches: list[torch.Tensor], input_batch: InputBatch,
+                             model: torch.nn.Module) -> None:
+        """Computes the KV a failed load should have brought: one forward over those tokens alone."""
+        end = input_batch.requests[load.req_id].num_computed_tokens  # local hits + the external tokens
+        start = load.src_block_indices[0] * self.block_size  # the local hits
+        inputs = input_batch.prepare_inputs({load.req_id: end - start}, starts={load.req_id: start})
+        model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata, None)
 
     def save_kv(self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor],
                 output: KVTransferOutput) -> None:

@@ -129,7 +129,8 @@ class SamplingMetadata:
         ``generator`` is required to make a seeded request reproducible (None
         means "draw from the shared default generator"). ``bad_words_token_ids``
         holds, per row, the pre-tokenized ``params.bad_words``
-        (:func:`engine.sample.masks.tokenize_bad_words`, done once per request);
+        (``SamplingParams.bad_words_token_ids``, which the front end fills in with
+        :func:`engine.sample.masks.tokenize_bad_words`, once per request);
         rows with bad words but no entry here are not masked.
         """
         reqs = [RequestSamplingState(*r) for r in requests]

@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.core.outputs import LogprobsLists
 from engine.kernels.cpu import load_cpu_kernels
 from engine.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p, random_sample
 from engine.sample.logprobs import compute_logprobs, gather_logprobs
@@ -50,6 +52,22 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     sampled_token_ranks: torch.Tensor | None = None
+
+    def logprobs_lists(self, num_logprobs: Sequence[int | None]) -> list[LogprobsLists | None]:
+        """Row ``i``'s logprobs as plain lists, cut to the ``num_logprobs[i]`` it asked for
+        (``SamplingParams.logprobs``, -1 = all); None for a row that asked for none, or all rows
+        when no row did."""
+        if self.logprobs is None:
+            return [None] * len(num_logprobs)
+        ids, values, ranks = self.logprob_token_ids.tolist(), self.logprobs.tolist(), self.sampled_token_ranks.tolist()
+        lists: list[LogprobsLists | None] = []
+        for row, num in enumerate(num_logprobs):
+            if num is None:
+                lists.append(None)
+                continue
+            width = len(ids[row]) if num == -1 else num + 1
+            lists.append(LogprobsLists([ids[row][:width]], [values[row][:width]], [ranks[row]]))
+        return lists
 
 
 class Sampler(torch.nn.Module):

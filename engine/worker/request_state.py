@@ -24,7 +24,6 @@ class CachedRequestState:
     num_computed_tokens: int
     slot: int  # row of the block table
     generator: torch.Generator | None = None
-    bad_words_token_ids: list[list[int]] | None = None
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
