@@ -7,7 +7,14 @@
   Hugging Face transformers model of that checkpoint (float32, eval), loaded
   once per session, with cached greedy continuations and log-softmaxes.
 
-Plus plain helpers for the tests (``assert_pool_clean``, ``token_prompt``).
+* ``model_path``: the tiny Qwen2 checkpoint of the serving-shaped tests
+  (offline API, AsyncLLM, the OpenAI server, ``serval bench serve``).
+
+Plus the engine factories (``engine_kwargs``, ``make_llm``,
+``make_async_llm``: one definition, each module binding its own arguments
+with ``functools.partial``), plain helpers (``assert_pool_clean``,
+``token_prompt``), and the markers (``ray``, ``serve``) put on tests by the
+fixtures they use (``pytest_collection_modifyitems``; ``slow`` is explicit).
 Everything is built lazily: a test module that never asks for a checkpoint
 pays nothing.
 """
@@ -36,6 +43,53 @@ ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3")
 # Tokens 0..4 are the specials (BOS, EOS, <|im_start|>, <|im_end|>, pad); random prompts avoid them.
 FIRST_ORDINARY_TOKEN = 5
 TINY_VOCAB = 512
+
+
+# Every engine the tests build computes in float32 (exact comparisons with references) from seed 0.
+BASE_ENGINE_KWARGS = dict(dtype="float32", seed=0)
+MODEL_PATH_ARCH = "qwen2"
+# Fixtures that start a Ray cluster, and those that also run Ray Serve on it: their tests get the markers
+# (``-m "not ray"`` then never starts Ray). Fixtures depending on these count too (pytest's closure).
+RAY_FIXTURES = frozenset({"local_ray", "ray_head", "three_node_cluster"})
+SERVE_FIXTURES = frozenset({"ray_head"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        fixture_names = set(getattr(item, "fixturenames", ()))
+        if fixture_names & RAY_FIXTURES:
+            item.add_marker(pytest.mark.ray)
+        if fixture_names & SERVE_FIXTURES:
+            item.add_marker(pytest.mark.serve)
+
+
+def engine_kwargs(**overrides) -> dict:
+    """``BASE_ENGINE_KWARGS`` with ``overrides`` on top: a test module's complete engine arguments."""
+    return {**BASE_ENGINE_KWARGS, **overrides}
+
+
+def make_llm(path: str, **overrides):
+    """An offline ``LLM`` on ``path`` with exactly ``engine_kwargs(**overrides)``."""
+    from engine import LLM
+
+    return LLM(model=path, **engine_kwargs(**overrides))
+
+
+def make_async_llm(path: str, executor_class=None, *, like_the_server: bool = False, **overrides):
+    """An ``AsyncLLM`` on ``path`` with exactly ``engine_kwargs(**overrides)``.
+
+    ``like_the_server``: built as the servers build it (``AsyncLLM.from_engine_args``: vLLM's throughput
+    logger on unless ``disable_log_stats``); otherwise with no stat loggers and ``executor_class`` if given.
+    """
+    from engine.async_llm import AsyncLLM
+    from engine.engine_args import EngineArgs
+
+    args = EngineArgs(model=path, **engine_kwargs(**overrides))
+    if like_the_server:
+        assert executor_class is None, "from_engine_args takes no executor class"
+        return AsyncLLM.from_engine_args(args)
+    return AsyncLLM(args.create_engine_config(), executor_class)
 
 
 def checkpoint_name(arch: str, tie: bool | None = None) -> str:
@@ -157,3 +211,9 @@ def hf_reference(tiny_checkpoint):
         return references[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def model_path(tiny_checkpoint) -> str:
+    """The tiny ``MODEL_PATH_ARCH`` checkpoint the serving-shaped tests share."""
+    return tiny_checkpoint(MODEL_PATH_ARCH)

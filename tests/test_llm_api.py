@@ -10,14 +10,14 @@ aborts behave, and every run leaves the KV pool clean.
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 
 from engine import LLM, RequestOutputKind, SamplingParams
-from tests.conftest import assert_pool_clean, random_token_ids, token_prompt
+from tests.conftest import assert_pool_clean, make_llm as make_test_llm, random_token_ids, token_prompt
 
-ARCH = "qwen2"
 MAX_MODEL_LEN = 128
 EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = 1, 2, 3, 4
 TEXT_PROMPTS = ("def main():\n", "Hello, world. The answer is", "import os\nimport sys\n")
@@ -27,15 +27,8 @@ GOOD_PARAMS = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12),
                SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=30, logprobs=2)]
 
 
-def make_llm(path: str, **overrides) -> LLM:
-    kwargs = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8, enable_prefix_caching=True, seed=0)
-    kwargs.update(overrides)
-    return LLM(model=path, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_checkpoint) -> str:
-    return tiny_checkpoint(ARCH)
+# This module's engines (float32, seed 0 from the conftest); call sites override further.
+make_llm = functools.partial(make_test_llm, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module")

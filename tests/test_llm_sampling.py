@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import assert_pool_clean, random_token_ids, token_prompt
+from tests.conftest import assert_pool_clean, make_llm as make_test_llm, random_token_ids, token_prompt
 
 # ------------------------------------------------------------ reproducibility
 
@@ -49,10 +50,8 @@ def seeded_prompts() -> list[dict]:
     return [token_prompt(random_token_ids(rng, n)) for n in SEEDED_LENGTHS]
 
 
-def make_llm(path: str, **overrides) -> LLM:
-    kwargs = dict(dtype="float32", max_model_len=256, max_num_seqs=16, enable_prefix_caching=True, seed=0)
-    kwargs.update(overrides)
-    return LLM(model=path, **kwargs)
+# This module's engines (float32, seed 0 from the conftest); call sites override further.
+make_llm = functools.partial(make_test_llm, max_model_len=256, max_num_seqs=16, enable_prefix_caching=True)
 
 
 def token_ids(outputs) -> list[list[int]]:

@@ -115,7 +115,10 @@ def test_an_idle_async_engine_keeps_reporting_its_state(tiny_checkpoint):
     engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_checkpoint("llama"), dtype="float32",
                                                   max_model_len=128), stat_loggers=[sink])
     try:
-        time.sleep(2.5 * IDLE_STATS_INTERVAL_S)
+        # The same 2.5 intervals as the deadline, ended as soon as the two reports asserted below are in.
+        deadline = time.monotonic() + 2.5 * IDLE_STATS_INTERVAL_S
+        while len(sink.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
     finally:
         engine.shutdown()
     assert len(sink.records) >= 2
