@@ -1,8 +1,11 @@
 """Engine configuration: one frozen, validated model per concern.
 
 Every config rejects unknown keys (``extra="forbid"``) so a typo in a YAML
-file is an error at deploy time instead of a silently ignored setting. The
-YAML keys a user writes map 1:1 to these field names.
+file is an error at deploy time instead of a silently ignored setting. Each
+engine knob's type, default, bounds and one-line description are declared
+here and only here: ``EngineArgs`` (the keys a user writes) is generated from
+these fields (``engine/engine_args.py``, which lists the few vLLM names that
+differ from the field names).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ class SchedulerConfig(_FrozenConfig):
 
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
     max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
+    # The one home of the context length: the scheduler, the front end and the workers all read it here.
     max_model_len: int = Field(2048, ge=2, description="Longest sequence (prompt + output).")
-    policy: Literal["fcfs", "priority"] = "fcfs"
-    enable_chunked_prefill: bool = True
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="Admission and preemption order: arrival (fcfs) or (priority, arrival).")
+    enable_chunked_prefill: bool = Field(
+        True, description="Split a prompt over steps when it does not fit the step's token budget.")
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="Most tokens one request gets per step; 0 means no cap.")
     # Enforced by the async front end (AsyncLLM), not by the scheduler: past it, new requests are refused.
@@ -52,10 +58,12 @@ class CacheConfig(_FrozenConfig):
     memory budget; the scheduler needs it set.
     """
 
-    block_size: int = Field(16, ge=1)
-    num_blocks: int | None = Field(None, ge=2, description="Blocks in the pool, including the null block.")
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: Literal["sha256", "blake2b"] = "sha256"
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    num_blocks: int | None = Field(
+        None, ge=2, description="Blocks in the pool, including the null block; None: sized from memory.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of a prompt prefix seen before.")
+    prefix_caching_hash_algo: Literal["sha256", "blake2b"] = Field(
+        "sha256", description="Hash chaining the prefix cache's block keys.")
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="Exact KV budget; overrides the fractions.")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU: share of device memory to use.")
     cpu_kv_cache_fraction: float = Field(0.25, gt=0.0, le=0.9, description="CPU: share of free RAM for KV.")
@@ -66,12 +74,12 @@ class ModelConfig(_FrozenConfig):
 
     model: str = Field(..., description="A local Hugging Face checkpoint directory.")
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model's.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int = Field(..., ge=2)
-    seed: int = 0
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations; auto: the checkpoint's dtype (float32 if it records none).")
+    seed: int = Field(0, description="Seed of the sampler's random draws.")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: triton on CUDA devices, torch (the reference) elsewhere.")
-    enforce_eager: bool = Field(False, description="CUDA: never capture or replay CUDA graphs.")
+    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly (never capture or replay graphs).")
     cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
         None, description="CUDA: decode batch sizes to capture; None = 1, 2, 4, then every 8 up to max_num_seqs "
                           "(at most 512). A decode step pads to the next captured size.")
@@ -89,9 +97,10 @@ class ModelConfig(_FrozenConfig):
 
 
 class ParallelConfig(_FrozenConfig):
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    distributed_executor_backend: Literal["uni", "ray"] | None = None
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks each layer is split across.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Stages the layers are split into.")
+    distributed_executor_backend: Literal["uni", "ray"] | None = Field(
+        None, description="uni: one in-process worker; ray: worker actors; None: uni for one device, else ray.")
     # The Ray executor's placement-group bundle per worker: this many CPUs, plus one GPU on CUDA.
     num_cpus_per_worker: float = Field(1.0, ge=0.0, description="CPUs each Ray worker reserves "
                                        "(on CPU devices also its torch threads unless num_threads is set).")
@@ -132,7 +141,7 @@ class KVTransferConfig(_FrozenConfig):
 
 
 class DeviceConfig(_FrozenConfig):
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; None = all cores.")
 
 

@@ -3,68 +3,80 @@
 ``LLM(model=..., max_model_len=..., ...)`` and the ``engine_kwargs`` block of
 a serve YAML are both validated here: unknown keys are an error naming the
 key, and each value lands in the one per-concern config that owns it.
+
+No knob is declared here: every EngineArgs field is generated from the config
+field it routes to (same type, default, bounds and description). The tables
+below hold only what differs: vLLM's names where they are not the configs',
+the defaults worked out when the engine config is built, and the fields no
+per-concern config holds.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic.fields import FieldInfo
 
 from engine.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                            SchedulerConfig)
 
+# The configs whose every field is an EngineArgs field, in EngineArgs' field order.
+ROUTED_CONFIGS: tuple[type[BaseModel], ...] = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig, DeviceConfig)
 
-class EngineArgs(BaseModel):
+# vLLM's name, where it differs from the field's: EngineArgs field -> (config, its field).
+RENAMED_FIELDS: dict[str, tuple[type[BaseModel], str]] = {
+    "num_gpu_blocks_override": (CacheConfig, "num_blocks"),
+    "scheduling_policy": (SchedulerConfig, "policy"),
+}
+
+# Fields whose EngineArgs default is None, worked out by create_engine_config: field -> what None means.
+DERIVED_DEFAULTS: dict[str, str] = {
+    "max_num_batched_tokens": "None: max(2048, max_num_seqs).",
+    "max_model_len": "None: the checkpoint's max_position_embeddings.",
+}
+
+# Fields no per-concern config holds: (annotation, FieldInfo) each.
+UNROUTED_FIELDS: dict[str, tuple[Any, FieldInfo]] = {
+    # The front end's: the async engine keeps latency statistics and logs throughput unless told not to.
+    "disable_log_stats": (bool, Field(False, description="Front end: keep no statistics, log no throughput.")),
+    # Disaggregated prefill: this engine's role and transport (the PD app sets it for each pool).
+    "kv_transfer_config": (KVTransferConfig | None, Field(None, description="Disaggregated prefill only.")),
+}
+
+
+def _routes() -> dict[str, tuple[type[BaseModel], str]]:
+    vllm_name = {route: name for name, route in RENAMED_FIELDS.items()}
+    return {vllm_name.get((config, field_name), field_name): (config, field_name)
+            for config in ROUTED_CONFIGS for field_name in config.model_fields}
+
+
+# Every EngineArgs field a config holds -> (that config, its field name); one entry per config field.
+ROUTES: dict[str, tuple[type[BaseModel], str]] = _routes()
+
+
+def _engine_args_field(name: str, info: FieldInfo) -> tuple[Any, FieldInfo]:
+    """The config field ``info`` as EngineArgs field ``name``: its bounds kept, a derived one None by default."""
+    derived = name in DERIVED_DEFAULTS
+    annotation = info.annotation | None if derived else info.annotation
+    if info.metadata:  # the bounds (ge, gt, le, ...)
+        annotation = Annotated[(annotation, *info.metadata)]
+    description = f"{info.description} {DERIVED_DEFAULTS[name]}" if derived else info.description
+    return annotation, Field(None if derived else info.default, description=description)
+
+
+class _EngineArgsBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
-    model: str
-    tokenizer: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: int | None = Field(None, ge=2, description="Defaults to the checkpoint's max_position_embeddings.")
-    seed: int = 0
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
-    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly (no CUDA graphs).")
-    cuda_graph_batch_sizes: list[int] | None = Field(None, description="CUDA: decode batch sizes to capture.")
-    # Scheduler
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="Defaults to max(2048, max_num_seqs).")
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = Field(0, ge=0)
-    max_num_queued_reqs: int | None = Field(None, ge=1, description="Refuse new requests past this many waiting.")
-    stream_interval: int = Field(1, ge=1, description="Tokens per streamed output; >1 cuts per-token overhead.")
-    # Cache
-    block_size: int = Field(16, ge=1)
-    num_gpu_blocks_override: int | None = Field(None, ge=2, description="Fix the KV pool size (blocks).")
-    enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: Literal["sha256", "blake2b"] = "sha256"
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    cpu_kv_cache_fraction: float = Field(0.25, gt=0.0, le=0.9)
-    # Parallelism and device
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    distributed_executor_backend: Literal["uni", "ray"] | None = None
-    num_cpus_per_worker: float = Field(1.0, ge=0.0, description="Ray executor: CPUs each worker reserves.")
-    execute_timeout_s: float = Field(300.0, gt=0, description="Ray executor: longest a step may take.")
-    ray_compiled_graph: bool | None = Field(None, description="Ray executor: compiled graph or actor tasks.")
-    # Front end (not part of EngineConfig): the async engine keeps latency statistics and logs throughput.
-    disable_log_stats: bool = False
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: int | None = Field(None, ge=1)
-    # Disaggregated prefill: this engine's role and transport (the PD app sets it for each pool).
-    kv_transfer_config: KVTransferConfig | None = None
+    def _routed_values(self, config: type[BaseModel]) -> dict[str, Any]:
+        """This config's fields' values, keyed by the config's names (derived ones as given: maybe None)."""
+        return {field_name: getattr(self, name) for name, (owner, field_name) in ROUTES.items() if owner is config}
 
     def create_parallel_config(self) -> ParallelConfig:
         """Needs no checkpoint: the Serve app builder sizes a replica's placement group from it."""
-        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                              pipeline_parallel_size=self.pipeline_parallel_size,
-                              distributed_executor_backend=self.distributed_executor_backend,
-                              num_cpus_per_worker=self.num_cpus_per_worker, execute_timeout_s=self.execute_timeout_s,
-                              ray_compiled_graph=self.ray_compiled_graph)
+        return ParallelConfig(**self._routed_values(ParallelConfig))
 
     def create_engine_config(self) -> EngineConfig:
         """Validates every part (reads the checkpoint's config.json for the context length)."""
@@ -79,27 +91,24 @@ class EngineArgs(BaseModel):
         if max_model_len > max_position:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
                              f"({max_position}).")
+        derived = {"max_num_batched_tokens": self.max_num_batched_tokens or max(2048, self.max_num_seqs),
+                   "max_model_len": max_model_len}
         return EngineConfig(
-            model_config=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-                                     max_model_len=max_model_len, seed=self.seed,
-                                     attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
-                                     cuda_graph_batch_sizes=self.cuda_graph_batch_sizes),
-            cache_config=CacheConfig(block_size=self.block_size, num_blocks=self.num_gpu_blocks_override,
-                                     enable_prefix_caching=self.enable_prefix_caching,
-                                     prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-                                     kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                                     gpu_memory_utilization=self.gpu_memory_utilization,
-                                     cpu_kv_cache_fraction=self.cpu_kv_cache_fraction),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
-                max_num_seqs=self.max_num_seqs, max_model_len=max_model_len, policy=self.scheduling_policy,
-                enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold,
-                max_num_queued_reqs=self.max_num_queued_reqs, stream_interval=self.stream_interval),
+            model_config=ModelConfig(**self._routed_values(ModelConfig)),
+            cache_config=CacheConfig(**self._routed_values(CacheConfig)),
+            scheduler_config=SchedulerConfig(**{**self._routed_values(SchedulerConfig), **derived}),
             parallel_config=self.create_parallel_config(),
-            device_config=DeviceConfig(device=self.device, num_threads=self.num_threads),
+            device_config=DeviceConfig(**self._routed_values(DeviceConfig)),
             kv_transfer_config=self.kv_transfer_config,
         )
+
+
+EngineArgs = create_model(
+    "EngineArgs", __base__=_EngineArgsBase, __module__=__name__,
+    __doc__="The engine's keyword arguments (vLLM's names), validated; ``create_engine_config`` builds the configs.",
+    **{name: _engine_args_field(name, config.model_fields[field_name])
+       for name, (config, field_name) in ROUTES.items()},
+    **UNROUTED_FIELDS)
 
 
 def _max_position_embeddings(model_dir: str) -> int:

@@ -46,11 +46,11 @@ def test_sampling_params_normalise_vllm_spellings():
 
 def test_cuda_graph_batch_sizes_are_sorted_and_positive():
     from engine.config import ModelConfig
-    config = ModelConfig(model="m", max_model_len=16, cuda_graph_batch_sizes=[8, 1, 4, 4])
+    config = ModelConfig(model="m", cuda_graph_batch_sizes=[8, 1, 4, 4])
     assert config.cuda_graph_batch_sizes == (1, 4, 8)
     assert config.attention_backend == "auto" and not config.enforce_eager
     for bad in ([], [0, 2]):
         with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
-            ModelConfig(model="m", max_model_len=16, cuda_graph_batch_sizes=bad)
+            ModelConfig(model="m", cuda_graph_batch_sizes=bad)
     with pytest.raises(ValueError):
-        ModelConfig(model="m", max_model_len=16, attention_backend="flash")
+        ModelConfig(model="m", attention_backend="flash")

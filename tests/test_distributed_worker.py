@@ -56,7 +56,7 @@ LOGPROB_ATOL = 1e-4
 
 def make_config(path: str, tp_size: int = 1, pp_size: int = 1) -> EngineConfig:
     return EngineConfig(
-        model_config=ModelConfig(model=path, dtype="float32", max_model_len=MAX_MODEL_LEN),
+        model_config=ModelConfig(model=path, dtype="float32"),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, kv_cache_memory_bytes=1 << 20),
         scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=8,
                                          max_model_len=MAX_MODEL_LEN),

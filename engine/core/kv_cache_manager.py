@@ -28,12 +28,11 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, cache_config: CacheConfig, max_model_len: int) -> None:
+    def __init__(self, cache_config: CacheConfig) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("CacheConfig.num_blocks must be set before the KV cache manager is built.")
         self.block_size = cache_config.block_size
         self.enable_caching = cache_config.enable_prefix_caching
-        self.max_model_len = max_model_len
         self.hash_fn = get_hash_function(cache_config.prefix_caching_hash_algo)
         self.block_pool = BlockPool(cache_config.num_blocks, self.enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}

@@ -61,7 +61,7 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self._long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold  # read per request
         self._check_pool_holds_one_sequence()
-        self.kv_cache_manager = KVCacheManager(cache_config, self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(cache_config)
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
