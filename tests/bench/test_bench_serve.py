@@ -13,18 +13,13 @@ import pytest
 
 from serval import cli
 from serval.bench import serve
-from tests.entrypoints.conftest import ARCH, make_async_llm, serve_models, wait_until_idle
+from tests.entrypoints.conftest import make_async_llm, serve_models, wait_until_idle
 
 MODEL = "tiny-bench"
 NUM_PROMPTS = 12
 INPUT_LEN = 32
 OUTPUT_LEN = 8
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_checkpoint) -> str:
-    return tiny_checkpoint(ARCH)
 
 
 @pytest.fixture(scope="module")

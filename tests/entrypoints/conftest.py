@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -17,10 +18,11 @@ import time
 import openai
 import pytest
 
-ARCH = "qwen2"
+from tests.conftest import engine_kwargs, make_async_llm as make_test_async_llm
+
 MODEL = "tiny-qwen"
 LOOPBACK = "127.0.0.1"
-ENGINE_KWARGS = dict(dtype="float32", max_model_len=2048, max_num_seqs=8, seed=0, num_gpu_blocks_override=512)
+ENGINE_KWARGS = engine_kwargs(max_model_len=2048, max_num_seqs=8, num_gpu_blocks_override=512)
 
 
 class ServerThread:
@@ -52,11 +54,8 @@ class ServerThread:
         assert not self.thread.is_alive(), "the test server did not stop"
 
 
-def make_async_llm(path: str, **overrides):
-    from engine.async_llm import AsyncLLM
-    from engine.engine_args import EngineArgs
-
-    return AsyncLLM.from_engine_args(EngineArgs(model=path, **{**ENGINE_KWARGS, **overrides}))
+# Built as the servers build it (vLLM's throughput logger on); call sites override the arguments.
+make_async_llm = functools.partial(make_test_async_llm, like_the_server=True, **ENGINE_KWARGS)
 
 
 def serve_models(servings: dict) -> ServerThread:
@@ -79,11 +78,6 @@ def wait_until_idle(engine, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
         time.sleep(0.02)
-
-
-@pytest.fixture(scope="session")
-def model_path(tiny_checkpoint) -> str:
-    return tiny_checkpoint(ARCH)
 
 
 @pytest.fixture(scope="session")

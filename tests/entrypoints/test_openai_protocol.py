@@ -239,6 +239,8 @@ def test_merger_first_batch_waits_for_every_stream_and_a_start_error_comes_first
         bad = EngineStream("bad", [], start_error=ValueError("prompt too long"), gate=gate)
         items = stream_events(merge_streams([good.run(), bad.run()]), lambda batch: "event", lambda: "")
         first = asyncio.ensure_future(anext(items))
+        # A fixed wait on purpose: the check is that nothing is yielded yet, so there is no event to poll
+        # for; 50 ms is five of "good"'s outputs, time enough for a wrong merger to yield one.
         await asyncio.sleep(0.05)
         assert not first.done()  # "good" has output, but "bad" has not started yet
         gate.set()
