@@ -1,0 +1,53 @@
+"""The chart's config is a config that runs: the serveConfigV2 rendered for the CPU example, its model
+path pointed at a local checkpoint, deploys on a local Ray cluster (the launcher, as `make serve`) and
+answers a completion."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.helm.chart import CHART_DIR, load_yaml, rayservice, serve_config_of
+from tests.helm.local_head import start_head, stop_head
+from tests.serve.cluster import LOOPBACK, deploy_and_wait, is_loopback, listening_addresses
+
+helm_python = pytest.importorskip("helm_python")
+
+# This module's own Ray head (not the session's ray_head fixture, which a second conftest could not share).
+pytestmark = [pytest.mark.ray, pytest.mark.serve]
+
+
+@pytest.fixture(scope="module")
+def head():
+    started = start_head()
+    try:
+        yield started
+    finally:
+        stop_head(started)
+
+
+@pytest.fixture(scope="module")
+def chart_config(head, tiny_checkpoint, tmp_path_factory):
+    """The CPU example's rendered Serve config: on loopback, its models mount a directory holding the
+    local checkpoint under the example's name (models/tiny-llama -> <mount>/tiny-llama)."""
+    mount = tmp_path_factory.mktemp("models")
+    (mount / "tiny-llama").symlink_to(tiny_checkpoint("llama"))
+    values = {**load_yaml(CHART_DIR / "examples" / "cpu-tiny.yaml"),
+              "serve": {"host": LOOPBACK, "port": head.http_port}, "models": {"mountPath": str(mount)}}
+    with helm_python.Chart.load(CHART_DIR) as chart:
+        config = serve_config_of(rayservice(chart, values))
+    (llm_config,) = config["applications"][0]["args"]["llm_configs"]
+    assert llm_config["model_loading_config"]["model_source"] == f"{mount}/tiny-llama"
+    return config
+
+
+def test_the_cpu_examples_serve_config_deploys_and_answers_a_completion(head, chart_config):
+    deploy_and_wait(head, chart_config)
+    client = openai.OpenAI(base_url=f"{head.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    assert [model.id for model in client.models.list()] == ["tiny-llama"]
+    response = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 8
+    assert response.choices[0].text
+    exposed = {(a, p) for a, p in listening_addresses() - head.listeners_before if not is_loopback(a)}
+    assert not exposed, f"sockets listening beyond loopback: {exposed}"
