@@ -1,6 +1,6 @@
 """The chart's config is a config that runs: the serveConfigV2 rendered for the CPU example, its model
 path pointed at a local checkpoint, deploys on a local Ray cluster (the launcher, as `make serve`) and
-answers a completion."""
+answers a completion; and `serval serve <model dir>` deploys its own config on the same head."""
 
 from __future__ import annotations
 
@@ -51,3 +51,21 @@ def test_the_cpu_examples_serve_config_deploys_and_answers_a_completion(head, ch
     assert response.choices[0].text
     exposed = {(a, p) for a, p in listening_addresses() - head.listeners_before if not is_loopback(a)}
     assert not exposed, f"sockets listening beyond loopback: {exposed}"
+
+
+def test_serval_serve_deploys_its_config_the_way_make_serve_does(head, tiny_checkpoint, tmp_path):
+    """`serval serve <model dir>` finds the running head (as `make serve` does), deploys and waits."""
+    from serval.cli import main
+
+    config_path = tmp_path / "served.yaml"
+    assert main(["serve", tiny_checkpoint("llama"), "--model-id", "served-by-cli", "--max-model-len", "512",
+                 "--num-cpus-per-replica", "0.5", "--port", str(head.http_port), "--dashboard-port",
+                 str(head.dashboard_port), "--gcs-port", str(head.gcs_port), "--timeout-s", "300",
+                 "--output", str(config_path)]) == 0
+    assert load_yaml(config_path)["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"] == {
+        "max_model_len": 512}
+    client = openai.OpenAI(base_url=f"{head.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    assert [model.id for model in client.models.list()] == ["served-by-cli"]
+    response = client.completions.create(model="served-by-cli", prompt="Hello", max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert response.usage.completion_tokens == 4
