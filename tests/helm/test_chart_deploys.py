@@ -4,6 +4,7 @@ answers a completion; and `serval serve <model dir>` deploys its own config on t
 
 from __future__ import annotations
 
+import helm_python  # the test extra installs helm-python-sdk (pyproject.toml)
 import openai
 import pytest
 
@@ -11,9 +12,8 @@ from tests.helm.chart import CHART_DIR, load_yaml, rayservice, serve_config_of
 from tests.helm.local_head import start_head, stop_head
 from tests.serve.cluster import LOOPBACK, deploy_and_wait, is_loopback, listening_addresses
 
-helm_python = pytest.importorskip("helm_python")
-
-# This module's own Ray head (not the session's ray_head fixture, which a second conftest could not share).
+# This module starts its own Ray head: tests/serve's session-wide ray_head is a fixture of that package's
+# conftest, and importing it here would make a second session instance (two clusters, two ray.init).
 pytestmark = [pytest.mark.ray, pytest.mark.serve]
 
 

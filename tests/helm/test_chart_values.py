@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 
+import helm_python  # the test extra installs helm-python-sdk (pyproject.toml)
 import pytest
 
 from deployments.llm_config import SERVAL_ROOT
 from tests.helm.chart import CHART_DIR, kuberay_errors, load_yaml, pods, rayservice, render, serve_config_of
-
-helm_python = pytest.importorskip("helm_python")
 
 GPU_EXAMPLE = CHART_DIR / "examples" / "gpu-llama-8b-tp2.yaml"
 MAKE_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}

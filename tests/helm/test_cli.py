@@ -3,6 +3,7 @@ that validates and goes to the chart unchanged."""
 
 from __future__ import annotations
 
+import helm_python  # the test extra installs helm-python-sdk (pyproject.toml)
 import pytest
 import yaml
 
@@ -10,8 +11,6 @@ from deployments.llm_config import SERVAL_ROOT, LLMServingArgs
 from serval import serve_cmd
 from serval.cli import main
 from tests.helm.chart import CHART_DIR, kuberay_errors, load_yaml, serve_config_errors
-
-helm_python = pytest.importorskip("helm_python")
 
 RAYSERVICE = "serval/templates/rayservice.yaml"
 
@@ -108,3 +107,9 @@ def test_serve_refuses_bad_engine_flags_naming_them(capsys, tmp_path):
     assert "max_num_seqs" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--engine-kwargs", '{"max_num_seq": 8}', "--print-config"]) == 1
     assert "max_num_seq" in capsys.readouterr().err
+
+
+def test_serve_engine_flags_are_engine_args_fields():
+    from engine.engine_args import EngineArgs
+
+    assert set(serve_cmd.SERVE_ENGINE_FLAGS) <= set(EngineArgs.model_fields)
