@@ -133,3 +133,12 @@ def test_serve_config_file_renders_as_the_same_map(chart):
     assert from_file == rayservice(chart, {"serveConfig": load_yaml(path)})
     assert yaml.safe_load(from_file["spec"]["serveConfigV2"])["applications"][0]["import_path"] == (
         "deployments.app:build_pd_openai_app")
+
+
+def test_packaged_chart_renders_the_same(chart, tmp_path):
+    """configs/default.yaml and dashboards/serval.json are symlinks into the repository: `helm package`
+    must carry their contents."""
+    archive = helm_python.package(CHART_DIR, destination=tmp_path)
+    values = {"metrics": {"grafanaDashboard": {"enabled": True}}}
+    with helm_python.Chart.load(archive) as packaged:
+        assert packaged.render(values=values, name="serval") == chart.render(values=values, name="serval")
