@@ -62,7 +62,7 @@ spec:
       mountPath: /tmp/ray
     - name: dshm
       mountPath: /dev/shm
-    {{- if include "serval.modelsVolume" $root }}
+    {{- if include "serval.modelsVolume" $root | trim }}
     - name: models
       mountPath: {{ $values.models.mountPath }}
       readOnly: true
@@ -72,7 +72,7 @@ spec:
     emptyDir: {}
   - name: dshm   # Ray's object store lives in shared memory; a container's default /dev/shm is 64 MiB
     emptyDir: {medium: Memory}
-  {{- with include "serval.modelsVolume" $root }}
+  {{- with include "serval.modelsVolume" $root | trim }}
   - name: models
     {{- . | nindent 4 }}
   {{- end }}
