@@ -143,28 +143,33 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Gives running requests, oldest first, their next tokens while ``plan``'s budget lasts."""
         running = self.running
-        allocate_slots = self.kv_cache_manager.allocate_slots
-        # Locals: this loop runs once per running request per step.
+        # Locals, the budget too: this loop runs once per running request per step.
+        allocate_slots, num_tokens_to_compute = self.kv_cache_manager.allocate_slots, self._num_tokens_to_compute
         num_scheduled_tokens, new_block_ids = plan.num_scheduled_tokens, plan.new_block_ids
         scheduled_running = plan.scheduled_running
+        token_budget = plan.token_budget
         index = 0
-        while index < len(running) and plan.token_budget > 0:
+        while index < len(running) and token_budget > 0:
             request = running[index]
-            num_new_tokens = self._num_tokens_to_compute(request, request.num_computed_tokens, plan.token_budget)
+            num_new_tokens = num_tokens_to_compute(request, request.num_computed_tokens, token_budget)
             if num_new_tokens == 0:  # nothing new since the last step (its output is not in yet)
                 index += 1
                 continue
             new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
+                plan.token_budget = token_budget
                 new_blocks = self._preempt_until_fits(request, num_new_tokens, plan)
+                token_budget = plan.token_budget  # unscheduled victims gave their tokens back
                 if new_blocks is None:
                     break  # ``request`` itself was preempted: the pool holds nothing more this step
                 index = running.index(request)  # victims ahead of it (priority policy) moved it forward
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
-            plan.token_budget -= num_new_tokens
+            # Most decode steps need no new block: skip building an empty list comprehension.
+            new_block_ids[request.request_id] = [block.block_id for block in new_blocks] if new_blocks else []
+            token_budget -= num_new_tokens
             index += 1
+        plan.token_budget = token_budget
 
     def _preempt_until_fits(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
         """Preempts the policy's victims one by one until ``num_new_tokens`` slots fit for running ``request``.
