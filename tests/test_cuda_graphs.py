@@ -39,6 +39,7 @@ def _prefill(model, kv_caches, lengths, block_tables, rng):
     model(ids, positions, kv_caches, metadata)
 
 
+@pytest.mark.slow  # captured decode graphs replayed against eager forwards (Triton interpreted on CPU): ~20 s
 def test_padded_decode_steps_equal_eager_forwards_and_write_only_their_own_slots(model):
     rng = random.Random(0)
     lengths = [3, 17, 40, 16, 1, 31]

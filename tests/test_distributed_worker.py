@@ -220,6 +220,7 @@ def test_single_device_reference_exercises_the_hard_paths(single_device):
         assert reference["num_resumed_with_outputs"] > 0  # resumed requests carry output tokens
 
 
+@pytest.mark.slow  # a world of worker processes per layout: 15-30 s each
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_parallel_greedy_run_matches_single_device(tiny_checkpoint, single_device, layout):
     tp_size, pp_size = layout

@@ -18,6 +18,7 @@ from benchmarks.gpu_check.rooflines import ModelFacts, decode_roofline, prefill_
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # the device check script in CPU smoke mode, phases in subprocesses: ~1-2 min
 def test_smoke_run_of_the_script(tmp_path):
     """The shell script's smoke mode: phases in their own processes, the report's table printed last."""
     out = tmp_path / "out"

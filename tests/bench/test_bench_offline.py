@@ -20,6 +20,7 @@ def serval_main(monkeypatch):
     return cli.main
 
 
+@pytest.mark.slow  # a whole offline benchmark: ~20 s
 def test_throughput_counts_every_token(tiny_checkpoint, serval_main, tmp_path, capsys):
     num_prompts, input_len, output_len = 5, 12, 6
     output_json = tmp_path / "throughput.json"
@@ -43,6 +44,7 @@ def test_throughput_rejects_unknown_engine_kwarg(tiny_checkpoint, serval_main, c
     assert "no_such_field" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole offline benchmark: ~20 s
 def test_latency_reports_each_iteration(tiny_checkpoint, serval_main, tmp_path):
     output_json = tmp_path / "latency.json"
     assert serval_main(["bench", "latency", "--model", tiny_checkpoint("llama"), *ENGINE_FLAGS,

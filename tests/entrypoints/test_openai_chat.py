@@ -93,6 +93,7 @@ def test_streamed_chat_with_n(client):
     assert texts == {0: expected, 1: expected}
 
 
+@pytest.mark.slow  # generates up to the 2048-token context: 8-16 s
 def test_token_limits(client, offline):
     assert greedy_chat(client, 5).usage.completion_tokens == 5
     deprecated = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7, temperature=0,
