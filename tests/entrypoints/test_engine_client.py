@@ -4,8 +4,8 @@
   member themselves (declaring the protocol as a base must not hide a missing
   one behind the protocol's empty stub), and their ``generate`` accepts every
   argument the protocol's does.
-* ``OpenAIServing`` serves a plain object that only has the protocol's
-  members, and the OpenAI layer's modules never import a concrete engine.
+* The OpenAI layer's modules never import a concrete engine.
+* A served request's prompt length is checked once by the engine.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import ast
 import asyncio
 import inspect
 from pathlib import Path
-from types import SimpleNamespace
 
 from engine.engine_client import EngineClient
-from engine.entrypoints.openai.protocol import CompletionRequest, DetokenizeRequest, TokenizeCompletionRequest
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.entrypoints.openai.protocol import CompletionRequest
 
 OPENAI_LAYER = Path(__file__).resolve().parents[2] / "engine" / "entrypoints" / "openai"
 # The protocol's members: its methods and properties, and its plain attributes (annotations).
@@ -100,62 +98,8 @@ def test_the_openai_layer_imports_no_concrete_engine():
                     f"{path.name} imports {module}"
 
 
-class _ShapeOnlyEngine:
-    """Only the protocol's members (no base class): the OpenAI layer must need nothing else."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.max_model_len = 64
-        self.vocab_size = 100
-        self.model_config = SimpleNamespace(model="/checkpoints/shape-only")
-        self.generated: list[tuple[str, list[int]]] = []
-        self.num_health_checks = 0
-
-    async def generate(self, prompt, sampling_params, request_id, *, priority=0, cache_salt=None):
-        self.generated.append((request_id, list(prompt["prompt_token_ids"])))
-        yield RequestOutput(request_id, prompt.get("prompt"), list(prompt["prompt_token_ids"]),
-                            [CompletionOutput(0, " done", [7], finish_reason="stop")], finished=True)
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    async def check_health(self) -> None:
-        self.num_health_checks += 1
-
-    def get_stats(self):
-        return None
-
-
 async def _items(iterator) -> list:
     return [item async for item in iterator]
-
-
-def test_openai_serving_serves_any_engine_client(tokenizer):
-    from engine.entrypoints.openai.errors import ErrorResponse
-    from engine.entrypoints.openai.serving import OpenAIServing
-
-    fake = _ShapeOnlyEngine(tokenizer)
-    assert isinstance(fake, EngineClient)
-    serving = OpenAIServing(fake, "shape-only")
-    card = serving.model_card()
-    assert (card.root, card.max_model_len) == ("/checkpoints/shape-only", 64)
-    asyncio.run(serving.check_health())
-    assert fake.num_health_checks == 1
-
-    [response] = asyncio.run(_items(serving.completions(CompletionRequest(prompt=[5, 6, 7], max_tokens=4))))
-    assert response.choices[0].text == " done" and response.usage.prompt_tokens == 3
-    assert [token_ids for _, token_ids in fake.generated] == [[5, 6, 7]]
-
-    # Refused before the engine client sees them: an empty prompt, and one that leaves no room to generate.
-    for prompt in ([[]], [[5] * 64]):
-        [error] = asyncio.run(_items(serving.completions(CompletionRequest(prompt=prompt, max_tokens=None))))
-        assert isinstance(error, ErrorResponse) and error.status_code == 400
-    assert len(fake.generated) == 1
-
-    [tokens] = asyncio.run(_items(serving.tokenize(TokenizeCompletionRequest(prompt="hello"))))
-    assert tokens.tokens == tokenizer.encode("hello") and tokens.max_model_len == 64
-    [error] = asyncio.run(_items(serving.detokenize(DetokenizeRequest(tokens=[5, 100]))))
-    assert error.status_code == 400 and "size 100" in error.error.message
 
 
 def test_a_served_request_checks_its_prompt_length_once(serving, monkeypatch):
