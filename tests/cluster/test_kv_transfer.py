@@ -17,9 +17,10 @@ from engine.engine_args import EngineArgs
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from tests.conftest import assert_pool_clean, random_token_ids, token_prompt
+from tests.conftest import assert_pool_clean, engine_kwargs, random_token_ids, token_prompt
 
-ENGINE_KWARGS = dict(max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=96, block_size=16, dtype="float32")
+# seed=0 (from engine_kwargs) is EngineArgs' default: these are the arguments these engines always had.
+ENGINE_KWARGS = engine_kwargs(max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=96, block_size=16)
 PROMPT_LENGTHS = (1, 5, 16, 17, 40, 64, 100, 181)
 MAX_TOKENS = 12
 

@@ -20,13 +20,13 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.engine_args import EngineArgs
-from tests.conftest import assert_pool_clean, random_token_ids, token_prompt
+from tests.conftest import assert_pool_clean, engine_kwargs, random_token_ids, token_prompt
 from tests.serve.cluster import is_loopback, listening_addresses
 
 PROMPT_LENGTHS = (3, 17, 40, 66, 97)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
-ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48,
-                     num_gpu_blocks_override=64, seed=0)
+ENGINE_KWARGS = engine_kwargs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48,
+                              num_gpu_blocks_override=64)
 
 
 def _prompts() -> list[dict]:
