@@ -16,7 +16,7 @@ import statistics
 import time
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.outputs import ModelRunnerOutput
+from engine.core.step_outputs import ModelRunnerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.throughput import WORKLOADS, ensure_model, make_prompts  # noqa: E402
+from benchmarks.peer_throughput import WORKLOADS, ensure_model, make_prompts  # noqa: E402
 
 
 def timed(totals: dict, key: str, fn):

@@ -40,10 +40,10 @@ from ray.dag.context import DAGContext
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
-from cluster.kv_direct import KVDirectClient
+from cluster.kv_transfer.ray_direct import KVDirectClient
 from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, KV_CONCURRENCY_GROUP, RayWorker
 from engine.config import EngineConfig
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture
 
 logger = logging.getLogger(__name__)

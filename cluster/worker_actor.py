@@ -16,7 +16,7 @@ import time
 import ray
 
 from engine.config import EngineConfig
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 HEALTH_CONCURRENCY_GROUP = "health"
 # KV transfers (disaggregated prefill) run beside steps: a pull must not wait for a long prefill to finish.
@@ -70,12 +70,12 @@ class RayWorker:
         return self.num_steps, self.busy_s
 
     # ---- KV transfer (ray_direct): blocks this worker saved leave through read_kv*, blocks for its
-    # own requests arrive through receive_kv (see cluster.kv_direct).
+    # own requests arrive through receive_kv (see cluster.kv_transfer.ray_direct).
 
     @ray.method(concurrency_group=KV_CONCURRENCY_GROUP)
     def read_kv(self, kv_id: str, block_indices: list[int]) -> list:
         """Saved blocks, through the object store (a pair of workers outside the collective group)."""
-        from cluster.kv_transport import get_outbox
+        from cluster.kv_transfer.transports import get_outbox
         return get_outbox().take(kv_id, block_indices)
 
     @ray.method(concurrency_group=KV_CONCURRENCY_GROUP, tensor_transport="gloo")
@@ -91,7 +91,7 @@ class RayWorker:
     @ray.method(concurrency_group=KV_CONCURRENCY_GROUP)
     def receive_kv(self, req_id: str, blocks: list) -> None:
         """Blocks for one of this worker's requests, until its step loads them."""
-        from cluster.kv_transport import get_outbox
+        from cluster.kv_transfer.transports import get_outbox
         get_outbox().deliver(req_id, blocks)
 
     # Health calls run in their own thread: with the task control path a step occupies the default one.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ray.util import metrics
 
-from engine.core.kv_connector import KVTransferStats
+from engine.core.kv_transfer import KVTransferStats
 from engine.core.scheduler import SchedulerStats
 from engine.metrics import IterationStats
 

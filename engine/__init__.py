@@ -25,6 +25,6 @@ def __getattr__(name: str):
         from engine.engine_args import EngineArgs
         return EngineArgs
     if name in ("RequestOutput", "CompletionOutput"):
-        import engine.outputs
-        return getattr(engine.outputs, name)
+        import engine.request_output
+        return getattr(engine.request_output, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -26,9 +26,9 @@ from engine.engine_thread import IDLE_STATS_INTERVAL_S, AddCommand, EngineThread
 from engine.executor.base import Executor
 from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
-from engine.output_collector import RequestOutputCollector
-from engine.outputs import RequestOutput
-from engine.processor import PromptType
+from engine.frontend.output_collector import RequestOutputCollector
+from engine.request_output import RequestOutput
+from engine.frontend.processor import PromptType
 from engine.sampling_params import SamplingParams
 
 # Importers of this module also reach these here (EngineStats moved to engine.metrics, the busy loop to
@@ -85,7 +85,7 @@ class AsyncLLM(EngineClient):
         EngineDeadError are raised by the first ``__anext__``, before any output.
         Closing or cancelling the generator early aborts the request (its KV
         blocks are freed); ``abort(request_id)`` ends it with finish_reason "abort".
-        ``kv_transfer_params``: disaggregated prefill (``engine.core.kv_connector``).
+        ``kv_transfer_params``: disaggregated prefill (``engine.core.kv_transfer``).
         """
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")

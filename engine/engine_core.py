@@ -18,7 +18,7 @@ import logging
 from collections import deque
 
 from engine.config import EngineConfig
-from engine.core.outputs import EngineCoreOutput, SchedulerOutput
+from engine.core.step_outputs import EngineCoreOutput, SchedulerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.executor.base import Executor, StepFuture

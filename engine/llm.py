@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.processor import PromptType
+from engine.request_output import RequestOutput
+from engine.frontend.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -15,10 +15,10 @@ from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore
 from engine.executor.base import Executor
 from engine.metrics import EngineStats, EngineTotals, IterationStats, StatLogger
-from engine.model.config import ModelArchConfig
-from engine.output_processor import OutputProcessor, ParentRequest
-from engine.outputs import RequestOutput
-from engine.processor import Processor, PromptType
+from engine.model.architecture import Architecture
+from engine.frontend.output_processor import OutputProcessor, ParentRequest
+from engine.request_output import RequestOutput
+from engine.frontend.processor import Processor, PromptType
 from engine.sampling_params import SamplingParams
 
 
@@ -27,7 +27,7 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def resolve_eos_token_ids(model_dir: str, arch: ModelArchConfig) -> list[int]:
+def resolve_eos_token_ids(model_dir: str, arch: Architecture) -> list[int]:
     """EOS ids from generation_config.json when present (it may list several), else config.json."""
     path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(path):
@@ -49,7 +49,7 @@ class LLMEngine:
         self.log_interval_s = log_interval_s
         self._last_log_time = time.monotonic()
         model_dir = config.model_config.model
-        arch = ModelArchConfig.from_dir(model_dir)
+        arch = Architecture.from_dir(model_dir)
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self.engine_core = EngineCore(config, executor_class)
         self.processor = Processor(config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch))
@@ -67,7 +67,7 @@ class LLMEngine:
         """Queues a request (``n`` > 1 fans out into n core requests); returns its (prompt text, prompt
         token ids). Raises ValueError on bad input.
 
-        ``kv_transfer_params`` (disaggregated prefill, see ``engine.core.kv_connector``) go to every child.
+        ``kv_transfer_params`` (disaggregated prefill, see ``engine.core.kv_transfer``) go to every child.
         """
         if request_id in self.core_ids_of:
             raise ValueError(f"Request id {request_id!r} is already in use.")

@@ -19,10 +19,10 @@ import pytest
 from pydantic import ValidationError
 
 from engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, EngineOverloadedError, RequestOutputKind, SamplingParams
-from engine.output_collector import merge_outputs
+from engine.frontend.output_collector import merge_outputs
 from engine.config import SchedulerConfig
 from engine.executor.uniproc import UniProcExecutor
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.request_output import CompletionOutput, RequestOutput
 from tests.conftest import engine_kwargs, make_async_llm as make_test_async_llm, random_token_ids, token_prompt
 
 # Long enough that a 1000-token request outlasts any event-loop lag on a loaded machine.

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-import engine.detokenizer
-from engine.detokenizer import IncrementalDetokenizer, find_stop_string
+import engine.frontend.detokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.sampling_params import SamplingParams
 
 CORPUS = [
@@ -29,7 +29,7 @@ SPECIAL_TOKENS = ["<eos>", "<pad>", "<sep>"]
 def decode_path(request, monkeypatch):
     """Every test runs on both paths: the tokenizers DecodeStream and the windowed decode."""
     if request.param == "windowed":
-        monkeypatch.setattr(engine.detokenizer, "_make_decode_stream", lambda tokenizer, skip: None)
+        monkeypatch.setattr(engine.frontend.detokenizer, "_make_decode_stream", lambda tokenizer, skip: None)
     return request.param
 
 

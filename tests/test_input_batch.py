@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from engine.config import KVTransferConfig
-from engine.core.kv_connector import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
-from engine.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.kv_transfer import worker_connector
+from engine.core.kv_transfer import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
+from engine.core.step_outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.kv_transfer import worker as kv_transfer_worker
 from engine.sampling_params import SamplingParams
 from engine.worker.input_batch import InputBatch
 
@@ -79,8 +79,8 @@ class _RecordingModel(torch.nn.Module):
 
 
 def test_a_failed_load_is_computed_over_the_external_tokens_only(monkeypatch):
-    monkeypatch.setattr(worker_connector, "get_transport_class", lambda config: _LostTransport)
-    connector = worker_connector.KVConnectorWorker(KVTransferConfig(kv_role="kv_consumer"), BLOCK_SIZE,
+    monkeypatch.setattr(kv_transfer_worker, "get_transport_class", lambda config: _LostTransport)
+    connector = kv_transfer_worker.KVConnectorWorker(KVTransferConfig(kv_role="kv_consumer"), BLOCK_SIZE,
                                                    torch.device("cpu"))
     batch = _batch()
     prompt = list(range(100, 111))  # 11 tokens: 4 local hits (block 3), 6 loaded (blocks 5, 7), the last computed

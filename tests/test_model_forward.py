@@ -16,7 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import build_attention_metadata
 from engine.kernels.cpu import use_cpu_kernels
-from engine.model import ModelArchConfig, WeightLoadingError, get_model
+from engine.model import Architecture, WeightLoadingError, get_model
 from engine.model.layers.rotary import RotaryEmbedding, compute_inv_freq
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -179,7 +179,7 @@ def _hf_rope_config(rope):
 @pytest.mark.parametrize("name", list(ROPES))
 def test_rope_matches_hf_init_functions(name):
     config = _hf_rope_config(ROPES[name])
-    arch = ModelArchConfig.from_hf_config({**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    arch = Architecture.from_hf_config({**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
     assert arch.rope_type == ROPES[name]["rope_type"] and arch.rope_theta == 5000.0
     hf_fn = ROPE_INIT_FUNCTIONS[arch.rope_type]
     want, want_factor = hf_fn(config, "cpu")
@@ -211,18 +211,18 @@ def test_legacy_rope_scaling_config_fields():
     """transformers 4.x wrote rope_theta at top level and rope_scaling with "type"."""
     cfg = {**TINY, "architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0,
            "rope_scaling": {"type": "linear", "factor": 4.0}}
-    arch = ModelArchConfig.from_hf_config(cfg)
+    arch = Architecture.from_hf_config(cfg)
     assert (arch.rope_type, arch.rope_theta, arch.rope_scaling["factor"]) == ("linear", 500000.0, 4.0)
     assert arch.head_dim == 16 and not arch.tie_word_embeddings
 
 
 def test_arch_config_fields(tmp_path):
     make_checkpoint(tmp_path, "qwen3", tie=True)
-    arch = ModelArchConfig.from_dir(tmp_path)
+    arch = Architecture.from_dir(tmp_path)
     assert arch.architecture == "Qwen3ForCausalLM" and arch.has_qk_norm and arch.head_dim == 32
     assert arch.tie_word_embeddings and arch.num_key_value_heads == 2 and arch.rope_type == "default"
     assert arch.torch_dtype == torch.float32
-    qwen2 = ModelArchConfig.from_hf_config({**Qwen2Config(**TINY).to_dict(), "architectures": ["Qwen2ForCausalLM"]})
+    qwen2 = Architecture.from_hf_config({**Qwen2Config(**TINY).to_dict(), "architectures": ["Qwen2ForCausalLM"]})
     assert qwen2.qkv_bias and not qwen2.o_proj_bias and not qwen2.has_qk_norm
 
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from engine.core.block_pool import KVCacheBlock
-from engine.core.kv_connector import KVConnectorScheduler, KVTransferStats
+from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from engine.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+from engine.core.step_outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                  SchedulerOutput)
 from engine.core.request import Request, RequestStatus, check_prompt_fits
 from engine.core.request_queue import make_request_queue

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 EXECUTOR_IMPORT_PATHS = {
     "uni": "engine.executor.uniproc:UniProcExecutor",

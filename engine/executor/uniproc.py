@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor
 from engine.worker.worker import Worker
 

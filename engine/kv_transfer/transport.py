@@ -1,6 +1,6 @@
 """The transport interface a KV connector moves blocks with, and its selection by configuration.
 
-``engine/`` never imports Ray: the transports live in ``cluster/kv_transport.py``
+``engine/`` never imports Ray: the transports live in ``cluster/kv_transfer/transports.py``
 and are found by import path, as executors are.
 
 Blocks travel in one layout whatever the attention backend: one tensor per
@@ -18,8 +18,8 @@ import torch
 from engine.config import KVTransferConfig
 
 TRANSPORT_IMPORT_PATHS = {
-    "object_store": "cluster.kv_transport:ObjectStoreTransport",
-    "ray_direct": "cluster.kv_transport:RayDirectTransport",
+    "object_store": "cluster.kv_transfer.transports:ObjectStoreTransport",
+    "ray_direct": "cluster.kv_transfer.transports:RayDirectTransport",
 }
 
 

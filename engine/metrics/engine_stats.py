@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.core.kv_connector import KVTransferStats
+from engine.core.kv_transfer import KVTransferStats
 from engine.core.scheduler import SchedulerStats
 from engine.metrics.stats import IterationStats
 

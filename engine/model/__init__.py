@@ -4,9 +4,9 @@ Entry point: ``get_model(model_dir, dtype, device="cpu")``; see ``LlamaForCausal
 for the forward / ``compute_logits`` interface the model runner uses.
 """
 
-from engine.model.config import ModelArchConfig, parse_dtype
+from engine.model.architecture import Architecture, parse_dtype
 from engine.model.loader import WeightLoadingError, get_model
 from engine.model.registry import MODEL_REGISTRY, get_model_class
 
-__all__ = ["MODEL_REGISTRY", "ModelArchConfig", "WeightLoadingError", "get_model", "get_model_class",
+__all__ = ["MODEL_REGISTRY", "Architecture", "WeightLoadingError", "get_model", "get_model_class",
            "parse_dtype"]

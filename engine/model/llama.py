@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 differ only by flags in ``ModelArchConfig``).
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 differ only by flags in ``Architecture``).
 
 Parameter names follow Hugging Face (``model.layers.N.self_attn...``), except that
 q/k/v are packed into ``qkv_proj`` and gate/up into ``gate_up_proj``;
@@ -18,7 +18,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.distributed.parallel_state import get_pp_indices
-from engine.model.config import ModelArchConfig
+from engine.model.architecture import Architecture
 from engine.model.layers.attention import SelfAttention
 from engine.model.layers.linear import LMHead, VocabEmbedding
 from engine.model.layers.mlp import SwiGLUMLP
@@ -35,7 +35,7 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend,
+    def __init__(self, cfg: Architecture, rotary: RotaryEmbedding, backend: AttentionBackend,
                  tp_rank: int, tp_size: int):
         super().__init__()
         self.self_attn = SelfAttention(
@@ -73,7 +73,7 @@ class LlamaModel(nn.Module):
     (``None`` elsewhere); other stages' layers are parameterless ``PPMissingLayer``s.
     """
 
-    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, cfg: Architecture, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
                  pp_rank: int = 0, pp_size: int = 1):
         super().__init__()
         self.start_layer, self.end_layer = get_pp_indices(cfg.num_hidden_layers, pp_rank, pp_size)
@@ -114,11 +114,11 @@ class LlamaForCausalLM(nn.Module):
       each [T, hidden_size], for the next one.
     * ``compute_logits(hidden [n, hidden_size]) -> [n, vocab_size]`` float32 (last stage only; with
       ``tp_size > 1`` a collective that every TP rank of the stage must call).
-    * ``arch_config``: the ``ModelArchConfig``; ``num_local_layers``: the layers this stage holds.
+    * ``arch_config``: the ``Architecture``; ``num_local_layers``: the layers this stage holds.
     * ``wants_weight(name)``: whether this rank loads checkpoint tensor ``name`` (others are never read).
     """
 
-    def __init__(self, arch_config: ModelArchConfig, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, arch_config: Architecture, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
                  pp_rank: int = 0, pp_size: int = 1):
         super().__init__()
         self.arch_config = arch_config

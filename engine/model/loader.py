@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.model.config import ModelArchConfig, parse_dtype
+from engine.model.architecture import Architecture, parse_dtype
 from engine.model.layers.linear import default_weight_loader
 
 SINGLE_FILE = "model.safetensors"
@@ -147,7 +147,7 @@ def get_model(model_dir: str, dtype: torch.dtype | str | None = None, device: to
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         hf_config = json.load(f)
     model_cls = get_model_class((hf_config.get("architectures") or ["<none>"])[0])
-    arch = ModelArchConfig.from_hf_config(hf_config)
+    arch = Architecture.from_hf_config(hf_config)
     dtype = parse_dtype(dtype) or arch.torch_dtype or torch.float32
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(arch, get_attention_backend(attn_backend), tp_rank=tp_rank, tp_size=tp_size,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.outputs import LogprobsLists
+from engine.core.step_outputs import LogprobsLists
 from engine.sample.logprobs import compute_prompt_logprobs
 
 

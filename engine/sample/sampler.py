@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.outputs import LogprobsLists
+from engine.core.step_outputs import LogprobsLists
 from engine.kernels.cpu import load_cpu_kernels
 from engine.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p, random_sample
 from engine.sample.logprobs import compute_logprobs, gather_logprobs

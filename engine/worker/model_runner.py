@@ -23,8 +23,8 @@ import torch
 
 from engine.attention.backend import resolve_backend_name
 from engine.config import EngineConfig
-from engine.core.kv_connector import KVTransferOutput
-from engine.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from engine.core.kv_transfer import KVTransferOutput
+from engine.core.step_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.distributed.parallel_state import get_parallel_state, recv_from_prev_stage, send_to_next_stage
 from engine.kv_transfer import KVConnectorWorker
 from engine.model import get_model

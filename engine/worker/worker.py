@@ -17,10 +17,10 @@ import os
 import torch
 
 from engine.config import EngineConfig
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.distributed.parallel_state import (ParallelState, destroy_distributed, get_parallel_state,
                                                init_distributed)
-from engine.model.config import parse_dtype
+from engine.model.architecture import parse_dtype
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -41,8 +41,8 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     """``auto`` means the checkpoint's dtype (float32 if it records none)."""
     if config.model_config.dtype != "auto":
         return parse_dtype(config.model_config.dtype)
-    from engine.model.config import ModelArchConfig
-    return ModelArchConfig.from_dir(config.model_config.model).torch_dtype or torch.float32
+    from engine.model.architecture import Architecture
+    return Architecture.from_dir(config.model_config.model).torch_dtype or torch.float32
 
 
 def available_cpu_memory_bytes() -> int:

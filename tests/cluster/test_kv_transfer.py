@@ -161,8 +161,8 @@ def test_ray_direct_moves_blocks_worker_to_worker_over_gloo(local_ray, model, pr
     block goes prefill worker -> decode worker through it (not through the object store)."""
     import ray
 
-    from cluster.kv_direct import COORDINATOR_NAME, COORDINATOR_NAMESPACE
-    from cluster.kv_transport import DirectKVRef
+    from cluster.kv_transfer.ray_direct import COORDINATOR_NAME, COORDINATOR_NAMESPACE
+    from cluster.kv_transfer.transports import DirectKVRef
 
     prefill, decode = _Engine(model, "kv_producer", "ray_direct"), _Engine(model, "kv_consumer", "ray_direct")
     kv_params = _prefill(prefill, prompts)
@@ -189,7 +189,7 @@ def test_object_store_packs_small_blocks_and_fetches_only_the_objects_needed(loc
     import ray
     import torch
 
-    from cluster.kv_transport import ObjectStoreTransport
+    from cluster.kv_transfer.transports import ObjectStoreTransport
 
     @ray.remote(num_cpus=0)
     def lost_object():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 
 def next_token(token_ids: list[int], vocab_size: int) -> int:

@@ -19,7 +19,7 @@ from engine.entrypoints.openai.logprobs import chat_logprobs, completion_logprob
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.responses import ChatCompletionStreamChoice, DeltaMessage
 from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.request_output import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind
 
 USER = [{"role": "user", "content": "Hi"}]

@@ -122,7 +122,7 @@ def test_prefix_hits_on_the_decode_side_skip_transfers(base_url, offline):
 def test_ray_direct_transport_between_the_pools(base_url, offline):
     import ray
 
-    from cluster.kv_direct import COORDINATOR_NAME, COORDINATOR_NAMESPACE
+    from cluster.kv_transfer.ray_direct import COORDINATOR_NAME, COORDINATOR_NAMESPACE
 
     client = client_for(base_url, "/rd")
     rng = random.Random(12)

@@ -1,7 +1,7 @@
 """The engine's per-position logprobs in OpenAI's two formats.
 
 A position is ``{token id: Logprob}`` holding the chosen token and the top-N
-alternatives (``engine.outputs``); the first prompt position is ``None`` (no
+alternatives (``engine.request_output``); the first prompt position is ``None`` (no
 context). JSON has no infinities, so ``-inf`` goes out as ``-9999.0`` (what
 OpenAI sends).
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from engine.entrypoints.openai.responses import ChatCompletionLogProbs, ChatLogProb, ChatLogProbsContent, \
     CompletionLogProbs
-from engine.outputs import Logprob, PositionLogprobs
+from engine.request_output import Logprob, PositionLogprobs
 
 MIN_LOGPROB = -9999.0
 

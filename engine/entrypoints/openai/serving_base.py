@@ -17,7 +17,7 @@ from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import from_exception
 from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
 from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
-from engine.outputs import RequestOutput
+from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 # Keyword arguments of apply_chat_template the serving sets itself; a request's chat_template_kwargs can't.

@@ -19,7 +19,7 @@ from engine.entrypoints.openai.responses import ChatCompletionLogProbs, ChatComp
     DeltaMessage, UsageInfo, unix_time
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.request_output import CompletionOutput, RequestOutput
 
 
 class ChatServing(ServingBase):

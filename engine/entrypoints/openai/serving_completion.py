@@ -17,7 +17,7 @@ from engine.entrypoints.openai.responses import CompletionResponse, CompletionRe
     CompletionStreamResponse, UsageInfo, unix_time
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.request_output import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from pydantic import BaseModel
 
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
-from engine.outputs import RequestOutput
+from engine.request_output import RequestOutput
 
 DONE_EVENT = "data: [DONE]\n\n"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.request_output import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 

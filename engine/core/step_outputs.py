@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.kv_connector import KVConnectorMetadata, KVTransferOutput
+from engine.core.kv_transfer import KVConnectorMetadata, KVTransferOutput
 from engine.sampling_params import SamplingParams
 
 

@@ -11,7 +11,7 @@
   executor worker actor) keeps the blocks in its outbox; the decode engine's
   executor has them sent straight from that actor to its own worker actor over
   a collective group (gloo on CPU, nccl on GPU), ahead of the step that needs
-  them (``cluster.kv_direct``). Blocks leave the outbox when read, or after
+  them (``cluster.kv_transfer.ray_direct``). Blocks leave the outbox when read, or after
   ``OUTBOX_TTL_S``.
 """
 
@@ -127,5 +127,5 @@ class RayDirectTransport(KVTransport):
         return DirectKVRef(self._worker, kv_id)
 
     def load(self, req_id: str, data: DirectKVRef, block_indices: list[int]) -> list[torch.Tensor]:
-        # The executor had the blocks sent to this worker before the step (cluster.kv_direct).
+        # The executor had the blocks sent to this worker before the step (cluster.kv_transfer.ray_direct).
         return get_outbox().receive(req_id)

@@ -5,10 +5,10 @@ generates OUT tokens each greedily with EOS ignored, after a short warm-up. Each
 subprocess so threads and memory don't interfere. Prints each one's generated tokens/s and the ratios,
 and writes a JSON record under results/.
 
-    python benchmarks/throughput.py --workload w2            # 5M Llama, 64 x 128 in x 128 out
-    python benchmarks/throughput.py --workload w1            # 0.4B Qwen2, 32 x 256 in x 128 out, bf16
-    python benchmarks/throughput.py --workload w1 --engines serval vllm
-    python benchmarks/throughput.py --workload w1 --engines serval --engine-kwargs '{"tensor_parallel_size": 2}'
+    python benchmarks/peer_throughput.py --workload w2            # 5M Llama, 64 x 128 in x 128 out
+    python benchmarks/peer_throughput.py --workload w1            # 0.4B Qwen2, 32 x 256 in x 128 out, bf16
+    python benchmarks/peer_throughput.py --workload w1 --engines serval vllm
+    python benchmarks/peer_throughput.py --workload w1 --engines serval --engine-kwargs '{"tensor_parallel_size": 2}'
 """
 
 from __future__ import annotations

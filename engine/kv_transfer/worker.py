@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import KVTransferConfig
-from engine.core.kv_connector import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
+from engine.core.kv_transfer import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
 from engine.kv_transfer.transport import get_transport_class
 
 if TYPE_CHECKING:

@@ -26,9 +26,9 @@ import logging
 import ray
 from ray.experimental.collective import create_collective_group
 
-from cluster.kv_transport import LOAD_TIMEOUT_S, DirectKVRef
+from cluster.kv_transfer.transports import LOAD_TIMEOUT_S, DirectKVRef
 from engine.config import KVTransferConfig
-from engine.core.kv_connector import KVLoad
+from engine.core.kv_transfer import KVLoad
 
 logger = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.outputs import EngineCoreOutput, LogprobsLists
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.step_outputs import EngineCoreOutput, LogprobsLists
+from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.metrics.stats import IterationStats, RequestTimes
-from engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from engine.request_output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 

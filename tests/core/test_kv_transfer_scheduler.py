@@ -1,8 +1,8 @@
 """The scheduler side of KV transfer, driven by hand-made runner outputs, no model and no transport."""
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
-from engine.core.kv_connector import KVHandle, KVTransferOutput
-from engine.core.outputs import ModelRunnerOutput
+from engine.core.kv_transfer import KVHandle, KVTransferOutput
+from engine.core.step_outputs import ModelRunnerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """The architecture of a checkpoint, read once from its Hugging Face ``config.json``.
 
-``ModelArchConfig`` is the only view of the HF config the rest of the engine
+``Architecture`` is the only view of the HF config the rest of the engine
 sees: a frozen dataclass with every field the model code, the KV cache sizing
 and the tokenizer glue need, normalised across transformers 4.x / 5.x spellings
 (5.x writes ``rope_parameters`` holding ``rope_theta``; 4.x writes top-level
@@ -73,7 +73,7 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ModelArchConfig:
+class Architecture:
     """Architecture hyper-parameters of one decoder-only checkpoint (immutable)."""
 
     architecture: str
@@ -108,7 +108,7 @@ class ModelArchConfig:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArchConfig":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "Architecture":
         """Build from the parsed ``config.json`` dict; raises ``ValueError`` if it lacks fields."""
         cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"})
         archs = cfg.get("architectures") or []
@@ -145,7 +145,7 @@ class ModelArchConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "ModelArchConfig":
+    def from_dir(cls, model_dir: str | os.PathLike) -> "Architecture":
         """Read ``<model_dir>/config.json``."""
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
