@@ -73,7 +73,7 @@ def decode_attention(shape: dict, kernels, reps: int) -> None:
         pages = "huge pages" if huge else "4 KiB pages"
         print(f"decode attention, {shape['layers']} layers, {pages}: hot {best_of(step, reps):9.1f} us, "
               f"cold {best_of(step, reps, cold=True):9.1f} us")
-        del caches
+        caches.clear()  # free this round's caches before the next round allocates its own
 
 
 def elementwise(shape: dict, kernels, reps: int) -> None:

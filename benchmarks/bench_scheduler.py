@@ -16,9 +16,9 @@ import statistics
 import time
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.step_outputs import ModelRunnerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
+from engine.core.step_outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

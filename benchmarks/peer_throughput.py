@@ -81,7 +81,7 @@ def run_vllm(model: str, num_prompts: int, input_len: int, output_len: int, dtyp
     script = PEERS / "vllm_cpu_offline.sh"
     result = subprocess.run([str(script), model, str(num_prompts), str(input_len), str(output_len)],
                             capture_output=True, text=True, check=True)
-    line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT"))
+    line = next(out for out in result.stdout.splitlines() if out.startswith("RESULT"))
     return float(line.split("gen_tok/s=")[1].split()[0])
 
 

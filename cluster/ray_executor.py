@@ -32,15 +32,15 @@ import logging
 import math
 import os
 import pickle
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.dag.context import DAGContext
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
 from cluster.kv_transfer.ray_direct import KVDirectClient
+from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
 from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, KV_CONCURRENCY_GROUP, RayWorker
 from engine.config import EngineConfig
 from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
@@ -80,7 +80,7 @@ def config_for_workers(config: EngineConfig) -> EngineConfig:
 class _GraphStep:
     """A compiled-graph step in flight; ``result()`` reads the output rank's ModelRunnerOutput."""
 
-    def __init__(self, executor: "RayExecutor", ref) -> None:
+    def __init__(self, executor: RayExecutor, ref) -> None:
         self.executor, self.ref = executor, ref
 
     def result(self) -> ModelRunnerOutput:
@@ -95,7 +95,7 @@ class _TaskStep:
     for the survivors (which may be stuck in a collective with it).
     """
 
-    def __init__(self, executor: "RayExecutor", refs: list) -> None:
+    def __init__(self, executor: RayExecutor, refs: list) -> None:
         self.executor, self.refs = executor, refs
 
     def result(self) -> ModelRunnerOutput:

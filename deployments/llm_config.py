@@ -72,7 +72,7 @@ class DeploymentConfig(_StrictModel):
                                                "for its in-flight streams (scale-down, redeploys).")
 
     @model_validator(mode="after")
-    def _one_way_to_scale(self) -> "DeploymentConfig":
+    def _one_way_to_scale(self) -> DeploymentConfig:
         if isinstance(self.num_replicas, int) and self.autoscaling_config is not None:
             raise ValueError("Set either num_replicas or autoscaling_config, not both.")
         return self

@@ -54,7 +54,7 @@ class PDServingArgs(PDOptions):
         return load_llm_config_file(config) if isinstance(config, str) else config
 
     @model_validator(mode="after")
-    def _one_model_no_own_roles(self) -> "PDServingArgs":
+    def _one_model_no_own_roles(self) -> PDServingArgs:
         if self.prefill_config.model_id != self.decode_config.model_id:
             raise ValueError(f"prefill_config serves {self.prefill_config.model_id!r} but decode_config serves "
                              f"{self.decode_config.model_id!r}: both pools must serve the same model_id.")

@@ -36,8 +36,8 @@ from engine.config import ModelConfig
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ServiceUnavailableError
 from engine.entrypoints.openai.serving import OpenAIServing
-from engine.request_output import RequestOutput
 from engine.frontend.processor import PromptType
+from engine.request_output import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("ray.serve")

@@ -24,11 +24,11 @@ from engine.engine_args import EngineArgs
 from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError  # errors re-exported
 from engine.engine_thread import IDLE_STATS_INTERVAL_S, AddCommand, EngineThread
 from engine.executor.base import Executor
+from engine.frontend.output_collector import RequestOutputCollector
+from engine.frontend.processor import PromptType
 from engine.llm_engine import LLMEngine, load_tokenizer
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
-from engine.frontend.output_collector import RequestOutputCollector
 from engine.request_output import RequestOutput
-from engine.frontend.processor import PromptType
 from engine.sampling_params import SamplingParams
 
 # Importers of this module also reach these here (EngineStats moved to engine.metrics, the busy loop to
@@ -55,7 +55,7 @@ class AsyncLLM(EngineClient):
         self._engine_thread = EngineThread(engine)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> AsyncLLM:
         """``stat_loggers`` join vLLM's periodic throughput log line; ``disable_log_stats`` turns all off."""
         if args.disable_log_stats:
             return cls(args.create_engine_config(), stat_loggers=[])

@@ -42,7 +42,7 @@ class SchedulerConfig(_FrozenConfig):
         1, ge=1, description="Streamed outputs carry this many new tokens (the first token and the end go at once).")
 
     @model_validator(mode="after")
-    def _budget_fits_a_prompt(self) -> "SchedulerConfig":
+    def _budget_fits_a_prompt(self) -> SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "

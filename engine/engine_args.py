@@ -20,8 +20,15 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.fields import FieldInfo
 
-from engine.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                           SchedulerConfig)
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 # The configs whose every field is an EngineArgs field, in EngineArgs' field order.
 ROUTED_CONFIGS: tuple[type[BaseModel], ...] = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig, DeviceConfig)

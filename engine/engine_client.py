@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: the engine modules import this one
     from engine.async_llm import EngineStats
     from engine.config import ModelConfig
-    from engine.request_output import RequestOutput
     from engine.frontend.processor import PromptType
+    from engine.request_output import RequestOutput
     from engine.sampling_params import SamplingParams
 
 

@@ -18,9 +18,9 @@ import logging
 from collections import deque
 
 from engine.config import EngineConfig
-from engine.core.step_outputs import EngineCoreOutput, SchedulerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.core.step_outputs import EngineCoreOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture
 
 logger = logging.getLogger(__name__)

@@ -19,11 +19,11 @@ import threading
 from dataclasses import dataclass
 
 from engine.engine_client import EngineDeadError, EngineOverloadedError
+from engine.frontend.output_collector import RequestOutputCollector
+from engine.frontend.processor import PromptType
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
-from engine.frontend.output_collector import RequestOutputCollector
 from engine.request_output import RequestOutput
-from engine.frontend.processor import PromptType
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

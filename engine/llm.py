@@ -10,9 +10,9 @@ import itertools
 from collections.abc import Sequence
 
 from engine.engine_args import EngineArgs
+from engine.frontend.processor import PromptType
 from engine.llm_engine import LLMEngine
 from engine.request_output import RequestOutput
-from engine.frontend.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 

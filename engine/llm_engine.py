@@ -14,11 +14,11 @@ from engine.config import EngineConfig
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore
 from engine.executor.base import Executor
+from engine.frontend.output_processor import OutputProcessor, ParentRequest
+from engine.frontend.processor import Processor, PromptType
 from engine.metrics import EngineStats, EngineTotals, IterationStats, StatLogger
 from engine.model.architecture import Architecture
-from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.request_output import RequestOutput
-from engine.frontend.processor import Processor, PromptType
 from engine.sampling_params import SamplingParams
 
 
@@ -58,7 +58,7 @@ class LLMEngine:
         self.totals = EngineTotals()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,

@@ -113,7 +113,7 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         """A copy with some fields changed (used to fan out ``n`` > 1)."""
         return replace(self, **changes)
 

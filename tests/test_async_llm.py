@@ -19,11 +19,12 @@ import pytest
 from pydantic import ValidationError
 
 from engine import LLM, AsyncLLM, EngineArgs, EngineDeadError, EngineOverloadedError, RequestOutputKind, SamplingParams
-from engine.frontend.output_collector import merge_outputs
 from engine.config import SchedulerConfig
 from engine.executor.uniproc import UniProcExecutor
+from engine.frontend.output_collector import merge_outputs
 from engine.request_output import CompletionOutput, RequestOutput
-from tests.conftest import engine_kwargs, make_async_llm as make_test_async_llm, random_token_ids, token_prompt
+from tests.conftest import engine_kwargs, random_token_ids, token_prompt
+from tests.conftest import make_async_llm as make_test_async_llm
 
 # Long enough that a 1000-token request outlasts any event-loop lag on a loaded machine.
 MAX_MODEL_LEN = 1024

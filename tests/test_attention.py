@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.attention import AttentionMetadata, build_attention_metadata, get_attention_backend
-from engine.kernels.cpu import load_cpu_kernels
 from engine.attention.torch_paged import TorchPagedAttention
+from engine.kernels.cpu import load_cpu_kernels
 
 
 def _reference(q, k_full, v_full, ctx, scale):

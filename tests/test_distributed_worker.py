@@ -75,6 +75,7 @@ def prompts() -> list[list[int]]:
 def generate(config: EngineConfig, rank: int = 0, init_method: str | None = None) -> dict:
     """Runs the prompts to completion on this rank's worker; what this rank saw."""
     import torch.distributed as dist
+
     from engine.worker.worker import Worker
 
     worker = Worker(config, rank=rank, distributed_init_method=init_method)

@@ -16,7 +16,8 @@ import random
 import pytest
 
 from engine import LLM, RequestOutputKind, SamplingParams
-from tests.conftest import assert_pool_clean, make_llm as make_test_llm, random_token_ids, token_prompt
+from tests.conftest import assert_pool_clean, random_token_ids, token_prompt
+from tests.conftest import make_llm as make_test_llm
 
 MAX_MODEL_LEN = 128
 EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = 1, 2, 3, 4

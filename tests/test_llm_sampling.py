@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.conftest import assert_pool_clean, make_llm as make_test_llm, random_token_ids, token_prompt
+from tests.conftest import assert_pool_clean, random_token_ids, token_prompt
+from tests.conftest import make_llm as make_test_llm
 
 # ------------------------------------------------------------ reproducibility
 
@@ -252,7 +253,7 @@ def test_filtered_distributions_match_exact_softmax(stat_llm, stat_logits):
     """All filter configurations in one generate call, rows interleaved, unseeded, plus greedy rows."""
     configs = list(STAT_CONFIGS.items())
     params = []
-    for i in range(NUM_SAMPLES):
+    for _ in range(NUM_SAMPLES):
         params += [SamplingParams(max_tokens=1, detokenize=False, **fields) for _, fields in configs]
     greedy_at = set(range(0, len(params), len(params) // NUM_GREEDY_ROWS))
     params = [SamplingParams(temperature=0.0, max_tokens=1) if i in greedy_at else p for i, p in enumerate(params)]

@@ -8,7 +8,7 @@ outputs are on the host, so the device has finished when they return).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -60,7 +60,6 @@ def copy_bandwidth(device: str, nbytes: int, warmup: int, reps: int) -> dict:
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_s = time_repeated_s(lambda: dst.copy_(src), device, warmup, reps)
-    del src, dst
     return {"copy_bytes": nbytes, "copy_s": copy_s, "copy_bytes_per_s": 2 * nbytes / copy_s}
 
 

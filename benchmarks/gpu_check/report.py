@@ -12,8 +12,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.gpu_check.rooflines import decode_roofline, prefill_roofline
-from benchmarks.gpu_check.settings import (CUDA_GRAPH_MIN_GAIN, DECODE_B1_MIN_ROOFLINE_RATIO, KERNEL_BF16_REL_TOL,
-                                           NEAR_TIE_LOGIT_GAP, Settings)
+from benchmarks.gpu_check.settings import (
+    CUDA_GRAPH_MIN_GAIN,
+    DECODE_B1_MIN_ROOFLINE_RATIO,
+    KERNEL_BF16_REL_TOL,
+    NEAR_TIE_LOGIT_GAP,
+    Settings,
+)
 
 PASS, FAIL, INFO = "PASS", "FAIL", "info"
 

@@ -54,12 +54,12 @@ class ModelFacts:
     total_params: int
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path) -> "ModelFacts":
+    def from_checkpoint(cls, model_dir: str | Path) -> ModelFacts:
         config = json.loads((Path(model_dir) / "config.json").read_text())
         return cls.from_shapes(config, checkpoint_shapes(model_dir))
 
     @classmethod
-    def from_shapes(cls, config: dict, shapes: dict[str, tuple[int, ...]]) -> "ModelFacts":
+    def from_shapes(cls, config: dict, shapes: dict[str, tuple[int, ...]]) -> ModelFacts:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         counts = {name: math.prod(shape) for name, shape in shapes.items()}

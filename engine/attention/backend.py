@@ -21,7 +21,7 @@ rope, ``engine/kernels``), so the backend skips its own write.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

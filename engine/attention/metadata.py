@@ -21,8 +21,8 @@ contiguous slice, but does not require it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -61,7 +61,7 @@ class AttentionMetadata:
     def context_lens(self) -> torch.Tensor:
         return self.seq_lens - (self.query_start_loc[1:] - self.query_start_loc[:-1])
 
-    def to(self, device: torch.device | str) -> "AttentionMetadata":
+    def to(self, device: torch.device | str) -> AttentionMetadata:
         """A copy with the tensors moved to ``device`` (Python-side fields shared)."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return AttentionMetadata(

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, register_backend
-from engine.kernels.cpu import load_cpu_kernels, product_dtype
 from engine.attention.metadata import AttentionMetadata
+from engine.kernels.cpu import load_cpu_kernels, product_dtype
 
 
 @dataclass

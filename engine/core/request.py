@@ -23,7 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status >= RequestStatus.FINISHED_STOPPED
 
 

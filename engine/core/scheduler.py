@@ -11,17 +11,21 @@ blocks freed, to be recomputed later) and nothing new is admitted that step.
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from engine.core.block_pool import KVCacheBlock
-from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from engine.core.step_outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
-                                 SchedulerOutput)
+from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
 from engine.core.request import Request, RequestStatus, check_prompt_fits
 from engine.core.request_queue import make_request_queue
+from engine.core.step_outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from engine.core.stop_conditions import check_stop
 
 

@@ -46,7 +46,7 @@ class ParallelState:
     pp_size: int = 1
 
     @staticmethod
-    def for_rank(rank: int, tp_size: int, pp_size: int) -> "ParallelState":
+    def for_rank(rank: int, tp_size: int, pp_size: int) -> ParallelState:
         if not 0 <= rank < tp_size * pp_size:
             raise ValueError(f"rank {rank} is outside a world of {tp_size} x {pp_size} ranks")
         return ParallelState(rank=rank, world_size=tp_size * pp_size, tp_rank=rank % tp_size, tp_size=tp_size,

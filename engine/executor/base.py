@@ -40,7 +40,7 @@ class Executor(ABC):
         self._init_executor()
 
     @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
+    def get_class(config: EngineConfig) -> type[Executor]:
         backend = config.parallel_config.executor_backend
         module_name, _, class_name = EXECUTOR_IMPORT_PATHS[backend].partition(":")
         try:
@@ -77,8 +77,8 @@ class Executor(ABC):
         """
         return done_future(self.execute_model(scheduler_output))
 
-    def check_health(self) -> None:
+    def check_health(self) -> None:  # noqa: B027 (an optional hook: executors without workers have nothing to check)
         """Raises if a worker is gone. Safe to call from any thread."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 (an optional hook: nothing to release by default)
         """Releases the workers."""

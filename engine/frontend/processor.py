@@ -13,9 +13,9 @@ from collections.abc import Mapping
 
 from engine.config import EngineConfig
 from engine.core.request import Request
-from engine.sampling_params import SamplingParams
 from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
+from engine.sampling_params import SamplingParams
 
 PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} / {"prompt": "text"}
 

@@ -85,7 +85,7 @@ def use_cpu_kernels(enabled: bool):
         _is_enabled = previous
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX, through oneDNN).
 

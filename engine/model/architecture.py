@@ -108,7 +108,7 @@ class Architecture:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "Architecture":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> Architecture:
         """Build from the parsed ``config.json`` dict; raises ``ValueError`` if it lacks fields."""
         cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"})
         archs = cfg.get("architectures") or []
@@ -145,7 +145,7 @@ class Architecture:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> "Architecture":
+    def from_dir(cls, model_dir: str | os.PathLike) -> Architecture:
         """Read ``<model_dir>/config.json``."""
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):

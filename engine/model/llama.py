@@ -10,7 +10,7 @@ stage and the final norm and LM head on the last.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn

@@ -15,7 +15,7 @@ import contextlib
 import glob
 import json
 import os
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open

@@ -122,7 +122,7 @@ class SamplingMetadata:
         eos_token_id: int | Sequence[int] | None,
         device: torch.device | str = "cpu",
         bad_words_token_ids: Sequence[list[list[int]] | None] | None = None,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Builds the metadata for ``requests`` (batch order).
 
         Each request is ``(params, prompt_token_ids, output_token_ids, generator)``;

@@ -45,9 +45,9 @@ import json
 import math
 import os
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import save_file

@@ -18,8 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
-from engine.distributed.parallel_state import (ParallelState, destroy_distributed, get_parallel_state,
-                                               init_distributed)
+from engine.distributed.parallel_state import ParallelState, destroy_distributed, get_parallel_state, init_distributed
 from engine.model.architecture import parse_dtype
 from engine.worker.model_runner import ModelRunner
 

@@ -1,7 +1,7 @@
 import pytest
 
 from engine.config import CacheConfig
-from engine.core.block_hash import ROOT_HASH, hash_block_tokens, get_hash_function
+from engine.core.block_hash import ROOT_HASH, get_hash_function, hash_block_tokens
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams

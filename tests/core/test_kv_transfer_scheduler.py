@@ -2,9 +2,9 @@
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from engine.core.kv_transfer import KVHandle, KVTransferOutput
-from engine.core.step_outputs import ModelRunnerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
+from engine.core.step_outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 
 EOS = 2

@@ -5,9 +5,9 @@ import itertools
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.step_outputs import ModelRunnerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.core.step_outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
 
 EOS = 2

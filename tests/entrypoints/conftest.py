@@ -18,7 +18,8 @@ import time
 import openai
 import pytest
 
-from tests.conftest import engine_kwargs, make_async_llm as make_test_async_llm
+from tests.conftest import engine_kwargs
+from tests.conftest import make_async_llm as make_test_async_llm
 
 MODEL = "tiny-qwen"
 LOOPBACK = "127.0.0.1"
@@ -39,7 +40,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True,
                                        name="uvicorn-test-server")
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:

@@ -16,8 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import ENGINE_KWARGS, MODEL, make_async_llm, make_client, serve_models, \
-    wait_until_idle
+from tests.entrypoints.conftest import ENGINE_KWARGS, MODEL, make_async_llm, make_client, serve_models, wait_until_idle
 
 MAX_MODEL_LEN = ENGINE_KWARGS["max_model_len"]
 PROMPT = "The quick brown fox"

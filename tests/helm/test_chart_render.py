@@ -12,8 +12,19 @@ import pytest
 import yaml
 
 from deployments.llm_config import SERVAL_ROOT
-from tests.helm.chart import (CHART_DIR, CRD_SCHEMA, EXAMPLES, SHARED_CRD_SCHEMA, gpus_needed, kuberay_errors,
-                              load_yaml, pods, rayservice, serve_config_errors, serve_config_of)
+from tests.helm.chart import (
+    CHART_DIR,
+    CRD_SCHEMA,
+    EXAMPLES,
+    SHARED_CRD_SCHEMA,
+    gpus_needed,
+    kuberay_errors,
+    load_yaml,
+    pods,
+    rayservice,
+    serve_config_errors,
+    serve_config_of,
+)
 
 # Examples -> the shipped Serve config each one carries unchanged.
 EXAMPLE_SERVE_CONFIGS = {"cpu-tiny.yaml": "default.yaml", "gpu-llama-8b-tp2.yaml": "gpu-llama-8b-tp2.yaml",

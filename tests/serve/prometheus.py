@@ -54,7 +54,7 @@ class PrometheusServer:
         self.log_path = work_dir / "prometheus.log"
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "PrometheusServer":
+    def __enter__(self) -> PrometheusServer:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30

@@ -29,10 +29,21 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from engine.entrypoints.openai.errors import ErrorResponse, bad_request, from_exception, from_validation_error, \
-    make_error, model_not_found
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
-    TokenizeChatRequest, TokenizeCompletionRequest
+from engine.entrypoints.openai.errors import (
+    ErrorResponse,
+    bad_request,
+    from_exception,
+    from_validation_error,
+    make_error,
+    model_not_found,
+)
+from engine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from engine.entrypoints.openai.responses import ModelList
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 from engine.entrypoints.openai.streaming import DONE_EVENT, sse_event

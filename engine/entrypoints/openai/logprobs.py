@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.entrypoints.openai.responses import ChatCompletionLogProbs, ChatLogProb, ChatLogProbsContent, \
-    CompletionLogProbs
+from engine.entrypoints.openai.responses import (
+    ChatCompletionLogProbs,
+    ChatLogProb,
+    ChatLogProbsContent,
+    CompletionLogProbs,
+)
 from engine.request_output import Logprob, PositionLogprobs
 
 MIN_LOGPROB = -9999.0

@@ -24,7 +24,7 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> "UsageInfo":
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                    total_tokens=num_prompt_tokens + num_completion_tokens)
 

@@ -20,10 +20,19 @@ from collections.abc import AsyncIterator
 
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ErrorResponse
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, \
-    TokenizeRequest
-from engine.entrypoints.openai.responses import ChatCompletionResponse, CompletionResponse, DetokenizeResponse, \
-    ModelCard, TokenizeResponse
+from engine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from engine.entrypoints.openai.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    TokenizeResponse,
+)
 from engine.entrypoints.openai.serving_chat import ChatServing
 from engine.entrypoints.openai.serving_completion import CompletionServing
 from engine.entrypoints.openai.serving_tokenize import TokenizationServing

@@ -14,9 +14,17 @@ from collections.abc import AsyncIterator
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import chat_logprobs
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
-from engine.entrypoints.openai.responses import ChatCompletionLogProbs, ChatCompletionResponse, \
-    ChatCompletionResponseChoice, ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage, \
-    DeltaMessage, UsageInfo, unix_time
+from engine.entrypoints.openai.responses import (
+    ChatCompletionLogProbs,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+    unix_time,
+)
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
 from engine.request_output import CompletionOutput, RequestOutput

@@ -13,8 +13,13 @@ from collections.abc import AsyncIterator
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import completion_logprobs
 from engine.entrypoints.openai.protocol import CompletionRequest
-from engine.entrypoints.openai.responses import CompletionResponse, CompletionResponseChoice, \
-    CompletionStreamResponse, UsageInfo, unix_time
+from engine.entrypoints.openai.responses import (
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    unix_time,
+)
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
 from engine.request_output import CompletionOutput, RequestOutput

@@ -18,7 +18,7 @@ cheap and every value comes from the checkpoint.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
