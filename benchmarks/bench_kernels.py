@@ -28,10 +28,30 @@ from engine.model.layers.rotary import RotaryEmbedding  # noqa: E402
 
 # (layers, requests, heads, kv heads, head dim, hidden, intermediate, context lengths of the decode step)
 SHAPES = {
-    "w2": dict(layers=4, num_reqs=64, num_heads=4, num_kv_heads=2, head_dim=64, hidden=256, intermediate=688,
-               min_len=129, max_len=256, prefill_tokens=2048),
-    "w1": dict(layers=24, num_reqs=32, num_heads=14, num_kv_heads=2, head_dim=64, hidden=896, intermediate=4864,
-               min_len=257, max_len=384, prefill_tokens=2048),
+    "w2": dict(
+        layers=4,
+        num_reqs=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        hidden=256,
+        intermediate=688,
+        min_len=129,
+        max_len=256,
+        prefill_tokens=2048,
+    ),
+    "w1": dict(
+        layers=24,
+        num_reqs=32,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        hidden=896,
+        intermediate=4864,
+        min_len=257,
+        max_len=384,
+        prefill_tokens=2048,
+    ),
 }
 BLOCK_SIZE = 16
 _EVICT = torch.ones(16 << 20)  # 64 MiB, larger than the L3
@@ -71,8 +91,10 @@ def decode_attention(shape: dict, kernels, reps: int) -> None:
                 kernels.paged_decode_attention(q, cache, tables, lens, 0.125)
 
         pages = "huge pages" if huge else "4 KiB pages"
-        print(f"decode attention, {shape['layers']} layers, {pages}: hot {best_of(step, reps):9.1f} us, "
-              f"cold {best_of(step, reps, cold=True):9.1f} us")
+        print(
+            f"decode attention, {shape['layers']} layers, {pages}: hot {best_of(step, reps):9.1f} us, "
+            f"cold {best_of(step, reps, cold=True):9.1f} us"
+        )
         caches.clear()  # free this round's caches before the next round allocates its own
 
 
@@ -81,8 +103,10 @@ def elementwise(shape: dict, kernels, reps: int) -> None:
         width, hidden = shape["intermediate"], shape["hidden"]
         gate_up = torch.randn(rows, 2 * width).bfloat16()
         torch_silu = best_of(lambda: F.silu(gate_up[:, :width]) * gate_up[:, width:], reps)
-        print(f"silu*mul   {rows:5d} x {width}: native {best_of(lambda: kernels.silu_and_mul(gate_up), reps):8.1f} us, "
-              f"torch {torch_silu:8.1f} us")
+        print(
+            f"silu*mul   {rows:5d} x {width}: native {best_of(lambda: kernels.silu_and_mul(gate_up), reps):8.1f} us, "
+            f"torch {torch_silu:8.1f} us"
+        )
         norm = RMSNorm(hidden).bfloat16()
         x, residual = torch.randn(rows, hidden).bfloat16(), torch.randn(rows, hidden).bfloat16()
         native = best_of(lambda: kernels.fused_add_rms_norm(x, residual, norm.weight, 1e-6), reps)

@@ -46,10 +46,16 @@ def main() -> None:
             x32 = torch.randn(rows, in_features)
             x16 = x32.bfloat16()
             flops = 2.0 * rows * in_features * out_features
-            results = [gflops(lambda: F.linear(x32, weight32), flops), gflops(lambda: F.linear(x16, weight16), flops),
-                       gflops(lambda: linear(x16, weight16, None, packed), flops) if packed is not None else float("nan")]
-            print(f"{in_features:>5}x{out_features:<6} {rows:>5} {results[0]:>7.1f} {results[1]:>7.1f} {results[2]:>12.1f}",
-                  flush=True)
+            results = [
+                gflops(lambda: F.linear(x32, weight32), flops),
+                gflops(lambda: F.linear(x16, weight16), flops),
+                gflops(lambda: linear(x16, weight16, None, packed), flops) if packed is not None else float("nan"),
+            ]
+            print(
+                f"{in_features:>5}x{out_features:<6} {rows:>5} "
+                f"{results[0]:>7.1f} {results[1]:>7.1f} {results[2]:>12.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

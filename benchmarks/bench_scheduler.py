@@ -29,10 +29,11 @@ def build_running_scheduler(num_running: int, context_len: int, num_steps: int) 
     blocks_per_request = -(-max_model_len // BLOCK_SIZE)
     scheduler = Scheduler(
         # A budget that prefills everyone in one step, so all requests then decode in lockstep.
-        SchedulerConfig(max_num_batched_tokens=num_running * context_len, max_num_seqs=num_running,
-                        max_model_len=max_model_len),
-        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_running * blocks_per_request + 1,
-                    enable_prefix_caching=True))
+        SchedulerConfig(
+            max_num_batched_tokens=num_running * context_len, max_num_seqs=num_running, max_model_len=max_model_len
+        ),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_running * blocks_per_request + 1, enable_prefix_caching=True),
+    )
     params = SamplingParams(max_tokens=num_steps + 4, ignore_eos=True)
     for i in range(num_running):
         prompt = [(i * 7919 + j) % 32000 for j in range(context_len)]
@@ -48,8 +49,9 @@ def build_running_scheduler(num_running: int, context_len: int, num_steps: int) 
 def run_step(scheduler: Scheduler) -> None:
     output = scheduler.schedule()
     req_ids = list(output.num_scheduled_tokens)
-    sampled = [[11] if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens else []
-               for r in req_ids]
+    sampled = [
+        [11] if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens else [] for r in req_ids
+    ]
     scheduler.update_from_output(output, ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled))
 
 
@@ -83,8 +85,11 @@ def main() -> None:
         timings = sorted(measure(num_running, args.context_len, args.num_steps))
         mean = statistics.fmean(timings)
         p90, p99 = timings[int(0.9 * len(timings))], timings[int(0.99 * len(timings))]
-        print(f"{num_running:>8} {mean:>9.0f} {statistics.median(timings):>10.0f} {p90:>8.0f} {p99:>8.0f} "
-              f"{mean / num_running:>11.2f}", flush=True)
+        print(
+            f"{num_running:>8} {mean:>9.0f} {statistics.median(timings):>10.0f} {p90:>8.0f} {p99:>8.0f} "
+            f"{mean / num_running:>11.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

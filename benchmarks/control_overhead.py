@@ -37,8 +37,16 @@ CONFIGS = {
 def run(model: str, name: str, num_requests: int, input_len: int, output_len: int) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", max_model_len=1024, max_num_seqs=num_requests, seed=0, num_threads=1,
-              num_cpus_per_worker=0.5, **CONFIGS[name])
+    llm = LLM(
+        model,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=num_requests,
+        seed=0,
+        num_threads=1,
+        num_cpus_per_worker=0.5,
+        **CONFIGS[name],
+    )
     executor = llm.llm_engine.engine_core.executor
     step_times: list[float] = []
     execute_model = executor.execute_model
@@ -59,8 +67,13 @@ def run(model: str, name: str, num_requests: int, input_len: int, output_len: in
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    result = dict(config=name, num_steps=len(step_times), wall_s=elapsed,
-                  step_ms_mean=1e3 * statistics.fmean(step_times), step_ms_p50=1e3 * statistics.median(step_times))
+    result = dict(
+        config=name,
+        num_steps=len(step_times),
+        wall_s=elapsed,
+        step_ms_mean=1e3 * statistics.fmean(step_times),
+        step_ms_p50=1e3 * statistics.median(step_times),
+    )
     if worker_before is not None:
         num_steps, busy_s = (after - before for after, before in zip(_worker_stats(executor), worker_before))
         result["worker_step_ms_mean"] = 1e3 * busy_s / num_steps
@@ -74,6 +87,7 @@ def _worker_stats(executor) -> tuple[int, float] | None:
     if not hasattr(executor, "workers"):
         return None
     import ray
+
     return ray.get(executor.workers[executor.output_rank].step_stats.remote())
 
 
@@ -87,17 +101,26 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=os.cpu_count(), include_dashboard=False,
-             object_store_memory=200 * 1024 * 1024, logging_level="warning", log_to_driver=False)
+
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        num_cpus=os.cpu_count(),
+        include_dashboard=False,
+        object_store_memory=200 * 1024 * 1024,
+        logging_level="warning",
+        log_to_driver=False,
+    )
     results = []
     print(f"{'config':>10} {'steps':>6} {'step ms (mean/p50)':>19} {'worker ms':>10} {'overhead ms':>12}")
     for name in args.configs:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         r = run(args.model, name, args.num_requests, args.input_len, args.output_len)
         results.append(r)
-        print(f"{name:>10} {r['num_steps']:>6} {r['step_ms_mean']:>10.2f} /{r['step_ms_p50']:>7.2f} "
-              f"{r.get('worker_step_ms_mean', r['step_ms_mean']):>10.2f} {r.get('control_overhead_ms', 0.0):>12.2f}",
-              flush=True)
+        print(
+            f"{name:>10} {r['num_steps']:>6} {r['step_ms_mean']:>10.2f} /{r['step_ms_p50']:>7.2f} "
+            f"{r.get('worker_step_ms_mean', r['step_ms_mean']):>10.2f} {r.get('control_overhead_ms', 0.0):>12.2f}",
+            flush=True,
+        )
     ray.shutdown()
     out_dir = ROOT / "results"
     out_dir.mkdir(exist_ok=True)

@@ -35,11 +35,15 @@ def make_requests(args: argparse.Namespace, token_ids: list[int]) -> list[tuple[
         return SampleRequest([rng.choice(token_ids) for _ in range(input_len)], input_len, output_len)
 
     num_short = int(args.duration_s * args.short_rate)
-    schedule = [(offset, "short", request(args.short_input_len, args.short_output_len))
-                for offset in arrival_offsets(num_short, args.short_rate, 1.0, rng)]
+    schedule = [
+        (offset, "short", request(args.short_input_len, args.short_output_len))
+        for offset in arrival_offsets(num_short, args.short_rate, 1.0, rng)
+    ]
     num_long = int(args.duration_s / args.long_interval_s)
-    schedule += [(args.long_interval_s * (index + 0.5), "long", request(args.long_input_len, args.long_output_len))
-                 for index in range(num_long)]
+    schedule += [
+        (args.long_interval_s * (index + 0.5), "long", request(args.long_input_len, args.long_output_len))
+        for index in range(num_long)
+    ]
     return sorted(schedule, key=lambda item: item[0])
 
 
@@ -47,8 +51,11 @@ async def run_schedule(args: argparse.Namespace, schedule) -> list[tuple[str, Re
     import httpx
     from tqdm import tqdm
 
-    sender = CompletionSender(argparse.Namespace(url=args.url, api_key=None, model=args.model, ignore_eos=True,
-                                                 temperature=0.0, max_concurrency=None))
+    sender = CompletionSender(
+        argparse.Namespace(
+            url=args.url, api_key=None, model=args.model, ignore_eos=True, temperature=0.0, max_concurrency=None
+        )
+    )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         warmup = schedule[0][2]
@@ -91,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
     token_ids = ordinary_token_ids(AutoTokenizer.from_pretrained(args.tokenizer))
     schedule = make_requests(args, token_ids)
     results = asyncio.run(run_schedule(args, schedule))
-    summary = {"label": args.label, "settings": {key: value for key, value in vars(args).items() if key != "func"},
-               **summarize(results)}
+    summary = {
+        "label": args.label,
+        "settings": {key: value for key, value in vars(args).items() if key != "func"},
+        **summarize(results),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary))
     print(format_rows([summary]))
@@ -100,13 +110,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_rows(summaries: list[dict]) -> str:
-    lines = ["| serving | short ITL p50 / p99 (ms) | short TTFT p50 / p99 (ms) | long TTFT p50 / p99 (ms) | failed |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| serving | short ITL p50 / p99 (ms) | short TTFT p50 / p99 (ms) | long TTFT p50 / p99 (ms) | failed |",
+        "|---|---|---|---|---|",
+    ]
     for s in summaries:
         short, long = s["short"], s["long"]
-        lines.append(f"| {s['label']} | {short['p50_itl_ms']:.1f} / {short['p99_itl_ms']:.1f} | "
-                     f"{short['p50_ttft_ms']:.0f} / {short['p99_ttft_ms']:.0f} | "
-                     f"{long['p50_ttft_ms']:.0f} / {long['p99_ttft_ms']:.0f} | {s['num_failed']} |")
+        lines.append(
+            f"| {s['label']} | {short['p50_itl_ms']:.1f} / {short['p99_itl_ms']:.1f} | "
+            f"{short['p50_ttft_ms']:.0f} / {short['p99_ttft_ms']:.0f} | "
+            f"{long['p50_ttft_ms']:.0f} / {long['p99_ttft_ms']:.0f} | {s['num_failed']} |"
+        )
     return "\n".join(lines)
 
 
@@ -122,13 +136,16 @@ def report(args: argparse.Namespace) -> int:
 def plot(summaries: list[dict], path: str) -> None:
     import matplotlib
     import matplotlib.ticker
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = (("short", "itl_ms", "Short requests: inter-token latency"),
-              ("short", "ttft_ms", "Short requests: time to first token"),
-              ("long", "ttft_ms", "Long prompts: time to first token"))
+    panels = (
+        ("short", "itl_ms", "Short requests: inter-token latency"),
+        ("short", "ttft_ms", "Short requests: time to first token"),
+        ("long", "ttft_ms", "Long prompts: time to first token"),
+    )
     for axis, (kind, key, title) in zip(axes, panels):
         for summary in summaries:
             values = summary[kind][key]

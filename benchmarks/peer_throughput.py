@@ -43,12 +43,20 @@ def run_serval(model: str, num_prompts: int, input_len: int, output_len: int, dt
     from engine import LLM, SamplingParams
 
     engine_kwargs = json.loads(os.environ.get(ENGINE_KWARGS_ENV, "{}"))
-    if engine_kwargs.get("distributed_executor_backend") == "ray" or engine_kwargs.get(
-            "tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1) > 1:
+    if (
+        engine_kwargs.get("distributed_executor_backend") == "ray"
+        or engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1) > 1
+    ):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         import ray  # a private local cluster on loopback, all cores
-        ray.init(_node_ip_address="127.0.0.1", num_cpus=os.cpu_count(), include_dashboard=False,
-                 logging_level="warning", log_to_driver=False)
+
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            logging_level="warning",
+            log_to_driver=False,
+        )
     llm = LLM(model, dtype=dtype, max_model_len=4096, seed=0, max_num_seqs=max(num_prompts, 8), **engine_kwargs)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(llm.get_tokenizer().vocab_size, num_prompts, input_len)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -79,8 +87,12 @@ def run_transformers(model: str, num_prompts: int, input_len: int, output_len: i
 
 def run_vllm(model: str, num_prompts: int, input_len: int, output_len: int, dtype: str) -> float:
     script = PEERS / "vllm_cpu_offline.sh"
-    result = subprocess.run([str(script), model, str(num_prompts), str(input_len), str(output_len)],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [str(script), model, str(num_prompts), str(input_len), str(output_len)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     line = next(out for out in result.stdout.splitlines() if out.startswith("RESULT"))
     return float(line.split("gen_tok/s=")[1].split()[0])
 
@@ -92,14 +104,28 @@ def ensure_model(workload: str, dtype: str) -> str:
     spec = WORKLOADS[workload]
     path = ROOT / "models" / "bench" / f"{workload}-{spec['arch']}"
     from engine.tools.make_model import make_model
+
     make_model(path, arch=spec["arch"], size=spec["size"], dtype=dtype, tie_word_embeddings=spec["tie"], quiet=True)
     return str(path)
 
 
 def run_in_subprocess(engine: str, args: argparse.Namespace) -> float:
-    command = [sys.executable, __file__, "--run-one", engine, "--model", args.model, "--num-prompts",
-               str(args.num_prompts), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-               "--dtype", args.dtype]
+    command = [
+        sys.executable,
+        __file__,
+        "--run-one",
+        engine,
+        "--model",
+        args.model,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+        "--dtype",
+        args.dtype,
+    ]
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"{engine} failed (exit {result.returncode})")
@@ -115,8 +141,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     parser.add_argument("--engines", nargs="+", default=["serval", "transformers", "vllm"], choices=list(RUNNERS))
-    parser.add_argument("--engine-kwargs", default="{}",
-                        help='extra LLM(...) keywords for Serval, JSON, e.g. \'{"tensor_parallel_size": 2}\'')
+    parser.add_argument(
+        "--engine-kwargs",
+        default="{}",
+        help="extra LLM(...) keywords for Serval, JSON, e.g. '{\"tensor_parallel_size\": 2}'",
+    )
     parser.add_argument("--run-one", choices=list(RUNNERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not args.run_one:  # the parent hands them to the Serval subprocess
@@ -139,10 +168,19 @@ def main() -> None:
     if "serval" in results:
         for peer in (e for e in results if e != "serval"):
             print(f"serval / {peer}: {results['serval'] / results[peer]:.2f}x")
-    record = dict(workload=args.workload, model=args.model, num_prompts=args.num_prompts, input_len=args.input_len,
-                  output_len=args.output_len, dtype=args.dtype, engine_kwargs=json.loads(args.engine_kwargs),
-                  gen_tok_per_s=results, machine=platform.processor()
-                  or platform.machine(), cpus=os.cpu_count(), time=time.strftime("%Y-%m-%d %H:%M:%S"))
+    record = dict(
+        workload=args.workload,
+        model=args.model,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        dtype=args.dtype,
+        engine_kwargs=json.loads(args.engine_kwargs),
+        gen_tok_per_s=results,
+        machine=platform.processor() or platform.machine(),
+        cpus=os.cpu_count(),
+        time=time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
     out_dir = ROOT / "results"
     out_dir.mkdir(exist_ok=True)
     (out_dir / f"throughput-{args.workload or 'custom'}.json").write_text(json.dumps(record, indent=2))

@@ -33,6 +33,7 @@ def timed(totals: dict, key: str, fn):
             return fn(*args, **kwargs)
         finally:
             totals[key] += time.perf_counter() - start
+
     return wrapper
 
 
@@ -95,9 +96,11 @@ def main() -> None:
     total = sum(step_times)
     decode_times = sorted(t for t in step_times if t < 2 * min(step_times) + 0.005)
     print(f"{len(step_times)} steps, {total:.3f} s, {args.num_prompts * args.output_len / total:.0f} generated tok/s")
-    print(f"median decode step {decode_times[len(decode_times) // 2] * 1e3:.2f} ms "
-          f"({len(decode_times)} steps); the other {len(step_times) - len(decode_times)} steps "
-          f"(prefill chunks) {total - sum(decode_times):.3f} s")
+    print(
+        f"median decode step {decode_times[len(decode_times) // 2] * 1e3:.2f} ms "
+        f"({len(decode_times)} steps); the other {len(step_times) - len(decode_times)} steps "
+        f"(prefill chunks) {total - sum(decode_times):.3f} s"
+    )
     for key, value in sorted(totals.items(), key=lambda item: -item[1]):
         print(f"  {key:32s} {value:8.3f} s  {value / total:6.1%}")
 

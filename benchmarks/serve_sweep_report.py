@@ -14,8 +14,19 @@ import json
 import math
 from pathlib import Path
 
-COLUMNS = ("request_rate", "request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms",
-           "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_e2el_ms", "goodput_fraction", "failed")
+COLUMNS = (
+    "request_rate",
+    "request_throughput",
+    "output_throughput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_e2el_ms",
+    "goodput_fraction",
+    "failed",
+)
 
 
 def load_runs(directory: Path) -> list[dict]:
@@ -53,8 +64,10 @@ def plot(runs_by_engine: dict[str, list[dict]], path: Path) -> None:
         axes = figure.add_subplot(1, 2, index + 1)
         for engine, runs in runs_by_engine.items():
             # An unbounded rate is drawn at the measured request throughput of that run.
-            rates = [rate_value(run["request_rate"]) if run["request_rate"] != "inf" else run["request_throughput"]
-                     for run in runs]
+            rates = [
+                rate_value(run["request_rate"]) if run["request_rate"] != "inf" else run["request_throughput"]
+                for run in runs
+            ]
             for stat, style in (("median", "-o"), ("p99", "--x")):
                 axes.plot(rates, [run[f"{stat}_{metric}_ms"] for run in runs], style, label=f"{engine} {stat}")
         axes.set_xlabel("request rate (req/s; the burst at its achieved rate)")

@@ -75,8 +75,9 @@ async def load_inproc(args, prompts) -> tuple[list[RequestResult], float]:
     from engine.sampling_params import RequestOutputKind
 
     engine = AsyncLLM.from_engine_args(EngineArgs(model=args.model, **engine_kwargs(args)))
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     counter = iter(range(1 << 30))
 
     async def one(prompt):
@@ -87,7 +88,7 @@ async def load_inproc(args, prompts) -> tuple[list[RequestResult], float]:
         return result_of(start, arrivals[0], arrivals[-1], num_tokens)
 
     try:
-        await closed_loop(one, prompts[:args.concurrency], args.concurrency)  # warm-up
+        await closed_loop(one, prompts[: args.concurrency], args.concurrency)  # warm-up
         return await closed_loop(one, prompts, args.concurrency)
     finally:
         engine.shutdown()
@@ -97,8 +98,15 @@ async def load_http(base_url: str, model: str, args, prompts) -> tuple[list[Requ
     import httpx
 
     async def one(prompt):
-        body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": args.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         start, arrivals, num_tokens = time.perf_counter(), [], 0
         async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             response.raise_for_status()
@@ -113,7 +121,7 @@ async def load_http(base_url: str, model: str, args, prompts) -> tuple[list[Requ
 
     limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await closed_loop(one, prompts[:args.concurrency], args.concurrency)  # warm-up
+        await closed_loop(one, prompts[: args.concurrency], args.concurrency)  # warm-up
         return await closed_loop(one, prompts, args.concurrency)
 
 
@@ -123,6 +131,7 @@ def engine_kwargs(args) -> dict:
 
 def wait_http_ok(url: str, timeout_s: float) -> None:
     import httpx
+
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -141,13 +150,33 @@ def run_serve(args, prompts) -> tuple[list[RequestResult], float]:
     gcs_port, dashboard_port, http_port = launcher.free_port(), launcher.free_port(), launcher.free_port()
     launcher.start_ray_head(gcs_port, dashboard_port, num_cpus=None, object_store_bytes=256 << 20)
     try:
-        config = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": http_port},
-                  "applications": [{"name": "llm", "route_prefix": "/", "import_path": "deployments.app:build_openai_app",
-                                    "args": {"llm_configs": [{
-                                        "model_loading_config": {"model_id": "bench", "model_source": os.path.abspath(args.model)},
-                                        "engine_kwargs": engine_kwargs(args),
-                                        "deployment_config": {"num_replicas": 1, "max_ongoing_requests": 512,
-                                                              "ray_actor_options": {"num_cpus": 1}}}]}}]}
+        config = {
+            "proxy_location": "HeadOnly",
+            "http_options": {"host": "127.0.0.1", "port": http_port},
+            "applications": [
+                {
+                    "name": "llm",
+                    "route_prefix": "/",
+                    "import_path": "deployments.app:build_openai_app",
+                    "args": {
+                        "llm_configs": [
+                            {
+                                "model_loading_config": {
+                                    "model_id": "bench",
+                                    "model_source": os.path.abspath(args.model),
+                                },
+                                "engine_kwargs": engine_kwargs(args),
+                                "deployment_config": {
+                                    "num_replicas": 1,
+                                    "max_ongoing_requests": 512,
+                                    "ray_actor_options": {"num_cpus": 1},
+                                },
+                            }
+                        ]
+                    },
+                }
+            ],
+        }
         launcher.deploy(config, launcher.dashboard_url(dashboard_port))
         launcher.wait_until_running(launcher.dashboard_url(dashboard_port), ["llm"], timeout_s=600)
         return asyncio.run(load_http(f"http://127.0.0.1:{http_port}", "bench", args, prompts))
@@ -158,8 +187,12 @@ def run_serve(args, prompts) -> tuple[list[RequestResult], float]:
 def run_vllm(args, prompts) -> tuple[list[RequestResult], float]:
     port = 8100 + random.Random().randrange(500)
     model = os.path.abspath(args.model)
-    server = subprocess.Popen([str(PEERS / "vllm_cpu_server.sh"), model, str(port)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(
+        [str(PEERS / "vllm_cpu_server.sh"), model, str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", timeout_s=600)
         return asyncio.run(load_http(f"http://127.0.0.1:{port}", model, args, prompts))
@@ -175,14 +208,21 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(results: list[RequestResult]) -> dict:
     ttfts = [r.ttft_s * 1e3 for r in results]
     tpots = [r.tpot_s * 1e3 for r in results]
-    return {"p50_ttft_ms": percentile(ttfts, 50), "p99_ttft_ms": percentile(ttfts, 99),
-            "p50_tpot_ms": percentile(tpots, 50), "p99_tpot_ms": percentile(tpots, 99),
-            "num_requests": len(results), "ttft_ms": ttfts, "tpot_ms": tpots}
+    return {
+        "p50_ttft_ms": percentile(ttfts, 50),
+        "p99_ttft_ms": percentile(ttfts, 99),
+        "p50_tpot_ms": percentile(tpots, 50),
+        "p99_tpot_ms": percentile(tpots, 99),
+        "num_requests": len(results),
+        "ttft_ms": ttfts,
+        "tpot_ms": tpots,
+    }
 
 
 def run_target(target: str, args) -> dict:
     """In this process: one target at one concurrency, summarized."""
     from transformers import AutoTokenizer
+
     vocab_size = AutoTokenizer.from_pretrained(args.model).vocab_size
     prompts = make_prompts(args.num_requests, args.input_len, vocab_size)
     if target == "inproc":
@@ -200,6 +240,7 @@ def run_target(target: str, args) -> dict:
 def plot(records: dict, path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -224,8 +265,9 @@ def plot(records: dict, path: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/tiny-llama")
-    parser.add_argument("--targets", nargs="+", default=["inproc", "serve", "vllm"],
-                        choices=["inproc", "serve", "vllm"])
+    parser.add_argument(
+        "--targets", nargs="+", default=["inproc", "serve", "vllm"], choices=["inproc", "serve", "vllm"]
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
@@ -247,22 +289,41 @@ def main() -> None:
     for concurrency in args.concurrency:
         for target in args.targets:
             print(f"== {target}, concurrency {concurrency}", flush=True)
-            command = [sys.executable, __file__, "--model", args.model, "--num-requests", str(args.num_requests),
-                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                       "--engine-kwargs", args.engine_kwargs,
-                       "--run-one", target, str(concurrency)]
+            command = [
+                sys.executable,
+                __file__,
+                "--model",
+                args.model,
+                "--num-requests",
+                str(args.num_requests),
+                "--input-len",
+                str(args.input_len),
+                "--output-len",
+                str(args.output_len),
+                "--engine-kwargs",
+                args.engine_kwargs,
+                "--run-one",
+                target,
+                str(concurrency),
+            ]
             output = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
             print("".join(line + "\n" for line in output.splitlines() if not line.startswith("RESULT ")), end="")
             records[f"{target} c={concurrency}"] = json.loads(output.split("RESULT ", 1)[1])
     print(f"\n{'target':<20} {'p50 TTFT':>10} {'p99 TTFT':>10} {'p50 TPOT':>10} {'p99 TPOT':>10} {'tok/s':>8}")
     for label, s in records.items():
-        print(f"{label:<20} {s['p50_ttft_ms']:>8.1f}ms {s['p99_ttft_ms']:>8.1f}ms {s['p50_tpot_ms']:>8.2f}ms "
-              f"{s['p99_tpot_ms']:>8.2f}ms {s['output_tok_per_s']:>8.0f}")
+        print(
+            f"{label:<20} {s['p50_ttft_ms']:>8.1f}ms {s['p99_ttft_ms']:>8.1f}ms {s['p50_tpot_ms']:>8.2f}ms "
+            f"{s['p99_tpot_ms']:>8.2f}ms {s['output_tok_per_s']:>8.0f}"
+        )
     out_dir = ROOT / "results"
     out_dir.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    record = {"args": vars(args), "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-              "results": records}
+    record = {
+        "args": vars(args),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "results": records,
+    }
     (out_dir / f"serving-{stamp}.json").write_text(json.dumps(record, indent=1))
     if plot(records, out_dir / f"serving-{stamp}.png"):
         print(f"plot: results/serving-{stamp}.png")

@@ -44,8 +44,9 @@ def placement_strategy(parallel: ParallelConfig) -> str:
     return "STRICT_PACK" if parallel.pipeline_parallel_size == 1 else "PACK"
 
 
-def engine_bundles(parallel: ParallelConfig, use_gpu: bool, bundle0_extra: dict[str, float] | None = None
-                   ) -> list[dict[str, float]]:
+def engine_bundles(
+    parallel: ParallelConfig, use_gpu: bool, bundle0_extra: dict[str, float] | None = None
+) -> list[dict[str, float]]:
     """One bundle per worker, in rank order; ``bundle0_extra`` (the replica's resources) joins bundle 0."""
     bundles = [worker_resources(parallel, use_gpu) for _ in range(parallel.world_size)]
     for name, amount in (bundle0_extra or {}).items():
@@ -62,8 +63,10 @@ def acquire_placement_group(parallel: ParallelConfig, use_gpu: bool) -> tuple[Pl
     current = get_current_placement_group()
     if current is not None:
         if len(current.bundle_specs) < parallel.world_size:
-            raise ValueError(f"This actor's placement group has {len(current.bundle_specs)} bundles; "
-                             f"the engine needs one per worker ({parallel.world_size}).")
+            raise ValueError(
+                f"This actor's placement group has {len(current.bundle_specs)} bundles; "
+                f"the engine needs one per worker ({parallel.world_size})."
+            )
         return current, False
     group = placement_group(engine_bundles(parallel, use_gpu), strategy=placement_strategy(parallel))
     try:
@@ -73,7 +76,8 @@ def acquire_placement_group(parallel: ParallelConfig, use_gpu: bool) -> tuple[Pl
         raise RuntimeError(
             f"No room in the Ray cluster for {parallel.world_size} workers of {worker_resources(parallel, use_gpu)} "
             f"({placement_strategy(parallel)}) after {PLACEMENT_GROUP_READY_TIMEOUT_S:.0f} s; "
-            f"cluster resources: {ray.cluster_resources()}") from None
+            f"cluster resources: {ray.cluster_resources()}"
+        ) from None
     return group, True
 
 

@@ -84,8 +84,7 @@ class _GraphStep:
         self.executor, self.ref = executor, ref
 
     def result(self) -> ModelRunnerOutput:
-        return self.executor._collect(lambda timeout_s: ray.get(self.ref, timeout=timeout_s)[
-            self.executor.output_rank])
+        return self.executor._collect(lambda timeout_s: ray.get(self.ref, timeout=timeout_s)[self.executor.output_rank])
 
 
 class _TaskStep:
@@ -100,7 +99,8 @@ class _TaskStep:
 
     def result(self) -> ModelRunnerOutput:
         return self.executor._collect(
-            lambda timeout_s: ray.get(self.refs, timeout=timeout_s)[self.executor.output_rank])
+            lambda timeout_s: ray.get(self.refs, timeout=timeout_s)[self.executor.output_rank]
+        )
 
 
 class RayExecutor(Executor):
@@ -128,19 +128,24 @@ class RayExecutor(Executor):
 
     def _start_workers(self, resources: dict[str, float]) -> list:
         actor_class = ray.remote(concurrency_groups={HEALTH_CONCURRENCY_GROUP: 1, KV_CONCURRENCY_GROUP: 2})(RayWorker)
-        return [actor_class.options(
-            num_cpus=resources["CPU"], num_gpus=resources.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=rank,
-                placement_group_capture_child_tasks=False),
-        ).remote() for rank in range(self.world_size)]
+        return [
+            actor_class.options(
+                num_cpus=resources["CPU"],
+                num_gpus=resources.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False
+                ),
+            ).remote()
+            for rank in range(self.world_size)
+        ]
 
     def _init_workers(self, worker_config: EngineConfig) -> None:
         host, port = ray.get(self.workers[0].get_address.remote())
         init_method = f"tcp://{host}:{port}"
         # All ranks at once: joining the process group blocks until every rank has joined.
-        pids = ray.get([worker.init_worker.remote(worker_config, rank, init_method)
-                        for rank, worker in enumerate(self.workers)])
+        pids = ray.get(
+            [worker.init_worker.remote(worker_config, rank, init_method) for rank, worker in enumerate(self.workers)]
+        )
         logger.info("%d workers up (pids %s), process group at %s", self.world_size, pids, init_method)
 
     @property
@@ -162,8 +167,9 @@ class RayExecutor(Executor):
         # Reads of results (and Ray's internal buffer releases) wait up to this long; Ray's default is 10 s,
         # less than a long prefill on CPU can take.
         DAGContext.get_current().get_timeout = self.timeout_s
-        return dag.experimental_compile(_submit_timeout=self.timeout_s,
-                                        _max_inflight_executions=max(2, self.max_concurrent_batches))
+        return dag.experimental_compile(
+            _submit_timeout=self.timeout_s, _max_inflight_executions=max(2, self.max_concurrent_batches)
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.execute_model_async(scheduler_output).result()

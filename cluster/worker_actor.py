@@ -76,6 +76,7 @@ class RayWorker:
     def read_kv(self, kv_id: str, block_indices: list[int]) -> list:
         """Saved blocks, through the object store (a pair of workers outside the collective group)."""
         from cluster.kv_transfer.transports import get_outbox
+
         return get_outbox().take(kv_id, block_indices)
 
     @ray.method(concurrency_group=KV_CONCURRENCY_GROUP, tensor_transport="gloo")
@@ -92,6 +93,7 @@ class RayWorker:
     def receive_kv(self, req_id: str, blocks: list) -> None:
         """Blocks for one of this worker's requests, until its step loads them."""
         from cluster.kv_transfer.transports import get_outbox
+
         get_outbox().deliver(req_id, blocks)
 
     # Health calls run in their own thread: with the task control path a step occupies the default one.

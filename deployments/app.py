@@ -40,14 +40,20 @@ def placement_options(llm_config: LLMConfig, actor_options: dict[str, Any]) -> d
     parallel = engine_args.create_parallel_config()
     if parallel.executor_backend != "ray":
         return {}
-    replica_resources = {"CPU": actor_options.get("num_cpus", DEFAULT_REPLICA_NUM_CPUS),
-                         "GPU": actor_options.get("num_gpus", 0), **actor_options.get("resources", {})}
-    return {"placement_group_bundles": engine_bundles(parallel, uses_gpus(engine_args.device), replica_resources),
-            "placement_group_strategy": placement_strategy(parallel)}
+    replica_resources = {
+        "CPU": actor_options.get("num_cpus", DEFAULT_REPLICA_NUM_CPUS),
+        "GPU": actor_options.get("num_gpus", 0),
+        **actor_options.get("resources", {}),
+    }
+    return {
+        "placement_group_bundles": engine_bundles(parallel, uses_gpus(engine_args.device), replica_resources),
+        "placement_group_strategy": placement_strategy(parallel),
+    }
 
 
-def build_llm_server(llm_config: LLMConfig, server_class: type = LLMServer, name: str | None = None,
-                     *extra_args: Any) -> Application:
+def build_llm_server(
+    llm_config: LLMConfig, server_class: type = LLMServer, name: str | None = None, *extra_args: Any
+) -> Application:
     """One model's LLM-server deployment (``server_class``, named ``LLMServer:<model id>`` unless ``name``
     says), bound to its config and ``extra_args``."""
     options = llm_config.deployment_config.to_options()
@@ -63,17 +69,25 @@ def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
     serving_args = args if isinstance(args, LLMServingArgs) else LLMServingArgs.model_validate(args)
     servers = {config.model_id: build_llm_server(config) for config in serving_args.llm_configs}
     ingress = serve.deployment(OpenAiIngress).options(
-        name=INGRESS_DEPLOYMENT_NAME, **serving_args.ingress_deployment_config.to_options())
+        name=INGRESS_DEPLOYMENT_NAME, **serving_args.ingress_deployment_config.to_options()
+    )
     return ingress.bind(servers)
 
 
 def build_pd_openai_app(args: dict[str, Any] | PDServingArgs) -> Application:
     """Validates ``args`` and builds the disaggregated app: ingress -> decode pool -> prefill pool."""
     pd_args = args if isinstance(args, PDServingArgs) else PDServingArgs.model_validate(args)
-    prefill = build_llm_server(pd_args.with_role(pd_args.prefill_config, "kv_producer"), PrefillServer,
-                               pd_args.prefill_deployment_name())
-    decode = build_llm_server(pd_args.with_role(pd_args.decode_config, "kv_consumer"), PDDecodeServer, None,
-                              prefill, pd_args.options.model_dump())
+    prefill = build_llm_server(
+        pd_args.with_role(pd_args.prefill_config, "kv_producer"), PrefillServer, pd_args.prefill_deployment_name()
+    )
+    decode = build_llm_server(
+        pd_args.with_role(pd_args.decode_config, "kv_consumer"),
+        PDDecodeServer,
+        None,
+        prefill,
+        pd_args.options.model_dump(),
+    )
     ingress = serve.deployment(OpenAiIngress).options(
-        name=INGRESS_DEPLOYMENT_NAME, **pd_args.ingress_deployment_config.to_options())
+        name=INGRESS_DEPLOYMENT_NAME, **pd_args.ingress_deployment_config.to_options()
+    )
     return ingress.bind({pd_args.decode_config.model_id: decode})

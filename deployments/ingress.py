@@ -44,8 +44,9 @@ class RayModelRouter:
             async for item in response:
                 yield item
         except BackPressureError as exc:
-            yield make_error(f"Too many requests queued for {model_id!r}; retry later. ({exc})", 503,
-                             retry_after=RETRY_AFTER_S)
+            yield make_error(
+                f"Too many requests queued for {model_id!r}; retry later. ({exc})", 503, retry_after=RETRY_AFTER_S
+            )
         except Exception as exc:  # noqa: BLE001 - a replica that raised or died: answer, keep serving
             yield from_exception(exc)
         finally:

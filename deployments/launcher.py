@@ -51,8 +51,14 @@ def ray_env() -> dict[str, str]:
     # This environment's executables first: a Ray Job entrypoint (`serval bench serve ...`, `python -m ...`)
     # runs through a shell with the raylet's PATH and must find Serval's Python, not the system's.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return {**os.environ, "PATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    return {
+        **os.environ,
+        "PATH": path,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+    }
 
 
 def haproxy_env(gcs_port: int) -> dict[str, str]:
@@ -130,22 +136,42 @@ def is_dashboard_up(port: int) -> bool:
         return False
 
 
-def start_ray_head(gcs_port: int, dashboard_port: int, num_cpus: int | None, object_store_bytes: int,
-                   metrics_export_port: int | None = None) -> None:
+def start_ray_head(
+    gcs_port: int,
+    dashboard_port: int,
+    num_cpus: int | None,
+    object_store_bytes: int,
+    metrics_export_port: int | None = None,
+) -> None:
     """``metrics_export_port``: where the node's Prometheus endpoint serves Ray's and Serval's metrics."""
-    command = [ray_bin("ray"), "start", "--head", "--node-ip-address", LOOPBACK, "--port", str(gcs_port),
-               "--dashboard-host", LOOPBACK, "--dashboard-port", str(dashboard_port), "--include-dashboard",
-               "true", "--object-store-memory", str(object_store_bytes), "--disable-usage-stats"]
+    command = [
+        ray_bin("ray"),
+        "start",
+        "--head",
+        "--node-ip-address",
+        LOOPBACK,
+        "--port",
+        str(gcs_port),
+        "--dashboard-host",
+        LOOPBACK,
+        "--dashboard-port",
+        str(dashboard_port),
+        "--include-dashboard",
+        "true",
+        "--object-store-memory",
+        str(object_store_bytes),
+        "--disable-usage-stats",
+    ]
     if num_cpus is not None:
         command += ["--num-cpus", str(num_cpus)]
     if metrics_export_port is not None:
         command += ["--metrics-export-port", str(metrics_export_port)]
     if ray_env()["RAY_AUTH_MODE"] == "token" and ray_auth_token() is None:
         # A new machine has no token yet, and `ray start` with token auth refuses to make one.
-        subprocess.run([ray_bin("ray"), "get-auth-token", "--generate"], check=True, env=ray_env(),
-                       stdout=subprocess.DEVNULL)
-    print(f"Starting a Ray head on {LOOPBACK}:{gcs_port} (dashboard {dashboard_url(dashboard_port)}) ...",
-          flush=True)
+        subprocess.run(
+            [ray_bin("ray"), "get-auth-token", "--generate"], check=True, env=ray_env(), stdout=subprocess.DEVNULL
+        )
+    print(f"Starting a Ray head on {LOOPBACK}:{gcs_port} (dashboard {dashboard_url(dashboard_port)}) ...", flush=True)
     subprocess.run(command, check=True, env={**ray_env(), **haproxy_env(gcs_port)}, stdout=subprocess.DEVNULL)
 
 
@@ -199,12 +225,16 @@ def wait_until_running(dashboard: str, app_names: list[str], timeout_s: float) -
 def print_usage(config: dict, dashboard_port: int) -> None:
     http = config.get("http_options", {})
     base = f"http://{http.get('host', LOOPBACK)}:{http.get('port', 8000)}"
-    model_ids = [c["model_loading_config"]["model_id"]
-                 for app in config["applications"] for c in app.get("args", {}).get("llm_configs", [])
-                 if isinstance(c, dict)]
+    model_ids = [
+        c["model_loading_config"]["model_id"]
+        for app in config["applications"]
+        for c in app.get("args", {}).get("llm_configs", [])
+        if isinstance(c, dict)
+    ]
     model = model_ids[0] if model_ids else "<model id>"
-    print(f"""
-Serval is serving {', '.join(model_ids) or 'its models'} at {base}/v1
+    print(
+        f"""
+Serval is serving {", ".join(model_ids) or "its models"} at {base}/v1
 
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
@@ -212,21 +242,25 @@ Serval is serving {', '.join(model_ids) or 'its models'} at {base}/v1
   python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
 print(c.completions.create(model='{model}', prompt='Once upon a time', max_tokens=32).choices[0].text)"
 
-Status: RAY_AUTH_MODE=token {ray_bin('serve')} status   Dashboard: {dashboard_url(dashboard_port)}   Stop: make stop
-""", flush=True)
+Status: RAY_AUTH_MODE=token {ray_bin("serve")} status   Dashboard: {dashboard_url(dashboard_port)}   Stop: make stop
+""",
+        flush=True,
+    )
 
 
 def up(args: argparse.Namespace) -> int:
     if is_dashboard_up(args.dashboard_port):
         print(f"Using the Ray cluster already running at {dashboard_url(args.dashboard_port)}.", flush=True)
     else:
-        start_ray_head(args.gcs_port, args.dashboard_port, args.num_cpus, args.object_store_bytes,
-                       args.metrics_export_port)
+        start_ray_head(
+            args.gcs_port, args.dashboard_port, args.num_cpus, args.object_store_bytes, args.metrics_export_port
+        )
     print(f"Deploying {args.config} ...", flush=True)
     config = load_config(args.config)
     deploy(config, dashboard_url(args.dashboard_port))
-    wait_until_running(dashboard_url(args.dashboard_port), [app["name"] for app in config["applications"]],
-                       args.timeout_s)
+    wait_until_running(
+        dashboard_url(args.dashboard_port), [app["name"] for app in config["applications"]], args.timeout_s
+    )
     print_usage(config, args.dashboard_port)
     return 0
 
@@ -234,8 +268,9 @@ def up(args: argparse.Namespace) -> int:
 def stop_cluster(dashboard_port: int) -> None:
     """Shuts Serve down (its replicas drain) and stops every Ray process on this machine."""
     if is_dashboard_up(dashboard_port):
-        subprocess.run([ray_bin("serve"), "shutdown", "-y", "--address", dashboard_url(dashboard_port)],
-                       env=ray_env(), check=False)
+        subprocess.run(
+            [ray_bin("serve"), "shutdown", "-y", "--address", dashboard_url(dashboard_port)], env=ray_env(), check=False
+        )
     subprocess.run([ray_bin("ray"), "stop"], env=ray_env(), check=False, stdout=subprocess.DEVNULL)
 
 
@@ -245,16 +280,21 @@ def down(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deployments.launcher", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments.launcher", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", choices=["up", "down"])
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--gcs-port", type=int, default=6379)
     parser.add_argument("--dashboard-port", type=int, default=8265)
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all).")
     parser.add_argument("--object-store-bytes", type=int, default=512 * 1024 * 1024)
-    parser.add_argument("--metrics-export-port", type=int, default=8080,
-                        help="the node's Prometheus endpoint (Ray's and Serval's metrics)")
+    parser.add_argument(
+        "--metrics-export-port",
+        type=int,
+        default=8080,
+        help="the node's Prometheus endpoint (Ray's and Serval's metrics)",
+    )
     parser.add_argument("--timeout-s", type=float, default=600.0)
     args = parser.parse_args(argv)
     return up(args) if args.command == "up" else down(args)

@@ -68,8 +68,9 @@ class DeploymentConfig(_StrictModel):
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
-    graceful_shutdown_timeout_s: float = Field(60.0, ge=0, description="How long a draining replica waits "
-                                               "for its in-flight streams (scale-down, redeploys).")
+    graceful_shutdown_timeout_s: float = Field(
+        60.0, ge=0, description="How long a draining replica waits for its in-flight streams (scale-down, redeploys)."
+    )
 
     @model_validator(mode="after")
     def _one_way_to_scale(self) -> DeploymentConfig:
@@ -119,7 +120,8 @@ class LLMServingArgs(_StrictModel):
 
     llm_configs: list[LLMConfig | str] = Field(min_length=1, description="Configs, or paths to YAML files of one.")
     ingress_deployment_config: DeploymentConfig = Field(
-        default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1}))
+        default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1})
+    )
 
     @field_validator("llm_configs")
     @classmethod

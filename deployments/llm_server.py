@@ -41,9 +41,9 @@ class LLMServer:
         route_engine_stats_log_to_replica_log()
         self.model_id = llm_config.model_id
         replica_id = serve.get_replica_context().replica_id.unique_id
-        self.engine = AsyncLLM.from_engine_args(llm_config.engine_args(),
-                                                stat_loggers=[RayStatLogger(metrics_model_name or self.model_id,
-                                                                            replica_id)])
+        self.engine = AsyncLLM.from_engine_args(
+            llm_config.engine_args(), stat_loggers=[RayStatLogger(metrics_model_name or self.model_id, replica_id)]
+        )
         self.serving = OpenAIServing(self.engine, self.model_id)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 
@@ -65,8 +65,7 @@ class LLMServer:
     async def stats(self) -> dict:
         """This replica's engine statistics, tagged with the replica's id."""
         replica_id = serve.get_replica_context().replica_id.unique_id
-        return {"replica_id": replica_id, "model_id": self.model_id,
-                **dataclasses.asdict(self.engine.get_stats())}
+        return {"replica_id": replica_id, "model_id": self.model_id, **dataclasses.asdict(self.engine.get_stats())}
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and Serve replaces it."""

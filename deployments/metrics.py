@@ -18,10 +18,50 @@ from engine.metrics import IterationStats
 
 TAG_KEYS = ("model_name", "replica")
 # Seconds; vLLM's buckets for request-level latencies, finer ones for per-token latencies.
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
-TOKEN_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                         10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+TOKEN_LATENCY_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
 
 
 def _histogram(name: str, description: str, boundaries: list[float]) -> metrics.Histogram:
@@ -33,35 +73,48 @@ class RayStatLogger:
 
     def __init__(self, model_name: str, replica: str) -> None:
         self.tags = {"model_name": model_name, "replica": replica}
-        self.num_requests_running = metrics.Gauge("serval_num_requests_running", "Requests running.",
-                                                  tag_keys=TAG_KEYS)
-        self.num_requests_waiting = metrics.Gauge("serval_num_requests_waiting", "Requests waiting to run.",
-                                                  tag_keys=TAG_KEYS)
-        self.kv_cache_usage = metrics.Gauge("serval_kv_cache_usage_perc", "KV-cache usage, 0 to 1.",
-                                            tag_keys=TAG_KEYS)
+        self.num_requests_running = metrics.Gauge("serval_num_requests_running", "Requests running.", tag_keys=TAG_KEYS)
+        self.num_requests_waiting = metrics.Gauge(
+            "serval_num_requests_waiting", "Requests waiting to run.", tag_keys=TAG_KEYS
+        )
+        self.kv_cache_usage = metrics.Gauge("serval_kv_cache_usage_perc", "KV-cache usage, 0 to 1.", tag_keys=TAG_KEYS)
         self.prefix_cache_queries = metrics.Counter(
-            "serval_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", tag_keys=TAG_KEYS)
+            "serval_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", tag_keys=TAG_KEYS
+        )
         self.prefix_cache_hits = metrics.Counter(
-            "serval_prefix_cache_hits", "Prompt tokens found in the prefix cache.", tag_keys=TAG_KEYS)
+            "serval_prefix_cache_hits", "Prompt tokens found in the prefix cache.", tag_keys=TAG_KEYS
+        )
         self.num_preemptions = metrics.Counter("serval_num_preemptions", "Preemptions.", tag_keys=TAG_KEYS)
         self.prompt_tokens = metrics.Counter("serval_prompt_tokens", "Prompt tokens prefilled.", tag_keys=TAG_KEYS)
         self.generation_tokens = metrics.Counter("serval_generation_tokens", "Tokens generated.", tag_keys=TAG_KEYS)
-        self.request_success = metrics.Counter("serval_request_success", "Requests finished, by finish reason.",
-                                               tag_keys=(*TAG_KEYS, "finished_reason"))
-        self.time_to_first_token = _histogram("serval_time_to_first_token_seconds", "Time to first token.",
-                                              sorted({*TOKEN_LATENCY_BUCKETS, *REQUEST_LATENCY_BUCKETS}))
-        self.inter_token_latency = _histogram("serval_inter_token_latency_seconds", "Inter-token latency.",
-                                              TOKEN_LATENCY_BUCKETS)
-        self.time_per_output_token = _histogram("serval_request_time_per_output_token_seconds",
-                                                "Mean time per output token of a request.", TOKEN_LATENCY_BUCKETS)
-        self.e2e_latency = _histogram("serval_e2e_request_latency_seconds", "End-to-end request latency.",
-                                      REQUEST_LATENCY_BUCKETS)
-        self.queue_time = _histogram("serval_request_queue_time_seconds", "Time waiting before first running.",
-                                     REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = _histogram("serval_request_prefill_time_seconds", "First admitted -> first token.",
-                                       REQUEST_LATENCY_BUCKETS)
-        self.decode_time = _histogram("serval_request_decode_time_seconds", "First token -> last token.",
-                                      REQUEST_LATENCY_BUCKETS)
+        self.request_success = metrics.Counter(
+            "serval_request_success", "Requests finished, by finish reason.", tag_keys=(*TAG_KEYS, "finished_reason")
+        )
+        self.time_to_first_token = _histogram(
+            "serval_time_to_first_token_seconds",
+            "Time to first token.",
+            sorted({*TOKEN_LATENCY_BUCKETS, *REQUEST_LATENCY_BUCKETS}),
+        )
+        self.inter_token_latency = _histogram(
+            "serval_inter_token_latency_seconds", "Inter-token latency.", TOKEN_LATENCY_BUCKETS
+        )
+        self.time_per_output_token = _histogram(
+            "serval_request_time_per_output_token_seconds",
+            "Mean time per output token of a request.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e_latency = _histogram(
+            "serval_e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_LATENCY_BUCKETS
+        )
+        self.queue_time = _histogram(
+            "serval_request_queue_time_seconds", "Time waiting before first running.", REQUEST_LATENCY_BUCKETS
+        )
+        self.prefill_time = _histogram(
+            "serval_request_prefill_time_seconds", "First admitted -> first token.", REQUEST_LATENCY_BUCKETS
+        )
+        self.decode_time = _histogram(
+            "serval_request_decode_time_seconds", "First token -> last token.", REQUEST_LATENCY_BUCKETS
+        )
         self.kv_transfer = KVTransferMetrics()
         # The scheduler's counters are totals since start; Ray counters take increments.
         self._last_preemptions = self._last_queries = self._last_hits = 0
@@ -108,27 +161,38 @@ class KVTransferMetrics:
     """Disaggregated prefill, per engine: KV blocks saved (prefill pool) and loaded (decode pool)."""
 
     def __init__(self) -> None:
-        self.saved_bytes = metrics.Counter("serval_kv_transfer_saved_bytes",
-                                           "KV bytes a prefill engine handed off.", tag_keys=TAG_KEYS)
-        self.loaded_bytes = metrics.Counter("serval_kv_transfer_loaded_bytes",
-                                            "KV bytes a decode engine received.", tag_keys=TAG_KEYS)
-        self.loaded_blocks = metrics.Counter("serval_kv_transfer_loaded_blocks", "KV blocks received.",
-                                             tag_keys=TAG_KEYS)
+        self.saved_bytes = metrics.Counter(
+            "serval_kv_transfer_saved_bytes", "KV bytes a prefill engine handed off.", tag_keys=TAG_KEYS
+        )
+        self.loaded_bytes = metrics.Counter(
+            "serval_kv_transfer_loaded_bytes", "KV bytes a decode engine received.", tag_keys=TAG_KEYS
+        )
+        self.loaded_blocks = metrics.Counter(
+            "serval_kv_transfer_loaded_blocks", "KV blocks received.", tag_keys=TAG_KEYS
+        )
         self.skipped_blocks = metrics.Counter(
-            "serval_kv_transfer_skipped_blocks", "Remote KV blocks not transferred: the decode side's prefix "
-            "cache held them.", tag_keys=TAG_KEYS)
-        self.failed_loads = metrics.Counter("serval_kv_transfer_failed_loads",
-                                            "KV loads that failed (the decode side computed the KV).",
-                                            tag_keys=TAG_KEYS)
-        self.latency = _histogram("serval_kv_transfer_latency_seconds", "Time to load one request's KV.",
-                                  TOKEN_LATENCY_BUCKETS)
+            "serval_kv_transfer_skipped_blocks",
+            "Remote KV blocks not transferred: the decode side's prefix cache held them.",
+            tag_keys=TAG_KEYS,
+        )
+        self.failed_loads = metrics.Counter(
+            "serval_kv_transfer_failed_loads",
+            "KV loads that failed (the decode side computed the KV).",
+            tag_keys=TAG_KEYS,
+        )
+        self.latency = _histogram(
+            "serval_kv_transfer_latency_seconds", "Time to load one request's KV.", TOKEN_LATENCY_BUCKETS
+        )
         self._last: dict[str, int] = {}
 
     def record(self, stats: KVTransferStats, load_latencies_s: list[float], tags: dict) -> None:
-        for counter, total in ((self.saved_bytes, stats.num_saved_bytes), (self.loaded_bytes, stats.num_loaded_bytes),
-                               (self.loaded_blocks, stats.num_loaded_blocks),
-                               (self.skipped_blocks, stats.num_skipped_blocks),
-                               (self.failed_loads, stats.num_failed_loads)):
+        for counter, total in (
+            (self.saved_bytes, stats.num_saved_bytes),
+            (self.loaded_bytes, stats.num_loaded_bytes),
+            (self.loaded_blocks, stats.num_loaded_blocks),
+            (self.skipped_blocks, stats.num_skipped_blocks),
+            (self.failed_loads, stats.num_failed_loads),
+        ):
             increment = total - self._last.get(counter.info["name"], 0)
             if increment > 0:
                 counter.inc(increment, tags)
@@ -142,13 +206,15 @@ class RemotePrefillMetrics:
 
     def __init__(self, model_name: str, replica: str) -> None:
         self.tags = {"model_name": model_name, "replica": replica}
-        self.queue = metrics.Gauge("serval_prefill_queue", "Requests waiting for the prefill pool.",
-                                   tag_keys=TAG_KEYS)
-        self.prefill_time = _histogram("serval_remote_prefill_seconds",
-                                       "Remote prefill round trip (queue, prefill, KV hand-off).",
-                                       REQUEST_LATENCY_BUCKETS)
-        self.failures = metrics.Counter("serval_remote_prefill_failures", "Remote prefills that failed or timed out.",
-                                        tag_keys=TAG_KEYS)
+        self.queue = metrics.Gauge("serval_prefill_queue", "Requests waiting for the prefill pool.", tag_keys=TAG_KEYS)
+        self.prefill_time = _histogram(
+            "serval_remote_prefill_seconds",
+            "Remote prefill round trip (queue, prefill, KV hand-off).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.failures = metrics.Counter(
+            "serval_remote_prefill_failures", "Remote prefills that failed or timed out.", tag_keys=TAG_KEYS
+        )
 
     def set_queue(self, num_waiting: int) -> None:
         self.queue.set(num_waiting, self.tags)

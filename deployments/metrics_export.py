@@ -28,8 +28,11 @@ def node_metrics_urls() -> list[str]:
     """The Prometheus endpoint of every live node's metrics agent (a GCS call: blocking)."""
     import ray
 
-    return [f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-            for node in ray.nodes() if node.get("Alive") and node.get("MetricsExportPort")]
+    return [
+        f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        for node in ray.nodes()
+        if node.get("Alive") and node.get("MetricsExportPort")
+    ]
 
 
 def serval_families(texts: list[str]) -> list[Metric]:
@@ -45,8 +48,9 @@ def serval_families(texts: list[str]) -> list[Metric]:
                 continue
             name = family.name.removeprefix(RAY_PREFIX)
             target = merged.setdefault(name, Metric(name, family.documentation, family.type, family.unit))
-            target.samples.extend(sample._replace(name=sample.name.removeprefix(RAY_PREFIX))
-                                  for sample in family.samples)
+            target.samples.extend(
+                sample._replace(name=sample.name.removeprefix(RAY_PREFIX)) for sample in family.samples
+            )
     return list(merged.values())
 
 
@@ -57,8 +61,11 @@ def serval_lines(text: str) -> str:
     parsing only these keeps a scrape of the app fast however much else the node exports.
     """
     prefix = RAY_PREFIX + SERVAL_PREFIX
-    return "".join(line for line in text.splitlines(keepends=True)
-                   if line.startswith(prefix) or line.startswith(("# HELP " + prefix, "# TYPE " + prefix)))
+    return "".join(
+        line
+        for line in text.splitlines(keepends=True)
+        if line.startswith(prefix) or line.startswith(("# HELP " + prefix, "# TYPE " + prefix))
+    )
 
 
 class _Families(Collector):

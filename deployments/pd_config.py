@@ -37,8 +37,10 @@ class PDOptions(_StrictModel):
 
     prefill_timeout_s: float = Field(60.0, gt=0, description="A prefill taking longer fails (or falls back).")
     fallback_to_local_prefill: bool = Field(
-        False, description="On a prefill failure or timeout, prefill on the decode replica instead of failing "
-                           "the request with 503.")
+        False,
+        description="On a prefill failure or timeout, prefill on the decode replica instead of failing "
+        "the request with 503.",
+    )
 
 
 class PDServingArgs(PDOptions):
@@ -46,7 +48,8 @@ class PDServingArgs(PDOptions):
     decode_config: LLMConfig
     kv_transfer_config: PDTransferConfig = Field(default_factory=PDTransferConfig)
     ingress_deployment_config: DeploymentConfig = Field(
-        default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1}))
+        default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1})
+    )
 
     @field_validator("prefill_config", "decode_config", mode="before")
     @classmethod
@@ -56,16 +59,22 @@ class PDServingArgs(PDOptions):
     @model_validator(mode="after")
     def _one_model_no_own_roles(self) -> PDServingArgs:
         if self.prefill_config.model_id != self.decode_config.model_id:
-            raise ValueError(f"prefill_config serves {self.prefill_config.model_id!r} but decode_config serves "
-                             f"{self.decode_config.model_id!r}: both pools must serve the same model_id.")
+            raise ValueError(
+                f"prefill_config serves {self.prefill_config.model_id!r} but decode_config serves "
+                f"{self.decode_config.model_id!r}: both pools must serve the same model_id."
+            )
         for name, config in (("prefill_config", self.prefill_config), ("decode_config", self.decode_config)):
             kwargs = config.engine_kwargs
             if "kv_transfer_config" in kwargs:
-                raise ValueError(f"{name}.engine_kwargs.kv_transfer_config is set by the PD builder; "
-                                 "use the app's kv_transfer_config.")
+                raise ValueError(
+                    f"{name}.engine_kwargs.kv_transfer_config is set by the PD builder; "
+                    "use the app's kv_transfer_config."
+                )
             if kwargs.get("tensor_parallel_size", 1) != 1 or kwargs.get("pipeline_parallel_size", 1) != 1:
-                raise ValueError(f"{name}: disaggregated serving supports tensor_parallel_size=1 and "
-                                 "pipeline_parallel_size=1 engines only.")
+                raise ValueError(
+                    f"{name}: disaggregated serving supports tensor_parallel_size=1 and "
+                    "pipeline_parallel_size=1 engines only."
+                )
         pools = (self.prefill_config, self.decode_config)
         block_sizes = {config.engine_kwargs.get("block_size", 16) for config in pools}
         if len(block_sizes) > 1:
@@ -74,8 +83,9 @@ class PDServingArgs(PDOptions):
 
     @property
     def options(self) -> PDOptions:
-        return PDOptions(prefill_timeout_s=self.prefill_timeout_s,
-                         fallback_to_local_prefill=self.fallback_to_local_prefill)
+        return PDOptions(
+            prefill_timeout_s=self.prefill_timeout_s, fallback_to_local_prefill=self.fallback_to_local_prefill
+        )
 
     def with_role(self, config: LLMConfig, role: str) -> LLMConfig:
         """``config`` whose engine plays ``role``; ``ray_direct`` also needs Ray executor workers (actors)."""

@@ -43,8 +43,9 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger("ray.serve")
 
 # The prefill side's own token is discarded (the decode side samples the first token), so it is greedy.
-PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+PREFILL_PARAMS = SamplingParams(
+    max_tokens=1, temperature=0.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+)
 
 
 class RemotePrefillError(ServiceUnavailableError):
@@ -63,9 +64,13 @@ class PrefillServer(LLMServer):
         Raises ValueError on a prompt this engine refuses. Cancelling the call aborts the request.
         """
         final: RequestOutput | None = None
-        async for output in self.engine.generate({"prompt_token_ids": prompt_token_ids}, PREFILL_PARAMS,
-                                                 request_id, cache_salt=cache_salt,
-                                                 kv_transfer_params={"do_remote_decode": True}):
+        async for output in self.engine.generate(
+            {"prompt_token_ids": prompt_token_ids},
+            PREFILL_PARAMS,
+            request_id,
+            cache_salt=cache_salt,
+            kv_transfer_params={"do_remote_decode": True},
+        ):
             final = output
         if final is None or not final.kv_transfer_params:
             reason = final.outputs[0].finish_reason if final is not None else "no output"
@@ -78,8 +83,9 @@ class RemotePrefillEngine(EngineClient):
     local ``AsyncLLM``, which answers every other member.
     """
 
-    def __init__(self, engine: AsyncLLM, prefill_server: DeploymentHandle, options: PDOptions,
-                 metrics: RemotePrefillMetrics) -> None:
+    def __init__(
+        self, engine: AsyncLLM, prefill_server: DeploymentHandle, options: PDOptions, metrics: RemotePrefillMetrics
+    ) -> None:
         self.engine = engine
         self.prefill_server = prefill_server
         self.options = options
@@ -102,20 +108,34 @@ class RemotePrefillEngine(EngineClient):
     def model_config(self) -> ModelConfig:
         return self.engine.model_config
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """``AsyncLLM.generate`` after a remote prefill of ``prompt["prompt_token_ids"]``.
 
         Besides ``EngineClient.generate``'s errors: RemotePrefillError (503) when the prefill pool fails
         or times out, unless ``fallback_to_local_prefill`` has the local engine prefill instead.
         """
         kv_transfer_params = await self._remote_prefill(prompt["prompt_token_ids"], request_id, cache_salt)
-        async for output in self.engine.generate(prompt, sampling_params, request_id, priority=priority,
-                                                 cache_salt=cache_salt, kv_transfer_params=kv_transfer_params):
+        async for output in self.engine.generate(
+            prompt,
+            sampling_params,
+            request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        ):
             yield output
 
-    async def _remote_prefill(self, prompt_token_ids: list[int], request_id: str,
-                              cache_salt: str | None) -> dict | None:
+    async def _remote_prefill(
+        self, prompt_token_ids: list[int], request_id: str, cache_salt: str | None
+    ) -> dict | None:
         self.num_waiting_prefills += 1
         self.metrics.set_queue(self.num_waiting_prefills)
         start = time.monotonic()
@@ -159,8 +179,12 @@ class PDDecodeServer(LLMServer):
     def __init__(self, llm_config: LLMConfig, prefill_server: DeploymentHandle, options: dict) -> None:
         super().__init__(llm_config)
         replica_id = serve.get_replica_context().replica_id.unique_id
-        self.client = RemotePrefillEngine(self.engine, prefill_server, PDOptions.model_validate(options),
-                                          RemotePrefillMetrics(self.model_id, replica_id))
+        self.client = RemotePrefillEngine(
+            self.engine,
+            prefill_server,
+            PDOptions.model_validate(options),
+            RemotePrefillMetrics(self.model_id, replica_id),
+        )
         self.serving = OpenAIServing(self.client, self.model_id)
 
     async def check_health(self) -> None:

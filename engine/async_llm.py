@@ -33,8 +33,14 @@ from engine.sampling_params import SamplingParams
 
 # Importers of this module also reach these here (EngineStats moved to engine.metrics, the busy loop to
 # engine.engine_thread, the errors to engine.engine_client).
-__all__ = ["IDLE_STATS_INTERVAL_S", "AsyncLLM", "EngineDeadError", "EngineOverloadedError", "EngineStats",
-           "EngineThread"]
+__all__ = [
+    "IDLE_STATS_INTERVAL_S",
+    "AsyncLLM",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineStats",
+    "EngineThread",
+]
 
 
 class AsyncLLM(EngineClient):
@@ -44,8 +50,12 @@ class AsyncLLM(EngineClient):
     the model and starts the busy-loop thread; ``shutdown`` stops it.
     """
 
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
-                 stat_loggers: list[StatLogger] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: type[Executor] | None = None,
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> None:
         self.config = config
         engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers)
         # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
@@ -76,9 +86,16 @@ class AsyncLLM(EngineClient):
     def get_tokenizer(self):
         return self.tokenizer
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None,
-                       kv_transfer_params: dict | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs as ``sampling_params.output_kind`` says; the last has finished=True.
 
         Bad input or a request id in use (ValueError), EngineOverloadedError and
@@ -91,8 +108,9 @@ class AsyncLLM(EngineClient):
             raise ValueError(f"Request id {request_id!r} is already in use.")
         collector = RequestOutputCollector(request_id, sampling_params, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._engine_thread.submit_add(AddCommand(request_id, prompt, sampling_params, priority, cache_salt,
-                                                  kv_transfer_params, collector, future))
+        self._engine_thread.submit_add(
+            AddCommand(request_id, prompt, sampling_params, priority, cache_salt, kv_transfer_params, collector, future)
+        )
         self._collectors[request_id] = collector
         is_finished = False
         try:

@@ -29,17 +29,22 @@ class SchedulerConfig(_FrozenConfig):
     # The one home of the context length: the scheduler, the front end and the workers all read it here.
     max_model_len: int = Field(2048, ge=2, description="Longest sequence (prompt + output).")
     policy: Literal["fcfs", "priority"] = Field(
-        "fcfs", description="Admission and preemption order: arrival (fcfs) or (priority, arrival).")
+        "fcfs", description="Admission and preemption order: arrival (fcfs) or (priority, arrival)."
+    )
     enable_chunked_prefill: bool = Field(
-        True, description="Split a prompt over steps when it does not fit the step's token budget.")
+        True, description="Split a prompt over steps when it does not fit the step's token budget."
+    )
     long_prefill_token_threshold: int = Field(
-        0, ge=0, description="Most tokens one request gets per step; 0 means no cap.")
+        0, ge=0, description="Most tokens one request gets per step; 0 means no cap."
+    )
     # Enforced by the async front end (AsyncLLM), not by the scheduler: past it, new requests are refused.
     max_num_queued_reqs: int | None = Field(
-        None, ge=1, description="Most requests waiting to run (queued, not yet scheduled); None = unlimited.")
+        None, ge=1, description="Most requests waiting to run (queued, not yet scheduled); None = unlimited."
+    )
     # Enforced by the front end's output processor (vLLM's stream_interval).
     stream_interval: int = Field(
-        1, ge=1, description="Streamed outputs carry this many new tokens (the first token and the end go at once).")
+        1, ge=1, description="Streamed outputs carry this many new tokens (the first token and the end go at once)."
+    )
 
     @model_validator(mode="after")
     def _budget_fits_a_prompt(self) -> SchedulerConfig:
@@ -47,7 +52,8 @@ class SchedulerConfig(_FrozenConfig):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({self.max_model_len}) while chunked prefill is off: long prompts could never be scheduled. "
-                "Raise max_num_batched_tokens or enable chunked prefill.")
+                "Raise max_num_batched_tokens or enable chunked prefill."
+            )
         return self
 
 
@@ -60,10 +66,12 @@ class CacheConfig(_FrozenConfig):
 
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     num_blocks: int | None = Field(
-        None, ge=2, description="Blocks in the pool, including the null block; None: sized from memory.")
+        None, ge=2, description="Blocks in the pool, including the null block; None: sized from memory."
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of a prompt prefix seen before.")
     prefix_caching_hash_algo: Literal["sha256", "blake2b"] = Field(
-        "sha256", description="Hash chaining the prefix cache's block keys.")
+        "sha256", description="Hash chaining the prefix cache's block keys."
+    )
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="Exact KV budget; overrides the fractions.")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU: share of device memory to use.")
     cpu_kv_cache_fraction: float = Field(0.25, gt=0.0, le=0.9, description="CPU: share of free RAM for KV.")
@@ -75,14 +83,18 @@ class ModelConfig(_FrozenConfig):
     model: str = Field(..., description="A local Hugging Face checkpoint directory.")
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model's.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and activations; auto: the checkpoint's dtype (float32 if it records none).")
+        "auto", description="Weights and activations; auto: the checkpoint's dtype (float32 if it records none)."
+    )
     seed: int = Field(0, description="Seed of the sampler's random draws.")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto: triton on CUDA devices, torch (the reference) elsewhere.")
+        "auto", description="auto: triton on CUDA devices, torch (the reference) elsewhere."
+    )
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly (never capture or replay graphs).")
     cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
-        None, description="CUDA: decode batch sizes to capture; None = 1, 2, 4, then every 8 up to max_num_seqs "
-                          "(at most 512). A decode step pads to the next captured size.")
+        None,
+        description="CUDA: decode batch sizes to capture; None = 1, 2, 4, then every 8 up to max_num_seqs "
+        "(at most 512). A decode step pads to the next captured size.",
+    )
 
     @field_validator("cuda_graph_batch_sizes")
     @classmethod
@@ -100,19 +112,26 @@ class ParallelConfig(_FrozenConfig):
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks each layer is split across.")
     pipeline_parallel_size: int = Field(1, ge=1, description="Stages the layers are split into.")
     distributed_executor_backend: Literal["uni", "ray"] | None = Field(
-        None, description="uni: one in-process worker; ray: worker actors; None: uni for one device, else ray.")
+        None, description="uni: one in-process worker; ray: worker actors; None: uni for one device, else ray."
+    )
     # The Ray executor's placement-group bundle per worker: this many CPUs, plus one GPU on CUDA.
-    num_cpus_per_worker: float = Field(1.0, ge=0.0, description="CPUs each Ray worker reserves "
-                                       "(on CPU devices also its torch threads unless num_threads is set).")
+    num_cpus_per_worker: float = Field(
+        1.0,
+        ge=0.0,
+        description="CPUs each Ray worker reserves (on CPU devices also its torch threads unless num_threads is set).",
+    )
     execute_timeout_s: float = Field(
-        300.0, gt=0, description="Ray executor: a step taking longer means a hung worker; the engine fails.")
+        300.0, gt=0, description="Ray executor: a step taking longer means a hung worker; the engine fails."
+    )
     # Compiled graph: shared-memory channels, the lowest per-step cost, but their readers spin while they
     # wait, which costs a core each (the driver for a whole step): right on GPU nodes, where each worker
     # has spare CPU. Tasks: the SchedulerOutput put once in the object store, one actor task per worker;
     # nothing spins, which matters when the workers' compute needs every core (CPU inference).
     ray_compiled_graph: bool | None = Field(
-        None, description="Ray executor control path: compiled graph (True) or actor tasks (False); "
-                          "None: compiled graph when the workers use GPUs, tasks on CPUs.")
+        None,
+        description="Ray executor control path: compiled graph (True) or actor tasks (False); "
+        "None: compiled graph when the workers use GPUs, tasks on CPUs.",
+    )
 
     @property
     def world_size(self) -> int:
@@ -120,7 +139,7 @@ class ParallelConfig(_FrozenConfig):
 
     @property
     def executor_backend(self) -> str:
-        """"uni" for one device, "ray" for several unless the user chose."""
+        """ "uni" for one device, "ray" for several unless the user chose."""
         return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "ray")
 
 
@@ -137,7 +156,8 @@ class KVTransferConfig(_FrozenConfig):
     kv_role: Literal["kv_producer", "kv_consumer", "kv_both"]
     kv_connector: Literal["object_store", "ray_direct"] = "object_store"
     tensor_transport: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="ray_direct only: auto = nccl on GPU workers, gloo on CPU.")
+        "auto", description="ray_direct only: auto = nccl on GPU workers, gloo on CPU."
+    )
 
 
 class DeviceConfig(_FrozenConfig):

@@ -56,8 +56,11 @@ UNROUTED_FIELDS: dict[str, tuple[Any, FieldInfo]] = {
 
 def _routes() -> dict[str, tuple[type[BaseModel], str]]:
     vllm_name = {route: name for name, route in RENAMED_FIELDS.items()}
-    return {vllm_name.get((config, field_name), field_name): (config, field_name)
-            for config in ROUTED_CONFIGS for field_name in config.model_fields}
+    return {
+        vllm_name.get((config, field_name), field_name): (config, field_name)
+        for config in ROUTED_CONFIGS
+        for field_name in config.model_fields
+    }
 
 
 # Every EngineArgs field a config holds -> (that config, its field name); one entry per config field.
@@ -88,18 +91,25 @@ class _EngineArgsBase(BaseModel):
     def create_engine_config(self) -> EngineConfig:
         """Validates every part (reads the checkpoint's config.json for the context length)."""
         if self.kv_transfer_config is not None and (self.tensor_parallel_size, self.pipeline_parallel_size) != (1, 1):
-            raise ValueError("KV transfer (disaggregated prefill) supports tensor_parallel_size=1 and "
-                             "pipeline_parallel_size=1 engines only.")
+            raise ValueError(
+                "KV transfer (disaggregated prefill) supports tensor_parallel_size=1 and "
+                "pipeline_parallel_size=1 engines only."
+            )
         if self.cuda_graph_batch_sizes and max(self.cuda_graph_batch_sizes) > self.max_num_seqs:
-            raise ValueError(f"cuda_graph_batch_sizes go up to {max(self.cuda_graph_batch_sizes)}, past max_num_seqs "
-                             f"({self.max_num_seqs}): no decode step is that large.")
+            raise ValueError(
+                f"cuda_graph_batch_sizes go up to {max(self.cuda_graph_batch_sizes)}, past max_num_seqs "
+                f"({self.max_num_seqs}): no decode step is that large."
+            )
         max_position = _max_position_embeddings(self.model)
         max_model_len = self.max_model_len or max_position
         if max_model_len > max_position:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                             f"({max_position}).")
-        derived = {"max_num_batched_tokens": self.max_num_batched_tokens or max(2048, self.max_num_seqs),
-                   "max_model_len": max_model_len}
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({max_position})."
+            )
+        derived = {
+            "max_num_batched_tokens": self.max_num_batched_tokens or max(2048, self.max_num_seqs),
+            "max_model_len": max_model_len,
+        }
         return EngineConfig(
             model_config=ModelConfig(**self._routed_values(ModelConfig)),
             cache_config=CacheConfig(**self._routed_values(CacheConfig)),
@@ -111,11 +121,15 @@ class _EngineArgsBase(BaseModel):
 
 
 EngineArgs = create_model(
-    "EngineArgs", __base__=_EngineArgsBase, __module__=__name__,
+    "EngineArgs",
+    __base__=_EngineArgsBase,
+    __module__=__name__,
     __doc__="The engine's keyword arguments (vLLM's names), validated; ``create_engine_config`` builds the configs.",
-    **{name: _engine_args_field(name, config.model_fields[field_name])
-       for name, (config, field_name) in ROUTES.items()},
-    **UNROUTED_FIELDS)
+    **{
+        name: _engine_args_field(name, config.model_fields[field_name]) for name, (config, field_name) in ROUTES.items()
+    },
+    **UNROUTED_FIELDS,
+)
 
 
 def _max_position_embeddings(model_dir: str) -> int:

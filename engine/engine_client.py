@@ -67,8 +67,15 @@ class EngineClient(Protocol):
     def model_config(self) -> ModelConfig:
         """The served checkpoint's configuration (``model``: its path, the ``/v1/models`` root)."""
 
-    def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs as ``sampling_params.output_kind`` says; the last has finished=True.
 
         Nothing runs until the first ``__anext__``, which raises ValueError (bad

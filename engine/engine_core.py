@@ -71,11 +71,16 @@ class EngineCore:
         if len(self.batches_in_flight) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
             # An empty schedule still goes out when it carries finished or preempted ids (workers drop them).
-            if (scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids
-                    or scheduler_output.preempted_req_ids):
+            if (
+                scheduler_output.total_num_scheduled_tokens > 0
+                or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids
+            ):
                 self.batches_in_flight.append((scheduler_output, self.executor.execute_model_async(scheduler_output)))
-                if scheduler_output.total_num_scheduled_tokens > 0 and \
-                        len(self.batches_in_flight) < self.max_concurrent_batches:
+                if (
+                    scheduler_output.total_num_scheduled_tokens > 0
+                    and len(self.batches_in_flight) < self.max_concurrent_batches
+                ):
                     return []
         if not self.batches_in_flight:
             return []

@@ -117,8 +117,9 @@ class EngineThread:
             limit = self.max_num_queued_reqs
             num_waiting = self.stats.num_waiting_reqs + self._num_unapplied_reqs
             if limit is not None and num_waiting >= limit:
-                raise EngineOverloadedError(f"{num_waiting} requests are already waiting "
-                                            f"(max_num_queued_reqs={limit}); retry later.")
+                raise EngineOverloadedError(
+                    f"{num_waiting} requests are already waiting (max_num_queued_reqs={limit}); retry later."
+                )
             self._num_unapplied_reqs += command.params.n
             self._commands.put(command)
 
@@ -204,8 +205,14 @@ class EngineThread:
         if not command.future.set_running_or_notify_cancel():
             return  # the caller went away before the request was queued
         try:
-            prompt = self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
-                                             command.cache_salt, command.kv_transfer_params)
+            prompt = self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                command.priority,
+                command.cache_salt,
+                command.kv_transfer_params,
+            )
         except Exception as error:  # bad input: refuse this request, keep serving the others
             command.future.set_exception(error)
             return

@@ -1,7 +1,7 @@
 """The offline API, shaped like vLLM's ``LLM`` so its users feel at home.
 
-    llm = LLM(model="/path/to/checkpoint", dtype="bfloat16", max_model_len=2048)
-    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+llm = LLM(model="/path/to/checkpoint", dtype="bfloat16", max_model_len=2048)
+outputs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
 from __future__ import annotations
@@ -28,9 +28,13 @@ class LLM:
         """Releases the workers (Ray worker actors and their placement group, when there are any)."""
         self.llm_engine.shutdown()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the prompts' order.
 
         A bad prompt or parameter raises ValueError before any of this call's
@@ -43,24 +47,34 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-                                            priority=priority[i] if priority else 0)
+                self.llm_engine.add_request(
+                    request_id,
+                    prompt,
+                    params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                    priority=priority[i] if priority else 0,
+                )
                 request_ids.append(request_id)
         except ValueError:
             self.llm_engine.abort_request(request_ids)
             raise
         return self._run_engine(request_ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
         """Renders each conversation with the tokenizer's chat template, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            )
             # The template already holds the special tokens; don't let encode() add a second BOS.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -79,8 +93,9 @@ class LLM:
         from tqdm.auto import tqdm
 
         finished: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm,
-                        dynamic_ncols=True)
+        progress = tqdm(
+            total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True
+        )
         num_generated = 0
         while self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
@@ -88,6 +103,8 @@ class LLM:
                     finished[output.request_id] = output
                     num_generated += sum(len(completion.token_ids) for completion in output.outputs)
                     progress.update(1)
-                    progress.set_postfix_str(f"gen {num_generated / max(progress.format_dict['elapsed'], 1e-9):.0f} tok/s")
+                    progress.set_postfix_str(
+                        f"gen {num_generated / max(progress.format_dict['elapsed'], 1e-9):.0f} tok/s"
+                    )
         progress.close()
         return [finished[request_id] for request_id in request_ids]

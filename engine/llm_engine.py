@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -42,8 +43,13 @@ class LLMEngine:
     """``stat_loggers`` get every step's statistics (and ``log()`` every ``log_interval_s``); with none,
     no latency statistics are kept (the offline ``LLM``). ``totals`` are kept either way."""
 
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
-                 stat_loggers: list[StatLogger] | None = None, log_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: type[Executor] | None = None,
+        stat_loggers: list[StatLogger] | None = None,
+        log_interval_s: float = 10.0,
+    ) -> None:
         self.config = config
         self.stat_loggers = list(stat_loggers or [])
         self.log_interval_s = log_interval_s
@@ -61,9 +67,15 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    cache_salt: str | None = None, kv_transfer_params: dict | None = None
-                    ) -> tuple[str | None, list[int]]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> tuple[str | None, list[int]]:
         """Queues a request (``n`` > 1 fans out into n core requests); returns its (prompt text, prompt
         token ids). Raises ValueError on bad input.
 
@@ -77,31 +89,45 @@ class LLMEngine:
             parent = None
         else:
             # vLLM's convention: child i of a seeded request uses seed + i.
-            children = [(f"{i}_{request_id}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
-                        for i in range(params.n)]
+            children = [
+                (f"{i}_{request_id}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
+                for i in range(params.n)
+            ]
             parent = ParentRequest(request_id, params.n)
         # n > 1 children are named "i_<id>": they must not take over another request's id (nor the reverse).
         for core_id, _ in children:
             if core_id in self.output_processor.states:
                 raise ValueError(f"Request id {request_id!r} would reuse the in-flight request id {core_id!r}.")
-        requests = [self.processor.make_request(core_id, prompt_token_ids, child_params, priority, cache_salt,
-                                                kv_transfer_params=kv_transfer_params)
-                    for core_id, child_params in children]  # validates everything before queueing anything
+        requests = [
+            self.processor.make_request(
+                core_id, prompt_token_ids, child_params, priority, cache_salt, kv_transfer_params=kv_transfer_params
+            )
+            for core_id, child_params in children
+        ]  # validates everything before queueing anything
         arrival_time = time.monotonic() if self.stat_loggers else None
         for index, request in enumerate(requests):
             # The core first: its scheduler refuses a prompt that leaves no room (check_prompt_fits runs there
             # only), and then nothing is left behind; the children share the prompt, so the first is refused.
             self.engine_core.add_request(request)
-            self.output_processor.add_request(request.request_id, request_id, index, prompt_text, prompt_token_ids,
-                                              children[index][1], parent, arrival_time)
+            self.output_processor.add_request(
+                request.request_id,
+                request_id,
+                index,
+                prompt_text,
+                prompt_token_ids,
+                children[index][1],
+                parent,
+                arrival_time,
+            )
         self.core_ids_of[request_id] = [request.request_id for request in requests]
         self.totals.num_prompt_tokens += len(prompt_token_ids)
         return prompt_text, prompt_token_ids
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Ends these requests at once, freeing their blocks; unknown or finished ids are skipped."""
-        core_ids_per_request = [self.core_ids_of.pop(request_id) for request_id in request_ids
-                                if request_id in self.core_ids_of]
+        core_ids_per_request = [
+            self.core_ids_of.pop(request_id) for request_id in request_ids if request_id in self.core_ids_of
+        ]
         self.totals.num_aborted_reqs += len(core_ids_per_request)
         core_ids = [core_id for request_core_ids in core_ids_per_request for core_id in request_core_ids]
         for core_id in core_ids:

@@ -80,34 +80,53 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
-        _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        _check(self.repetition_penalty > 0.0,
-               f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
+        )
+        _check(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+        )
         _check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}.")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.",
+        )
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
-        _check(self.max_tokens is None or self.max_tokens >= 1,
-               f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}."
+        )
         _check(self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}.")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        _check(self.logprobs is None or self.logprobs >= -1,
-               f"logprobs must be non-negative or -1 (whole vocabulary), got {self.logprobs}.")
-        _check(self.prompt_logprobs is None or self.prompt_logprobs >= -1,
-               f"prompt_logprobs must be non-negative or -1 (whole vocabulary), got {self.prompt_logprobs}.")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids must be non-negative integers.")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+        )
+        _check(
+            self.logprobs is None or self.logprobs >= -1,
+            f"logprobs must be non-negative or -1 (whole vocabulary), got {self.logprobs}.",
+        )
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+            f"prompt_logprobs must be non-negative or -1 (whole vocabulary), got {self.prompt_logprobs}.",
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers.",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings.")
         _check(all(isinstance(w, str) and w for w in self.bad_words), "bad_words must be non-empty strings.")
-        _check(self.logit_bias is None or all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
-               "logit_bias values must be in [-100, 100].")
-        _check(self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
-               "allowed_token_ids must not be empty.")
+        _check(
+            self.logit_bias is None or all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+            "logit_bias values must be in [-100, 100].",
+        )
+        _check(
+            self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty."
+        )
 
     @property
     def is_greedy(self) -> bool:

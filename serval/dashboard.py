@@ -22,8 +22,22 @@ SUMMARY = "push Serval's Grafana dashboard (engine, latency and Ray Serve panels
 DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
 GRID_WIDTH = 24
 # Grafana's global variables that may appear in a query without a template variable behind them.
-BUILTIN_VARIABLES = frozenset({"__interval", "__interval_ms", "__rate_interval", "__rate_interval_ms", "__range",
-                               "__range_s", "__range_ms", "__from", "__to", "__dashboard", "__org", "__user"})
+BUILTIN_VARIABLES = frozenset(
+    {
+        "__interval",
+        "__interval_ms",
+        "__rate_interval",
+        "__rate_interval_ms",
+        "__range",
+        "__range_s",
+        "__range_ms",
+        "__from",
+        "__to",
+        "__dashboard",
+        "__org",
+        "__user",
+    }
+)
 # $name, ${name}, ${name:format} and the deprecated [[name]].
 _VARIABLE_RE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
 
@@ -31,11 +45,15 @@ _VARIABLE_RE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grafana-url", required=True, help="Grafana's base URL, e.g. http://127.0.0.1:3000")
     auth = parser.add_mutually_exclusive_group()
-    auth.add_argument("--token", default=os.environ.get("GRAFANA_TOKEN"),
-                      help="service-account token (default: $GRAFANA_TOKEN)")
+    auth.add_argument(
+        "--token", default=os.environ.get("GRAFANA_TOKEN"), help="service-account token (default: $GRAFANA_TOKEN)"
+    )
     auth.add_argument("--basic-auth", metavar="USER:PASSWORD", help="basic authentication instead of a token")
-    parser.add_argument("--folder", default="Serval",
-                        help="folder to put the dashboard in, created if missing ('' for the General folder)")
+    parser.add_argument(
+        "--folder",
+        default="Serval",
+        help="folder to put the dashboard in, created if missing ('' for the General folder)",
+    )
     parser.add_argument("--datasource-uid", help="uid of the Prometheus data source the dashboard selects first")
     parser.add_argument("--dashboard", help="dashboard JSON to push instead of the packaged one")
 
@@ -58,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         url_path = push_dashboard(api, dashboard, args.folder)
     except GrafanaException as error:
-        print(f"serval dashboard push: Grafana at {args.grafana_url} answered: {_error_text(error)}",
-              file=sys.stderr)
+        print(f"serval dashboard push: Grafana at {args.grafana_url} answered: {_error_text(error)}", file=sys.stderr)
         return 1
     except OSError as error:  # niquests' connection errors are OSErrors
         print(f"serval dashboard push: cannot reach Grafana at {args.grafana_url}: {error}", file=sys.stderr)
@@ -97,8 +114,11 @@ def validate_dashboard(dashboard: dict) -> None:
 
 def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
     """``(panel title, expr)`` for every target of every non-row panel, in dashboard order."""
-    return [(panel.get("title", ""), target.get("expr", ""))
-            for panel in _query_panels(dashboard) for target in panel.get("targets", [])]
+    return [
+        (panel.get("title", ""), target.get("expr", ""))
+        for panel in _query_panels(dashboard)
+        for target in panel.get("targets", [])
+    ]
 
 
 def panel_queries_by_row(dashboard: dict) -> dict[str, list[tuple[str, str]]]:
@@ -110,8 +130,9 @@ def panel_queries_by_row(dashboard: dict) -> dict[str, list[tuple[str, str]]]:
             row = panel.get("title", "")
             by_row.setdefault(row, [])
             continue
-        by_row.setdefault(row, []).extend((panel.get("title", ""), target.get("expr", ""))
-                                          for target in panel.get("targets", []))
+        by_row.setdefault(row, []).extend(
+            (panel.get("title", ""), target.get("expr", "")) for target in panel.get("targets", [])
+        )
     return by_row
 
 
@@ -229,8 +250,11 @@ def _grid_pos_problems(grid_pos: dict | None) -> list[str]:
 def _variable_problems(dashboard: dict) -> list[str]:
     variables = dashboard.get("templating", {}).get("list", [])
     defined = {variable.get("name") for variable in variables} | BUILTIN_VARIABLES
-    problems = [f"variable {variable.get('name')!r}: data source {variable['datasource']} is not {DATASOURCE_REF}"
-                for variable in variables if variable.get("datasource", DATASOURCE_REF) != DATASOURCE_REF]
+    problems = [
+        f"variable {variable.get('name')!r}: data source {variable['datasource']} is not {DATASOURCE_REF}"
+        for variable in variables
+        if variable.get("datasource", DATASOURCE_REF) != DATASOURCE_REF
+    ]
     for title, expr in panel_queries(dashboard):
         for match in _VARIABLE_RE.finditer(expr):
             name = next(group for group in match.groups() if group)

@@ -23,24 +23,38 @@ RAYSERVICE_TEMPLATE = "templates/rayservice.yaml"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a Serve config file (configs/serve/*.yaml)")
-    parser.add_argument("-f", "--values", action="append", default=[], metavar="YAML",
-                        help="a chart values file (repeatable; later files win, as with helm -f)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a chart value, helm --set syntax (repeatable; applied after the files)")
+    parser.add_argument(
+        "-f",
+        "--values",
+        action="append",
+        default=[],
+        metavar="YAML",
+        help="a chart values file (repeatable; later files win, as with helm -f)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a chart value, helm --set syntax (repeatable; applied after the files)",
+    )
     parser.add_argument("--name", default="serval", help="the release name (default: serval)")
     parser.add_argument("--namespace", default="default")
     parser.add_argument("--chart", default=str(CHART_DIR), help="the chart directory (default: helm/serval)")
-    parser.add_argument("--all", action="store_true",
-                        help="print every manifest the chart renders (PodMonitor, dashboard ConfigMap), "
-                             "not only the RayService")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="print every manifest the chart renders (PodMonitor, dashboard ConfigMap), not only the RayService",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         import helm_python
     except ImportError:
-        print("serval render-rayservice: needs the helm-python-sdk package (pip install helm-python-sdk)",
-              file=sys.stderr)
+        print(
+            "serval render-rayservice: needs the helm-python-sdk package (pip install helm-python-sdk)", file=sys.stderr
+        )
         return 1
     try:
         with open(args.config, encoding="utf-8") as f:

@@ -40,8 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine (engine_kwargs)")
     for name, options in SERVE_ENGINE_FLAGS.items():
         engine.add_argument(f"--{name.replace('_', '-')}", **options)
-    engine.add_argument("--engine-kwargs", type=_json_object, default={}, metavar="JSON",
-                        help="any other EngineArgs fields as a JSON object; the flags above take precedence")
+    engine.add_argument(
+        "--engine-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="any other EngineArgs fields as a JSON object; the flags above take precedence",
+    )
     deployment = parser.add_argument_group("deployment (deployment_config)")
     deployment.add_argument("--num-replicas", type=int, default=1)
     deployment.add_argument("--max-ongoing-requests", type=int, default=256)
@@ -72,12 +77,26 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     path = write_config(text, args.output)
-    print(f"Serve config: {path} (the same file runs on Kubernetes: "
-          f"helm install serval ./helm/serval --set-file serveConfigFile={path})", flush=True)
+    print(
+        f"Serve config: {path} (the same file runs on Kubernetes: "
+        f"helm install serval ./helm/serval --set-file serveConfigFile={path})",
+        flush=True,
+    )
     from deployments import launcher
 
-    return launcher.main(["up", "--config", path, "--gcs-port", str(args.gcs_port),
-                          "--dashboard-port", str(args.dashboard_port), "--timeout-s", str(args.timeout_s)])
+    return launcher.main(
+        [
+            "up",
+            "--config",
+            path,
+            "--gcs-port",
+            str(args.gcs_port),
+            "--dashboard-port",
+            str(args.dashboard_port),
+            "--timeout-s",
+            str(args.timeout_s),
+        ]
+    )
 
 
 def build_serve_config(args: argparse.Namespace) -> dict:
@@ -92,18 +111,29 @@ def build_serve_config(args: argparse.Namespace) -> dict:
     if args.num_gpus_per_replica:
         actor_options["num_gpus"] = _whole_if_integral(args.num_gpus_per_replica)
     llm_config = {
-        "model_loading_config": {"model_id": args.model_id or Path(args.model).resolve().name,
-                                 "model_source": model_source(args.model)},
+        "model_loading_config": {
+            "model_id": args.model_id or Path(args.model).resolve().name,
+            "model_source": model_source(args.model),
+        },
         "engine_kwargs": {**args.engine_kwargs, **flags},
-        "deployment_config": {"num_replicas": args.num_replicas, "max_ongoing_requests": args.max_ongoing_requests,
-                              "ray_actor_options": actor_options},
+        "deployment_config": {
+            "num_replicas": args.num_replicas,
+            "max_ongoing_requests": args.max_ongoing_requests,
+            "ray_actor_options": actor_options,
+        },
     }
     LLMConfig.model_validate(llm_config)
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": args.host, "port": args.port},
-        "applications": [{"name": "llm", "route_prefix": "/", "import_path": "deployments.app:build_openai_app",
-                          "args": {"llm_configs": [llm_config]}}],
+        "applications": [
+            {
+                "name": "llm",
+                "route_prefix": "/",
+                "import_path": "deployments.app:build_openai_app",
+                "args": {"llm_configs": [llm_config]},
+            }
+        ],
     }
 
 

@@ -116,7 +116,8 @@ def assert_pool_clean(llm) -> None:
     assert not kv.req_to_blocks, f"blocks still held by {list(kv.req_to_blocks)}"
     pool = kv.block_pool
     assert pool.num_free_blocks == pool.num_blocks - 1, (
-        f"{pool.num_free_blocks} free blocks of {pool.num_blocks - 1} usable")
+        f"{pool.num_free_blocks} free blocks of {pool.num_blocks - 1} usable"
+    )
 
 
 class HFReference:
@@ -192,8 +193,17 @@ def tiny_checkpoint(tmp_path_factory):
     def get(arch: str, tie: bool | None = None) -> str:
         key = (arch, tie)
         if key not in paths:
-            paths[key] = str(make_model(root / checkpoint_name(arch, tie), arch=arch, size="tiny", seed=0,
-                                        dtype="float32", tie_word_embeddings=tie, quiet=True))
+            paths[key] = str(
+                make_model(
+                    root / checkpoint_name(arch, tie),
+                    arch=arch,
+                    size="tiny",
+                    seed=0,
+                    dtype="float32",
+                    tie_word_embeddings=tie,
+                    quiet=True,
+                )
+            )
         return paths[key]
 
     return get

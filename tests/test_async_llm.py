@@ -28,8 +28,12 @@ from tests.conftest import make_async_llm as make_test_async_llm
 
 # Long enough that a 1000-token request outlasts any event-loop lag on a loaded machine.
 MAX_MODEL_LEN = 1024
-ENGINE_KWARGS = engine_kwargs(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, enable_prefix_caching=True,
-                              num_gpu_blocks_override=8 * MAX_MODEL_LEN // 16 + 1)
+ENGINE_KWARGS = engine_kwargs(
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=8,
+    enable_prefix_caching=True,
+    num_gpu_blocks_override=8 * MAX_MODEL_LEN // 16 + 1,
+)
 DELTA, CUMULATIVE, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
 
 
@@ -52,8 +56,12 @@ def offline(model_path) -> LLM:
 @pytest.fixture(scope="module")
 def prompts() -> list:
     rng = random.Random(5)
-    return [token_prompt(random_token_ids(rng, 40)), "Hello, world. The answer is",
-            token_prompt(random_token_ids(rng, 7)), token_prompt(random_token_ids(rng, 70))]
+    return [
+        token_prompt(random_token_ids(rng, 40)),
+        "Hello, world. The answer is",
+        token_prompt(random_token_ids(rng, 7)),
+        token_prompt(random_token_ids(rng, 70)),
+    ]
 
 
 def greedy(max_tokens: int = 16, **changes) -> SamplingParams:
@@ -62,8 +70,10 @@ def greedy(max_tokens: int = 16, **changes) -> SamplingParams:
 
 def run(coro):
     """Runs a test body on a fresh event loop; a hang fails the test instead of stalling the suite."""
+
     async def bounded():
         return await asyncio.wait_for(coro, timeout=60)
+
     return asyncio.run(bounded())
 
 
@@ -81,8 +91,9 @@ async def wait_until(predicate, timeout: float = 20.0) -> None:
 
 def is_idle_and_clean(llm: AsyncLLM) -> bool:
     stats = llm.get_stats()
-    return (stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
-            and stats.num_free_blocks == stats.num_total_blocks)
+    return (
+        stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.num_free_blocks == stats.num_total_blocks
+    )
 
 
 def concat_deltas(outputs: list[RequestOutput]) -> dict[int, tuple[list[int], str]]:
@@ -109,8 +120,9 @@ def test_concurrent_greedy_requests_match_offline(async_llm, offline, prompts):
     before = async_llm.get_stats()
 
     async def body():
-        results = await asyncio.gather(*(collect(async_llm, prompt, params, f"concurrent-{i}")
-                                         for i, prompt in enumerate(prompts)))
+        results = await asyncio.gather(
+            *(collect(async_llm, prompt, params, f"concurrent-{i}") for i, prompt in enumerate(prompts))
+        )
         await wait_until(lambda: is_idle_and_clean(async_llm))
         return results
 
@@ -125,7 +137,8 @@ def test_concurrent_greedy_requests_match_offline(async_llm, offline, prompts):
     assert after.num_finished_reqs_total - before.num_finished_reqs_total == len(prompts)
     assert after.num_generated_tokens_total - before.num_generated_tokens_total == 16 * len(prompts)
     assert after.num_prompt_tokens_total - before.num_prompt_tokens_total == sum(
-        len(reference.prompt_token_ids) for reference in expected)
+        len(reference.prompt_token_ids) for reference in expected
+    )
     assert after.kv_cache_usage == 0.0
 
 
@@ -144,14 +157,16 @@ def test_cumulative_grows_and_final_only_sends_one_output(async_llm, offline, pr
     expected = offline.generate(prompts[0], greedy(20), use_tqdm=False)[0].outputs[0]
 
     async def body():
-        return await asyncio.gather(collect(async_llm, prompts[0], greedy(20, output_kind=CUMULATIVE), "cumulative"),
-                                    collect(async_llm, prompts[0], greedy(20, output_kind=FINAL_ONLY), "final-only"))
+        return await asyncio.gather(
+            collect(async_llm, prompts[0], greedy(20, output_kind=CUMULATIVE), "cumulative"),
+            collect(async_llm, prompts[0], greedy(20, output_kind=FINAL_ONLY), "final-only"),
+        )
 
     cumulative, final_only = run(body())
     assert_one_final(cumulative)
     for earlier, later in zip(cumulative, cumulative[1:]):
         earlier_ids, later_ids = earlier.outputs[0].token_ids, later.outputs[0].token_ids
-        assert later_ids[:len(earlier_ids)] == earlier_ids and len(later_ids) > len(earlier_ids)
+        assert later_ids[: len(earlier_ids)] == earlier_ids and len(later_ids) > len(earlier_ids)
     assert cumulative[-1].outputs[0].token_ids == expected.token_ids
     assert cumulative[-1].outputs[0].text == expected.text
     assert len(final_only) == 1 and final_only[0].finished
@@ -212,7 +227,7 @@ def test_request_added_mid_decode_joins_the_running_batch(async_llm, offline, pr
     short_outputs, before, stats = run(body())
     assert concat_deltas(short_outputs)[0][0] == expected_short
     first_short, last_short = events.index("short"), len(events) - 1 - events[::-1].index("short")
-    assert "long" in events[:first_short] and "long" in events[last_short + 1:], "short ran inside long's decode"
+    assert "long" in events[:first_short] and "long" in events[last_short + 1 :], "short ran inside long's decode"
     assert max(num_running_seen) == 2
     # Every step so far gave the long request one token: the short one only rode along, adding no step.
     num_steps = stats.num_steps_total - before.num_steps_total
@@ -258,8 +273,12 @@ def test_closing_or_cancelling_a_stream_aborts_and_frees_blocks(async_llm, promp
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await wait_until(lambda: is_idle_and_clean(async_llm)
-                         and async_llm.get_stats().num_aborted_reqs_total == before.num_aborted_reqs_total + 2)
+        await wait_until(
+            lambda: (
+                is_idle_and_clean(async_llm)
+                and async_llm.get_stats().num_aborted_reqs_total == before.num_aborted_reqs_total + 2
+            )
+        )
         return before, async_llm.get_stats()
 
     before, after = run(body())
@@ -400,7 +419,10 @@ def test_merge_outputs_concatenates_deltas_and_keeps_newest_cumulative():
     new = output(CompletionOutput(1, "b", [6], finish_reason="stop"), CompletionOutput(2, "z", [7]))
     merged = merge_outputs(pending, new, is_delta=True)
     assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in merged.outputs] == [
-        (0, "x", [9], None), (1, "ab", [5, 6], "stop"), (2, "z", [7], None)]
+        (0, "x", [9], None),
+        (1, "ab", [5, 6], "stop"),
+        (2, "z", [7], None),
+    ]
     merged = merge_outputs(pending, new, is_delta=False)
     assert [(c.index, c.text, c.token_ids) for c in merged.outputs] == [(0, "x", [9]), (1, "b", [6]), (2, "z", [7])]
     assert merge_outputs(output(finished=True), output(), is_delta=True).finished
@@ -447,8 +469,10 @@ def test_busy_loop_failure_makes_the_engine_dead(model_path, prompts, caplog):
 
     async def body():
         await llm.check_health()
-        results = await asyncio.gather(*(collect(llm, prompt, greedy(50), f"doomed-{i}")
-                                          for i, prompt in enumerate(prompts[:2])), return_exceptions=True)
+        results = await asyncio.gather(
+            *(collect(llm, prompt, greedy(50), f"doomed-{i}") for i, prompt in enumerate(prompts[:2])),
+            return_exceptions=True,
+        )
         with pytest.raises(EngineDeadError):
             await llm.generate(prompts[0], greedy(4), "late").__anext__()
         with pytest.raises(EngineDeadError, match="injected worker failure"):

@@ -27,8 +27,18 @@ def _reference(q, k_full, v_full, ctx, scale):
 class Batch:
     """Requests with random K/V history living in a paged cache with random, non-contiguous blocks."""
 
-    def __init__(self, specs, *, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=64,
-                 dtype=torch.float32, seed=0):
+    def __init__(
+        self,
+        specs,
+        *,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=4,
+        num_blocks=64,
+        dtype=torch.float32,
+        seed=0,
+    ):
         g = torch.Generator().manual_seed(seed)
         rnd = random.Random(seed)
         self.backend = get_attention_backend("torch")
@@ -53,8 +63,9 @@ class Batch:
                 TorchPagedAttention.write_kv(self.cache, self.k[i][:ctx], self.v[i][:ctx], md.slot_mapping)
 
     def metadata(self) -> AttentionMetadata:
-        return build_attention_metadata([q for _, q in self.specs], [c + q for c, q in self.specs],
-                                        self.tables, self.block_size)
+        return build_attention_metadata(
+            [q for _, q in self.specs], [c + q for c, q in self.specs], self.tables, self.block_size
+        )
 
     def run(self, scale=0.3):
         md = self.metadata()
@@ -99,8 +110,15 @@ def test_the_native_decode_kernel_builds_here():
 @pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(8, 2, 16), (14, 2, 32), (4, 4, 16), (4, 2, 8)])
 def test_native_decode_kernel_matches_dense_reference(dtype, head_dim, num_heads, num_kv_heads, block_size):
     specs = [(ctx, 1) for ctx in (0, 3, 15, 16, 17, 40, 63, 100)]
-    b = Batch(specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-              dtype=dtype, num_blocks=128)
+    b = Batch(
+        specs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        num_blocks=128,
+    )
     out, _ = b.run()
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
@@ -180,6 +198,7 @@ def test_backend_registry():
 
 def test_auto_picks_triton_on_cuda_and_the_torch_reference_elsewhere():
     from engine.attention import resolve_backend_name
+
     assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
     assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
     assert resolve_backend_name("triton", torch.device("cpu")) == "triton"  # an explicit choice wins
@@ -195,7 +214,7 @@ def test_native_decode_kernel_reads_strided_queries_and_writes_into_out(head_dim
     md = b.metadata()
     q = torch.cat(b.q)  # [3, 4, D]
     packed = torch.cat([q.reshape(3, -1), torch.randn(3, 2 * 2 * head_dim).bfloat16()], dim=1)
-    q_view = packed[:, :4 * head_dim].view(3, 4, head_dim)
+    q_view = packed[:, : 4 * head_dim].view(3, 4, head_dim)
     assert not q_view.is_contiguous()
     out = torch.full((5, 4, head_dim), 7.0, dtype=torch.bfloat16)
     kernels = load_cpu_kernels()

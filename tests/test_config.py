@@ -26,13 +26,24 @@ def test_budget_must_hold_a_prompt_without_chunked_prefill():
         SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=2048)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(max_tokens=0), "max_tokens"),
-    (dict(n=0), "n must"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(logit_bias={1: 500.0}), "logit_bias"), (dict(stop=[""]), "stop"), (dict(allowed_token_ids=[]), "allowed"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(n=0), "n must"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(logit_bias={1: 500.0}), "logit_bias"),
+        (dict(stop=[""]), "stop"),
+        (dict(allowed_token_ids=[]), "allowed"),
+    ],
+)
 def test_bad_sampling_params_raise_clear_value_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**bad)
@@ -46,6 +57,7 @@ def test_sampling_params_normalise_vllm_spellings():
 
 def test_cuda_graph_batch_sizes_are_sorted_and_positive():
     from engine.config import ModelConfig
+
     config = ModelConfig(model="m", cuda_graph_batch_sizes=[8, 1, 4, 4])
     assert config.cuda_graph_batch_sizes == (1, 4, 8)
     assert config.attention_backend == "auto" and not config.enforce_eager

@@ -48,7 +48,7 @@ def _assert_matches(got, want, dtype, bf16_exact=True):
     if dtype == torch.bfloat16 and bf16_exact:
         assert torch.equal(got, want)
     elif dtype == torch.bfloat16:  # at most one unit in the last place
-        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
     else:
         torch.testing.assert_close(got, want, **FLOAT32_TOL)
 
@@ -90,15 +90,32 @@ def _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
     """q, k, v as the attention layer gets them: views into one packed qkv output."""
     qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=seed)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
-            v.view(num_tokens, num_kv_heads, head_dim))
+    return (
+        q.view(num_tokens, num_heads, head_dim),
+        k.view(num_tokens, num_kv_heads, head_dim),
+        v.view(num_tokens, num_kv_heads, head_dim),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,rope", [(64, {"rope_theta": 10000.0}), (16, {"rope_theta": 500.0}),
-                                           (128, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                  "original_max_position_embeddings": 64})])
+@pytest.mark.parametrize(
+    "head_dim,rope",
+    [
+        (64, {"rope_theta": 10000.0}),
+        (16, {"rope_theta": 500.0}),
+        (
+            128,
+            {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ],
+)
 def test_rotary_embedding_and_cache(ops, dtype, head_dim, rope):
     num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 11, 4, 2, 4, 8
     rotary = RotaryEmbedding(head_dim, rope, 256)
@@ -120,11 +137,13 @@ def test_rotary_embedding_and_cache_rejects_bad_slots_before_writing(ops):
     cache = torch.zeros(2, 2, 4, 1, 16)
     before = (q.clone(), k.clone())
     with pytest.raises(RuntimeError, match="outside the KV cache"):
-        ops.rotary_embedding_and_cache(torch.tensor([0, 1, 2]), q, k, v, rotary.table(63, q.device), cache,
-                                       torch.tensor([0, 1, 8]))
+        ops.rotary_embedding_and_cache(
+            torch.tensor([0, 1, 2]), q, k, v, rotary.table(63, q.device), cache, torch.tensor([0, 1, 8])
+        )
     with pytest.raises(RuntimeError, match="outside the rope table"):
-        ops.rotary_embedding_and_cache(torch.tensor([0, 1, 64]), q, k, v, rotary.table(63, q.device), cache,
-                                       torch.tensor([0, 1, 2]))
+        ops.rotary_embedding_and_cache(
+            torch.tensor([0, 1, 64]), q, k, v, rotary.table(63, q.device), cache, torch.tensor([0, 1, 2])
+        )
     assert torch.equal(q, before[0]) and torch.equal(k, before[1]) and not cache.any()
 
 

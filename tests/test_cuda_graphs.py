@@ -47,8 +47,15 @@ def test_padded_decode_steps_equal_eager_forwards_and_write_only_their_own_slots
     block_tables = [list(range(1 + i * max_blocks, 1 + (i + 1) * max_blocks)) for i in range(len(lengths))]
     kv_caches = model.make_kv_caches(1 + len(lengths) * max_blocks, BLOCK_SIZE)
     _prefill(model, kv_caches, lengths, block_tables, rng)
-    runner = DecodeGraphRunner(model, kv_caches, [1, 2, 4, 8], max_blocks, MAX_MODEL_LEN, torch.device(DEVICE),
-                               use_cuda_graphs=DEVICE == "cuda")
+    runner = DecodeGraphRunner(
+        model,
+        kv_caches,
+        [1, 2, 4, 8],
+        max_blocks,
+        MAX_MODEL_LEN,
+        torch.device(DEVICE),
+        use_cuda_graphs=DEVICE == "cuda",
+    )
     runner.capture()
     for num_reqs in (1, 3, 6, 5):  # replayed as sizes 1, 4, 8, 8
         seq_lens = [length + 1 for length in lengths[:num_reqs]]

@@ -42,7 +42,11 @@ def test_packaged_dashboard_is_valid():
     validate_dashboard(dashboard)
     assert dashboard["uid"] == "serval-overview"
     assert [row["title"] for row in dashboard["panels"] if row["type"] == "row"] == [
-        "Serval engine", "Latency", "Ray Serve", "Disaggregated prefill"]
+        "Serval engine",
+        "Latency",
+        "Ray Serve",
+        "Disaggregated prefill",
+    ]
 
 
 def test_every_serval_metric_has_a_panel():
@@ -89,14 +93,17 @@ def _break_datasource(dashboard):
     _first_query_panel(dashboard)["datasource"] = {"type": "prometheus", "uid": "my-prometheus"}
 
 
-@pytest.mark.parametrize("break_dashboard, message", [
-    (_break_duplicate_id, "duplicate panel id"),
-    (_break_missing_expr, "empty expr"),
-    (_break_undefined_variable, r"undefined variable \$replica"),
-    (_break_grid_overflow, "overflows the 24-column grid"),
-    (_break_no_targets, "no targets"),
-    (_break_datasource, "data source"),
-])
+@pytest.mark.parametrize(
+    "break_dashboard, message",
+    [
+        (_break_duplicate_id, "duplicate panel id"),
+        (_break_missing_expr, "empty expr"),
+        (_break_undefined_variable, r"undefined variable \$replica"),
+        (_break_grid_overflow, "overflows the 24-column grid"),
+        (_break_no_targets, "no targets"),
+        (_break_datasource, "data source"),
+    ],
+)
 def test_validation_catches_defect(break_dashboard, message):
     dashboard = copy.deepcopy(load_dashboard())
     break_dashboard(dashboard)
@@ -134,16 +141,25 @@ class _GrafanaHandler(BaseHTTPRequestHandler):
     def _handle(self):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
-        self.server.requests.append({"method": self.command, "path": self.path.split("?")[0], "body": body,
-                                     "authorization": self.headers.get("Authorization")})
+        self.server.requests.append(
+            {
+                "method": self.command,
+                "path": self.path.split("?")[0],
+                "body": body,
+                "authorization": self.headers.get("Authorization"),
+            }
+        )
         if self.server.fail_status:
             return self._reply(self.server.fail_status, {"message": "invalid API key"})
         route = (self.command, self.path.split("?")[0])
         if route == ("GET", "/api/folders"):
             return self._reply(200, self.server.folders)
         if route == ("POST", "/api/folders"):
-            folder = {"id": len(self.server.folders) + 1, "uid": f"folder-{len(self.server.folders) + 1}",
-                      "title": body["title"]}
+            folder = {
+                "id": len(self.server.folders) + 1,
+                "uid": f"folder-{len(self.server.folders) + 1}",
+                "title": body["title"],
+            }
             self.server.folders.append(folder)
             return self._reply(200, folder)
         if route == ("POST", "/api/dashboards/db"):
@@ -155,8 +171,17 @@ class _GrafanaHandler(BaseHTTPRequestHandler):
         if dashboard["uid"] in self.server.dashboards and not body.get("overwrite"):
             return self._reply(412, {"message": "A dashboard with the same uid already exists"})
         self.server.dashboards[dashboard["uid"]] = body
-        return self._reply(200, {"id": 1, "uid": dashboard["uid"], "status": "success", "version": 1,
-                                 "url": f"/d/{dashboard['uid']}/serval", "slug": "serval"})
+        return self._reply(
+            200,
+            {
+                "id": 1,
+                "uid": dashboard["uid"],
+                "status": "success",
+                "version": 1,
+                "url": f"/d/{dashboard['uid']}/serval",
+                "slug": "serval",
+            },
+        )
 
     def _reply(self, status: int, payload) -> None:
         data = json.dumps(payload).encode()
@@ -180,8 +205,9 @@ def grafana():
 @pytest.fixture
 def serval_main(monkeypatch):
     """``serval.cli.main`` with only the dashboard commands, so other subcommands' imports don't matter here."""
-    monkeypatch.setattr(cli, "SUBCOMMANDS", {path: module for path, module in cli.SUBCOMMANDS.items()
-                                             if path[0] == "dashboard"})
+    monkeypatch.setattr(
+        cli, "SUBCOMMANDS", {path: module for path, module in cli.SUBCOMMANDS.items() if path[0] == "dashboard"}
+    )
     monkeypatch.delenv("GRAFANA_TOKEN", raising=False)
     return cli.main
 
@@ -220,8 +246,10 @@ def test_push_token_from_env_and_pinned_datasource(grafana, serval_main, monkeyp
 
 
 def test_push_basic_auth_to_general_folder(grafana, serval_main):
-    assert serval_main(["dashboard", "push", "--grafana-url", grafana.url, "--basic-auth", "admin:pw",
-                        "--folder", ""]) == 0
+    assert (
+        serval_main(["dashboard", "push", "--grafana-url", grafana.url, "--basic-auth", "admin:pw", "--folder", ""])
+        == 0
+    )
     assert grafana.requests[0]["authorization"].startswith("Basic ")
     assert not grafana.folders
     assert "folderUid" not in grafana.dashboards["serval-overview"]

@@ -38,22 +38,32 @@ def tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>",
-                                   additional_special_tokens=["<sep>"], clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        additional_special_tokens=["<sep>"],
+        clean_up_tokenization_spaces=False,
+    )
 
 
-def stream(ids: list[int], params: SamplingParams, prompt: str = "Hello", chunk: int = 1,
-           is_stop_token: bool = False) -> tuple[IncrementalDetokenizer, list[str]]:
+def stream(
+    ids: list[int], params: SamplingParams, prompt: str = "Hello", chunk: int = 1, is_stop_token: bool = False
+) -> tuple[IncrementalDetokenizer, list[str]]:
     """Feeds ``ids`` ``chunk`` at a time; returns the detokenizer and the streamed deltas."""
     tok = tokenizer()
     detok = IncrementalDetokenizer(tok, tok.encode(prompt), params)
     deltas = []
     for start in range(0, len(ids), chunk):
         is_last = start + chunk >= len(ids)
-        detok.update(ids[start:start + chunk], is_finished=is_last, is_stop_token=is_stop_token and is_last)
+        detok.update(ids[start : start + chunk], is_finished=is_last, is_stop_token=is_stop_token and is_last)
         deltas.append(detok.get_next_output_text(finished=is_last or detok.is_stopped, delta=True))
         if detok.is_stopped:
             break
@@ -102,8 +112,12 @@ def test_final_text_equals_decode(ids, chunk, skip):
 
 
 @settings(max_examples=150, deadline=None)
-@given(ids=token_ids, stop=st.sampled_from(["o", "é", "東京", "😀", "st", "\ufffd", "the lazy"]),
-       include=st.booleans(), chunk=st.integers(1, 3))
+@given(
+    ids=token_ids,
+    stop=st.sampled_from(["o", "é", "東京", "😀", "st", "\ufffd", "the lazy"]),
+    include=st.booleans(),
+    chunk=st.integers(1, 3),
+)
 def test_stop_string_cut_and_never_partially_streamed(ids, stop, include, chunk):
     params = SamplingParams(stop=[stop], include_stop_str_in_output=include)
     detok, deltas = stream(ids, params, chunk=chunk)
@@ -153,8 +167,9 @@ def test_stop_token_excluded_unless_included():
     ids = tok.encode("hello") + [tok.convert_tokens_to_ids("<sep>")]
     detok, _ = stream(ids, SamplingParams(skip_special_tokens=False), is_stop_token=True)
     assert detok.output_text == "hello"
-    detok, _ = stream(ids, SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True),
-                      is_stop_token=True)
+    detok, _ = stream(
+        ids, SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True), is_stop_token=True
+    )
     assert detok.output_text == "hello<sep>"
 
 

@@ -58,10 +58,12 @@ def make_config(path: str, tp_size: int = 1, pp_size: int = 1) -> EngineConfig:
     return EngineConfig(
         model_config=ModelConfig(model=path, dtype="float32"),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, kv_cache_memory_bytes=1 << 20),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=8,
-                                         max_model_len=MAX_MODEL_LEN),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=8, max_model_len=MAX_MODEL_LEN
+        ),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size, pipeline_parallel_size=pp_size),
-        device_config=DeviceConfig(device="cpu", num_threads=1))
+        device_config=DeviceConfig(device="cpu", num_threads=1),
+    )
 
 
 def prompts() -> list[list[int]]:
@@ -108,9 +110,15 @@ def generate(config: EngineConfig, rank: int = 0, init_method: str | None = None
     # Every connection the process group made exists by now.
     sockets_off_loopback = tcp_sockets_off_loopback() if config.parallel_config.world_size > 1 else []
     worker.shutdown()
-    return {"tokens": dict(tokens), "logprobs": dict(logprobs), "num_preemptions": scheduler.num_preemptions,
-            "num_resumed_with_outputs": num_resumed_with_outputs, "returned_outputs": returned_outputs,
-            "is_output_rank": worker.is_output_rank, "sockets_off_loopback": sockets_off_loopback}
+    return {
+        "tokens": dict(tokens),
+        "logprobs": dict(logprobs),
+        "num_preemptions": scheduler.num_preemptions,
+        "num_resumed_with_outputs": num_resumed_with_outputs,
+        "returned_outputs": returned_outputs,
+        "is_output_rank": worker.is_output_rank,
+        "sockets_off_loopback": sockets_off_loopback,
+    }
 
 
 def assert_in_sync(worker, scheduler) -> None:
@@ -132,7 +140,7 @@ def tcp_sockets_off_loopback() -> list[str]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     offenders, num_found = [], 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table, encoding="ascii") as f:
@@ -150,7 +158,7 @@ def tcp_sockets_off_loopback() -> list[str]:
 
 def _proc_net_address(hex_address: str):
     raw = bytes.fromhex(hex_address)
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host-endian
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host-endian
     address = ipaddress.ip_address(raw)
     return (address.ipv4_mapped or address) if address.version == 6 else address
 
@@ -158,8 +166,10 @@ def _proc_net_address(hex_address: str):
 def run_rank(rank: int, tp_size: int, pp_size: int, paths: list[str], init_methods: list[str], results) -> None:
     torch.set_num_threads(1)
     try:
-        outcomes = [generate(make_config(path, tp_size, pp_size), rank, init_method)
-                    for path, init_method in zip(paths, init_methods)]
+        outcomes = [
+            generate(make_config(path, tp_size, pp_size), rank, init_method)
+            for path, init_method in zip(paths, init_methods)
+        ]
         results.put((rank, outcomes, None))
     except BaseException:
         results.put((rank, None, traceback.format_exc()))
@@ -180,8 +190,10 @@ def run_world(tp_size: int, pp_size: int, paths: list[str]) -> list[list[dict]]:
     results = context.Queue()
     world_size = tp_size * pp_size
     init_methods = [f"tcp://127.0.0.1:{free_port()}" for _ in paths]
-    processes = [context.Process(target=run_rank, args=(rank, tp_size, pp_size, paths, init_methods, results))
-                 for rank in range(world_size)]
+    processes = [
+        context.Process(target=run_rank, args=(rank, tp_size, pp_size, paths, init_methods, results))
+        for rank in range(world_size)
+    ]
     for process in processes:
         process.start()
     outcomes: list = [None] * world_size
@@ -216,7 +228,8 @@ def test_single_device_reference_exercises_the_hard_paths(single_device):
         assert all(len(t) == MAX_TOKENS for t in reference["tokens"].values())
         # One row per sampled token and per prompt token after the first, each sent once despite preemption.
         assert sorted(len(rows) for rows in reference["logprobs"].values()) == sorted(
-            MAX_TOKENS + n - 1 for n in PROMPT_LENGTHS)
+            MAX_TOKENS + n - 1 for n in PROMPT_LENGTHS
+        )
         assert reference["num_preemptions"] > 0
         assert reference["num_resumed_with_outputs"] > 0  # resumed requests carry output tokens
 
@@ -231,8 +244,9 @@ def test_parallel_greedy_run_matches_single_device(tiny_checkpoint, single_devic
         for case, outcome in zip(CASES, rank_outcomes):
             assert outcome["tokens"] == single_device[case]["tokens"], (case, rank)
             for req_id, expected in single_device[case]["logprobs"].items():
-                torch.testing.assert_close(torch.tensor(outcome["logprobs"][req_id]), torch.tensor(expected),
-                                           atol=LOGPROB_ATOL, rtol=0)
+                torch.testing.assert_close(
+                    torch.tensor(outcome["logprobs"][req_id]), torch.tensor(expected), atol=LOGPROB_ATOL, rtol=0
+                )
             assert outcome["num_preemptions"] == single_device[case]["num_preemptions"]
             assert outcome["is_output_rank"] == (rank == output_rank)
             assert outcome["returned_outputs"] == {rank == output_rank}, "only the output rank returns outputs"
@@ -244,13 +258,14 @@ def test_parallel_greedy_run_matches_single_device(tiny_checkpoint, single_devic
 
 def _expected_slice(name: str, checkpoint: dict, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This TP rank's part of model parameter ``name``, built from the HF checkpoint tensors."""
+
     def rows(tensor):  # column-parallel: output rows split
         size = tensor.shape[0] // tp_size
-        return tensor[tp_rank * size:(tp_rank + 1) * size]
+        return tensor[tp_rank * size : (tp_rank + 1) * size]
 
     def cols(tensor):  # row-parallel: input columns split
         size = tensor.shape[1] // tp_size
-        return tensor[:, tp_rank * size:(tp_rank + 1) * size]
+        return tensor[:, tp_rank * size : (tp_rank + 1) * size]
 
     if ".qkv_proj." in name:
         return torch.cat([rows(checkpoint[name.replace("qkv_proj", part)]) for part in ("q_proj", "k_proj", "v_proj")])
@@ -279,8 +294,10 @@ def test_each_rank_loads_exactly_its_slice_of_its_stage(tiny_checkpoint, case):
             model = get_model(path, torch.float32, tp_rank=tp_rank, tp_size=2, pp_rank=pp_rank, pp_size=2)
             params = dict(model.named_parameters(remove_duplicate=False))
             layer = f"model.layers.{pp_rank}."  # two layers, one per stage
-            assert all(name.startswith(layer) or name in ("model.embed_tokens.weight", "model.norm.weight",
-                                                          "lm_head.weight") for name in params)
+            assert all(
+                name.startswith(layer) or name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+                for name in params
+            )
             assert ("model.embed_tokens.weight" in params) == (pp_rank == 0)
             assert ("lm_head.weight" in params) == ("model.norm.weight" in params) == (pp_rank == 1)
             for name, param in params.items():
@@ -324,8 +341,9 @@ def test_cpu_kv_budget_is_shared_by_the_workers_of_one_machine(tiny_checkpoint, 
     monkeypatch.setattr(worker_module, "available_cpu_memory_bytes", lambda: 4 * 40 * block_bytes)
     num_blocks = []
     for pp_size in (1, 2):
-        config = dataclasses.replace(make_config(path, pp_size=pp_size),
-                                     cache_config=CacheConfig(block_size=BLOCK_SIZE))  # sized from RAM
+        config = dataclasses.replace(
+            make_config(path, pp_size=pp_size), cache_config=CacheConfig(block_size=BLOCK_SIZE)
+        )  # sized from RAM
         # Not joined to a process group: the worker runs the whole model, only the world size differs.
         worker = worker_module.Worker(config, rank=0, distributed_init_method="tcp://127.0.0.1:9")
         worker.model_runner.load_model()

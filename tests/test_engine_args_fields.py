@@ -11,20 +11,46 @@ from engine.engine_args import DERIVED_DEFAULTS, ROUTED_CONFIGS, ROUTES, UNROUTE
 
 CONFIGS = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig, DeviceConfig)
 # The user-facing names (vLLM's) that are not the config's: the YAML keys and LLM(...) kwargs rely on them.
-EXPECTED_RENAMES = {"num_gpu_blocks_override": (CacheConfig, "num_blocks"),
-                    "scheduling_policy": (SchedulerConfig, "policy")}
+EXPECTED_RENAMES = {
+    "num_gpu_blocks_override": (CacheConfig, "num_blocks"),
+    "scheduling_policy": (SchedulerConfig, "policy"),
+}
 EXPECTED_UNROUTED = {"disable_log_stats", "kv_transfer_config"}
 
 # A value different from the default for every EngineArgs field but model, each valid together.
 NON_DEFAULTS = dict(
-    tokenizer="tok", dtype="bfloat16", seed=7, attention_backend="torch", enforce_eager=True,
-    cuda_graph_batch_sizes=(1, 2), max_num_batched_tokens=4096, max_num_seqs=8, max_model_len=1024,
-    scheduling_policy="priority", enable_chunked_prefill=False, long_prefill_token_threshold=64,
-    max_num_queued_reqs=5, stream_interval=3, block_size=32, num_gpu_blocks_override=100,
-    enable_prefix_caching=False, prefix_caching_hash_algo="blake2b", kv_cache_memory_bytes=1 << 20,
-    gpu_memory_utilization=0.5, cpu_kv_cache_fraction=0.5, tensor_parallel_size=1, pipeline_parallel_size=1,
-    distributed_executor_backend="ray", num_cpus_per_worker=2.0, execute_timeout_s=10.0, ray_compiled_graph=False,
-    device="cpu", num_threads=2, disable_log_stats=True, kv_transfer_config=KVTransferConfig(kv_role="kv_both"))
+    tokenizer="tok",
+    dtype="bfloat16",
+    seed=7,
+    attention_backend="torch",
+    enforce_eager=True,
+    cuda_graph_batch_sizes=(1, 2),
+    max_num_batched_tokens=4096,
+    max_num_seqs=8,
+    max_model_len=1024,
+    scheduling_policy="priority",
+    enable_chunked_prefill=False,
+    long_prefill_token_threshold=64,
+    max_num_queued_reqs=5,
+    stream_interval=3,
+    block_size=32,
+    num_gpu_blocks_override=100,
+    enable_prefix_caching=False,
+    prefix_caching_hash_algo="blake2b",
+    kv_cache_memory_bytes=1 << 20,
+    gpu_memory_utilization=0.5,
+    cpu_kv_cache_fraction=0.5,
+    tensor_parallel_size=1,
+    pipeline_parallel_size=1,
+    distributed_executor_backend="ray",
+    num_cpus_per_worker=2.0,
+    execute_timeout_s=10.0,
+    ray_compiled_graph=False,
+    device="cpu",
+    num_threads=2,
+    disable_log_stats=True,
+    kv_transfer_config=KVTransferConfig(kv_role="kv_both"),
+)
 # tensor_parallel_size / pipeline_parallel_size stay 1 (KV transfer refuses more); their routing is checked below.
 AT_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
 
@@ -63,8 +89,13 @@ def test_defaults_bounds_and_docs_are_the_config_fields(name):
 
 
 def test_a_bound_rejects_in_engine_args_naming_the_key():
-    for key, bad in (("block_size", 0), ("gpu_memory_utilization", 1.5), ("max_model_len", 1),
-                     ("num_gpu_blocks_override", 1), ("scheduling_policy", "lifo")):
+    for key, bad in (
+        ("block_size", 0),
+        ("gpu_memory_utilization", 1.5),
+        ("max_model_len", 1),
+        ("num_gpu_blocks_override", 1),
+        ("scheduling_policy", "lifo"),
+    ):
         with pytest.raises(ValidationError, match=key):
             EngineArgs(model="m", **{key: bad})
     with pytest.raises(ValidationError, match="max_num_seq\n"):
@@ -78,8 +109,13 @@ def test_create_engine_config_routes_every_value_to_its_config_field(tmp_path):
     for name in set(NON_DEFAULTS) - AT_DEFAULT:
         assert getattr(args, name) != EngineArgs.model_fields[name].default, name
     config = args.create_engine_config()
-    parts = {ModelConfig: config.model_config, SchedulerConfig: config.scheduler_config,
-             CacheConfig: config.cache_config, ParallelConfig: config.parallel_config, DeviceConfig: config.device_config}
+    parts = {
+        ModelConfig: config.model_config,
+        SchedulerConfig: config.scheduler_config,
+        CacheConfig: config.cache_config,
+        ParallelConfig: config.parallel_config,
+        DeviceConfig: config.device_config,
+    }
     for name, (config_class, field_name) in ROUTES.items():
         assert getattr(parts[config_class], field_name) == getattr(args, name), name
     assert config.kv_transfer_config == NON_DEFAULTS["kv_transfer_config"]

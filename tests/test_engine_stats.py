@@ -18,8 +18,11 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    engine = LLMEngine(EngineArgs(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=128,
-                                  enable_prefix_caching=False).create_engine_config())
+    engine = LLMEngine(
+        EngineArgs(
+            model=tiny_checkpoint("llama"), dtype="float32", max_model_len=128, enable_prefix_caching=False
+        ).create_engine_config()
+    )
     yield engine
     engine.shutdown()
 

@@ -23,12 +23,19 @@ def test_smoke_run_of_the_script(tmp_path):
     """The shell script's smoke mode: phases in their own processes, the report's table printed last."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WORK": str(tmp_path / "work"), "OUT": str(out)}
-    run = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--smoke", "--phases", "hardware,decode_eager,parity"],
-                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--smoke", "--phases", "hardware,decode_eager,parity"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     assert {p: s["state"] for p, s in results["phases"].items()} == {
-        p: "ok" for p in ("hardware", "checkpoint", "decode_eager", "parity_ours", "parity_hf")}
+        p: "ok" for p in ("hardware", "checkpoint", "decode_eager", "parity_ours", "parity_hf")
+    }
     assert results["parity"]["passed"] and all(p["status"] == "exact" for p in results["parity"]["prompts"])
     decode = results["records"]["decode_eager"]["batches"]
     assert set(decode) == {"1", "2"} and all(b["tokens_per_s"] > 0 and "roofline" in b for b in decode.values())
@@ -41,8 +48,13 @@ def test_unknown_argument_and_no_gpu_without_smoke():
     run = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--bogus"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert run.returncode == 64 and "unknown argument" in run.stderr
     if subprocess.run(["bash", "-c", "command -v nvidia-smi"], capture_output=True).returncode != 0:
-        run = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=REPO_ROOT, capture_output=True, text=True,
-                             env={**os.environ, "GPU_CHECK_WORK": "/nonexistent"})
+        run = subprocess.run(
+            ["bash", "benchmarks/gpu_check.sh"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GPU_CHECK_WORK": "/nonexistent"},
+        )
         assert run.returncode == 1 and "--smoke" in run.stderr
 
 
@@ -62,7 +74,13 @@ def test_8b_preset_is_llama3_8b(llama8b_facts):
     facts = llama8b_facts
     assert facts.total_params == 8_030_261_248  # Llama-3-8B
     assert (facts.hidden, facts.layers, facts.heads, facts.kv_heads, facts.head_dim, facts.vocab) == (
-        4096, 32, 32, 8, 128, 128256)
+        4096,
+        32,
+        32,
+        8,
+        128,
+        128256,
+    )
     assert not facts.tied and facts.embed_params == facts.lm_head_params == 128256 * 4096
     assert facts.kv_bytes_per_token("bfloat16") == 32 * 2 * 8 * 128 * 2
 
@@ -86,16 +104,25 @@ def test_decode_and_prefill_rooflines(llama8b_facts):
 
 
 def _parity_records(ours_tokens, ref_tokens, gaps):
-    ours = {"prompt_lens": [5] * len(ours_tokens), "tokens": ours_tokens,
-            "logprobs": [[-1.0] * len(t) for t in ours_tokens]}
-    hf = {"references": [{"tokens": t, "top2_gaps": g, "logprobs": [-1.0 + 1e-6] * len(t)}
-                         for t, g in zip(ref_tokens, gaps)]}
+    ours = {
+        "prompt_lens": [5] * len(ours_tokens),
+        "tokens": ours_tokens,
+        "logprobs": [[-1.0] * len(t) for t in ours_tokens],
+    }
+    hf = {
+        "references": [
+            {"tokens": t, "top2_gaps": g, "logprobs": [-1.0 + 1e-6] * len(t)} for t, g in zip(ref_tokens, gaps)
+        ]
+    }
     return ours, hf
 
 
 def test_parity_allows_divergence_only_at_near_ties():
-    ours, hf = _parity_records([[1, 2, 3], [1, 2, 9], [1, 8, 9]], [[1, 2, 3], [1, 2, 4], [1, 2, 4]],
-                               [[1.0, 1.0, 1.0], [1.0, 1.0, 0.001], [1.0, 0.5, 1.0]])
+    ours, hf = _parity_records(
+        [[1, 2, 3], [1, 2, 9], [1, 8, 9]],
+        [[1, 2, 3], [1, 2, 4], [1, 2, 4]],
+        [[1.0, 1.0, 1.0], [1.0, 1.0, 0.001], [1.0, 0.5, 1.0]],
+    )
     result = compare_parity(ours, hf, near_tie_gap=0.01)
     assert [(p["status"], p["matched"]) for p in result["prompts"]] == [("exact", 3), ("near-tie", 2), ("mismatch", 1)]
     assert not result["passed"] and result["max_abs_logprob_diff"] == pytest.approx(1e-6)
@@ -103,28 +130,63 @@ def test_parity_allows_divergence_only_at_near_ties():
 
 
 def _decode_record(mode, tokens_per_s):
-    return {"mode": mode, "dtype": "bfloat16", "facts": FACTS_TINY, "skipped": [],
-            "batches": {"1": {"batch": 1, "prompt_len": 16, "output_len": 4, "step_s": 1 / tokens_per_s,
-                              "tokens_per_s": tokens_per_s}}}
+    return {
+        "mode": mode,
+        "dtype": "bfloat16",
+        "facts": FACTS_TINY,
+        "skipped": [],
+        "batches": {
+            "1": {
+                "batch": 1,
+                "prompt_len": 16,
+                "output_len": 4,
+                "step_s": 1 / tokens_per_s,
+                "tokens_per_s": tokens_per_s,
+            }
+        },
+    }
 
 
-FACTS_TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512, tied=False, matrix_params=100_000,
-                  vector_params=320, embed_params=32768, lm_head_params=32768, total_params=165_856)
+FACTS_TINY = dict(
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    vocab=512,
+    tied=False,
+    matrix_params=100_000,
+    vector_params=320,
+    embed_params=32768,
+    lm_head_params=32768,
+    total_params=165_856,
+)
 
 
-@pytest.mark.parametrize("graph_tokens_per_s, verdicts, code", [
-    (1e6, {"decode bfloat16 batch 1, graphs": "PASS", "CUDA graph gain, batch 1": "PASS"}, 0),
-    (1.2e5, {"decode bfloat16 batch 1, graphs": "FAIL", "CUDA graph gain, batch 1": "FAIL"}, 2),
-])
+@pytest.mark.parametrize(
+    "graph_tokens_per_s, verdicts, code",
+    [
+        (1e6, {"decode bfloat16 batch 1, graphs": "PASS", "CUDA graph gain, batch 1": "PASS"}, 0),
+        (1.2e5, {"decode bfloat16 batch 1, graphs": "FAIL", "CUDA graph gain, batch 1": "FAIL"}, 2),
+    ],
+)
 def test_report_judges_the_targets(graph_tokens_per_s, verdicts, code):
-    hardware = {"device_info": {"name": "GPU"}, "copy_bytes_per_s": 0.0, "matmul_n": 8, "matmul_dtype": "bfloat16",
-                "matmul_flops_per_s": 1e12}
+    hardware = {
+        "device_info": {"name": "GPU"},
+        "copy_bytes_per_s": 0.0,
+        "matmul_n": 8,
+        "matmul_dtype": "bfloat16",
+        "matmul_flops_per_s": 1e12,
+    }
     # The bandwidth that puts the batch-1 roofline at 1e6 tokens/s (a graph run at 1e6 reaches it, one at
     # 1.2e5 does not reach 0.7 of it; eager runs at 1e5: gains of 10x and 1.2x).
     roofline = decode_roofline(FACTS_TINY, 1, 16, 4, "bfloat16", 1.0)["tokens_per_s"]  # at 1 B/s
     hardware["copy_bytes_per_s"] = 1e6 / roofline
-    records = {"hardware": hardware, "decode_graphs": _decode_record("graphs", graph_tokens_per_s),
-               "decode_eager": _decode_record("eager", 1e5)}
+    records = {
+        "hardware": hardware,
+        "decode_graphs": _decode_record("graphs", graph_tokens_per_s),
+        "decode_eager": _decode_record("eager", 1e5),
+    }
     rows, _ = build_rows(records, smoke=False)
     assert {r.check: r.verdict for r in rows if r.check in verdicts} == verdicts
     assert exit_code({"decode_graphs": {"rc": "0"}}, rows) == code

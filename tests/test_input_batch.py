@@ -15,8 +15,9 @@ from engine.worker.input_batch import InputBatch
 BLOCK_SIZE = 4
 
 
-def _new_request_step(req_id: str, prompt: list[int], block_ids: list[int], num_computed: int,
-                      num_scheduled: int) -> SchedulerOutput:
+def _new_request_step(
+    req_id: str, prompt: list[int], block_ids: list[int], num_computed: int, num_scheduled: int
+) -> SchedulerOutput:
     new = NewRequestData(req_id, prompt, [], SamplingParams(temperature=0.0), block_ids, num_computed)
     return SchedulerOutput([new], CachedRequestData(), {req_id: num_scheduled}, num_scheduled, set(), set())
 
@@ -80,8 +81,9 @@ class _RecordingModel(torch.nn.Module):
 
 def test_a_failed_load_is_computed_over_the_external_tokens_only(monkeypatch):
     monkeypatch.setattr(kv_transfer_worker, "get_transport_class", lambda config: _LostTransport)
-    connector = kv_transfer_worker.KVConnectorWorker(KVTransferConfig(kv_role="kv_consumer"), BLOCK_SIZE,
-                                                   torch.device("cpu"))
+    connector = kv_transfer_worker.KVConnectorWorker(
+        KVTransferConfig(kv_role="kv_consumer"), BLOCK_SIZE, torch.device("cpu")
+    )
     batch = _batch()
     prompt = list(range(100, 111))  # 11 tokens: 4 local hits (block 3), 6 loaded (blocks 5, 7), the last computed
     batch.apply_deltas(_new_request_step("a", prompt, [3, 5, 7], num_computed=10, num_scheduled=1))

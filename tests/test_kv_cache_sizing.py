@@ -15,15 +15,19 @@ def block_bytes_of(llm) -> int:
 
 def test_explicit_budget_sets_the_pool(tiny_checkpoint):
     # tiny llama: 2 layers x (K, V) x 16 slots x 2 KV heads x head_dim 16 x 4 bytes = 8 KiB per block
-    llm = LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=256, max_num_seqs=8,
-              kv_cache_memory_bytes=320 * 1024)
+    llm = LLM(
+        tiny_checkpoint("llama"), dtype="float32", max_model_len=256, max_num_seqs=8, kv_cache_memory_bytes=320 * 1024
+    )
     assert block_bytes_of(llm) == 2 * 2 * 16 * 2 * 16 * 4
     assert num_blocks_of(llm) == 40
     kv_caches = llm.llm_engine.engine_core.executor.worker.model_runner.kv_caches
     assert len(kv_caches) == 2 and kv_caches[0].shape == (2, 40, 16, 2, 16)
     # The pool works at that size: more requests than fit at once still all finish.
-    outputs = llm.generate([{"prompt_token_ids": list(range(5, 105))}] * 6,
-                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": list(range(5, 105))}] * 6,
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
 
 
@@ -40,6 +44,7 @@ def test_a_budget_below_one_sequence_is_a_clear_error(tiny_checkpoint):
 
 def test_the_profiling_step_fills_the_token_budget_with_prompts_that_fit():
     from engine.worker.profiling import split_budget as _split_budget
+
     assert _split_budget(8192, 2047, 256) == [2047, 2047, 2047, 2047, 4]  # a budget past max_model_len
     assert _split_budget(2048, 4095, 256) == [2048]
     assert _split_budget(100, 10, 3) == [10, 10, 10]  # no more prompts than max_num_seqs

@@ -46,15 +46,17 @@ def _modules_of(package) -> list[str]:
 
 
 def _loaded_after_import(modules: list[str]) -> set[str]:
-    code = ("import sys\n" + "".join(f"import {name}\n" for name in modules)
-            + "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    code = (
+        "import sys\n"
+        + "".join(f"import {name}\n" for name in modules)
+        + "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     return set(result.stdout.split())
 
 
 def test_importing_the_engine_core_loads_neither_torch_nor_ray():
-    loaded = _loaded_after_import(["engine.core", *_modules_of(engine.core), "engine.config",
-                                   "engine.sampling_params"])
+    loaded = _loaded_after_import(["engine.core", *_modules_of(engine.core), "engine.config", "engine.sampling_params"])
     assert "torch" not in loaded and "ray" not in loaded
 
 

@@ -23,9 +23,11 @@ MAX_MODEL_LEN = 128
 EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = 1, 2, 3, 4
 TEXT_PROMPTS = ("def main():\n", "Hello, world. The answer is", "import os\nimport sys\n")
 
-GOOD_PARAMS = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12),
-               SamplingParams(temperature=0.9, seed=3, ignore_eos=True, max_tokens=12),
-               SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=30, logprobs=2)]
+GOOD_PARAMS = [
+    SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12),
+    SamplingParams(temperature=0.9, seed=3, ignore_eos=True, max_tokens=12),
+    SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=30, logprobs=2),
+]
 
 
 # This module's engines (float32, seed 0 from the conftest); call sites override further.
@@ -170,7 +172,7 @@ def test_logprobs_edge_counts(llm):
 def choose_stop_string(text: str, min_start: int = 3, length: int = 3) -> tuple[str, int]:
     """A printable substring of ``text`` whose first occurrence starts at index >= ``min_start``."""
     for start in range(min_start, len(text) - length):
-        candidate = text[start:start + length]
+        candidate = text[start : start + length]
         if candidate.isprintable() and candidate.strip() == candidate and text.find(candidate) == start:
             return candidate, start
     raise AssertionError(f"no usable stop string in {text!r}")
@@ -197,7 +199,7 @@ def test_stop_strings(llm, tokenizer, prompt):
     assert out.token_ids == expected_tokens
 
     out = run_one(llm, prompt, greedy(stop=[stop], include_stop_str_in_output=True)).outputs[0]
-    assert (out.text, out.finish_reason, out.stop_reason) == (text[:start + len(stop)], "stop", stop)
+    assert (out.text, out.finish_reason, out.stop_reason) == (text[: start + len(stop)], "stop", stop)
     assert out.token_ids == expected_tokens
 
     # Several stop strings: the earliest match in the text wins, whatever the list order.
@@ -229,14 +231,14 @@ def test_stop_token_ids(llm, tokenizer):
     index = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
     stop_id = tokens[index]
     out = run_one(llm, prompt, greedy(stop_token_ids=[stop_id])).outputs[0]
-    assert out.token_ids == tokens[:index + 1]  # the stop token is part of the output ids...
+    assert out.token_ids == tokens[: index + 1]  # the stop token is part of the output ids...
     assert out.text == tokenizer.decode(tokens[:index])  # ...but not of the text
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
     out = run_one(llm, prompt, greedy(stop_token_ids=[stop_id], include_stop_str_in_output=True)).outputs[0]
-    assert out.text == tokenizer.decode(tokens[:index + 1])
+    assert out.text == tokenizer.decode(tokens[: index + 1])
     # min_tokens holds a stop token back (it is masked until then).
     out = run_one(llm, prompt, greedy(stop_token_ids=[stop_id], min_tokens=index + 2, max_tokens=40)).outputs[0]
-    assert stop_id not in out.token_ids[:index + 2] and len(out.token_ids) > index + 2
+    assert stop_id not in out.token_ids[: index + 2] and len(out.token_ids) > index + 2
     assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (stop_id, "stop", stop_id)
 
 
@@ -245,17 +247,20 @@ def test_eos_and_min_tokens(llm):
     force_eos = {EOS_ID: 100.0}
     out = run_one(llm, prompt, SamplingParams(temperature=0.0, logit_bias=force_eos, max_tokens=10)).outputs[0]
     assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == ([EOS_ID], "", "stop", None)
-    out = run_one(llm, prompt, SamplingParams(temperature=0.0, logit_bias=force_eos, min_tokens=4,
-                                              max_tokens=10)).outputs[0]
+    out = run_one(
+        llm, prompt, SamplingParams(temperature=0.0, logit_bias=force_eos, min_tokens=4, max_tokens=10)
+    ).outputs[0]
     assert len(out.token_ids) == 5 and EOS_ID not in out.token_ids[:4] and out.token_ids[4] == EOS_ID
     assert out.finish_reason == "stop" and out.stop_reason is None
     # Sampling too: min_tokens masks EOS for random rows.
-    out = run_one(llm, prompt, SamplingParams(temperature=1.0, seed=1, logit_bias=force_eos, min_tokens=3,
-                                              max_tokens=10)).outputs[0]
+    out = run_one(
+        llm, prompt, SamplingParams(temperature=1.0, seed=1, logit_bias=force_eos, min_tokens=3, max_tokens=10)
+    ).outputs[0]
     assert len(out.token_ids) == 4 and out.token_ids[3] == EOS_ID
     # ignore_eos: EOS is generated but does not stop the request.
-    out = run_one(llm, prompt, SamplingParams(temperature=0.0, logit_bias=force_eos, ignore_eos=True,
-                                              max_tokens=6)).outputs[0]
+    out = run_one(
+        llm, prompt, SamplingParams(temperature=0.0, logit_bias=force_eos, ignore_eos=True, max_tokens=6)
+    ).outputs[0]
     assert (out.token_ids, out.finish_reason) == ([EOS_ID] * 6, "length")
 
 
@@ -269,8 +274,13 @@ def test_max_tokens_gives_length(llm, good_prompts):
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens(llm, tokenizer, skip):
     # A very hot, restricted distribution: a near-uniform mix of special (2, 3) and ordinary tokens.
-    params = SamplingParams(temperature=50.0, seed=0, allowed_token_ids=[IM_START_ID, IM_END_ID, 37, 325],
-                            max_tokens=24, skip_special_tokens=skip)
+    params = SamplingParams(
+        temperature=50.0,
+        seed=0,
+        allowed_token_ids=[IM_START_ID, IM_END_ID, 37, 325],
+        max_tokens=24,
+        skip_special_tokens=skip,
+    )
     out = run_one(llm, TEXT_PROMPTS[0], params).outputs[0]
     ids = out.token_ids
     assert set(ids) <= {IM_START_ID, IM_END_ID, 37, 325}
@@ -296,7 +306,7 @@ def test_streaming_deltas_add_up_to_the_final_text(llm, tokenizer):
         if kind == RequestOutputKind.DELTA:
             text, ids = "".join(pieces), [t for chunk in token_ids for t in chunk]
         else:
-            assert all(a == b[:len(a)] for a, b in zip(pieces, pieces[1:]))  # the text only grows
+            assert all(a == b[: len(a)] for a, b in zip(pieces, pieces[1:]))  # the text only grows
             text, ids = pieces[-1], token_ids[-1]
         assert text == final.text[:start], kind
         assert ids == tokens_until(tokenizer, final.token_ids, stop)
@@ -323,8 +333,10 @@ def test_text_prompt_forms(llm, tokenizer):
 def test_chat_renders_the_template(arch, tiny_checkpoint):
     llm = make_llm(tiny_checkpoint(arch))
     tokenizer = llm.get_tokenizer()
-    conversations = [[{"role": "user", "content": "hi"}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]]
+    conversations = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    ]
     outputs = llm.chat(conversations, greedy(max_tokens=6), use_tqdm=False)
     assert len(outputs) == 2
     for conversation, output in zip(conversations, outputs):
@@ -348,8 +360,9 @@ def test_n_greater_than_one(llm, good_prompts):
         assert len(output.outputs) == 3 and [c.index for c in output.outputs] == [0, 1, 2]
         assert all(c.token_ids == reference.outputs[0].token_ids for c in output.outputs)  # greedy: all equal
         assert output.finished
-    sampled = llm.generate(good_prompts[0], SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True),
-                           use_tqdm=False)[0]
+    sampled = llm.generate(
+        good_prompts[0], SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(sampled.outputs) == 4 and len({tuple(c.token_ids) for c in sampled.outputs}) > 1
     assert_pool_clean(llm)
 
@@ -428,8 +441,9 @@ def test_abort_frees_blocks(llm, good_prompts, clean_run):
     outputs: dict = {}
     drain(engine, outputs)
     assert sorted(outputs) == ["keep-0", "keep-1", "keep-2"]
-    assert [(outputs[f"keep-{i}"].outputs[0].token_ids, outputs[f"keep-{i}"].outputs[0].text)
-            for i in range(3)] == clean_run
+    assert [
+        (outputs[f"keep-{i}"].outputs[0].token_ids, outputs[f"keep-{i}"].outputs[0].text) for i in range(3)
+    ] == clean_run
     assert kv.block_pool.num_free_blocks == free_before
     assert_pool_clean(llm)
 
@@ -453,8 +467,14 @@ def test_stream_interval_sends_the_first_token_then_every_n(model_path, kind):
         token_ids, text = outputs[-1].outputs[0].token_ids, outputs[-1].outputs[0].text
     assert counts == ([1, 4, 4, 1] if kind == RequestOutputKind.DELTA else [1, 5, 9, 10])
     assert [o.finished for o in outputs] == [False, False, False, True]
-    expected = make_llm(model_path).generate(
-        token_prompt(random_token_ids(random.Random(3), 12)),
-        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    expected = (
+        make_llm(model_path)
+        .generate(
+            token_prompt(random_token_ids(random.Random(3), 12)),
+            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+    )
     assert (token_ids, text) == (expected.token_ids, expected.text)
     assert_pool_clean(llm)

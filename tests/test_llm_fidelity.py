@@ -79,8 +79,14 @@ class Case:
         self.shared_expected = [ref.greedy(ids, MAX_TOKENS) for ids in self.shared_prompt_token_ids]
 
     def llm(self, **overrides) -> LLM:
-        kwargs = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, block_size=BLOCK_SIZE,
-                      enable_prefix_caching=True, seed=0)
+        kwargs = dict(
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=16,
+            block_size=BLOCK_SIZE,
+            enable_prefix_caching=True,
+            seed=0,
+        )
         kwargs.update(overrides)
         return LLM(model=self.path, **kwargs)
 
@@ -104,7 +110,8 @@ def assert_greedy_equal(outputs, prompt_token_ids, expected, label="", tokenizer
         assert len(output.outputs) == 1
         completion = output.outputs[0]
         assert completion.token_ids == want, (
-            f"{label} prompt {i} ({len(ids)} tokens): Serval {completion.token_ids} != HF {want}")
+            f"{label} prompt {i} ({len(ids)} tokens): Serval {completion.token_ids} != HF {want}"
+        )
         assert completion.finish_reason == "length"
         if tokenizer is not None:  # the incremental detokenizer agrees with a one-shot decode
             assert completion.text == tokenizer.decode(want, skip_special_tokens=True), f"{label} prompt {i}"
@@ -133,15 +140,20 @@ def test_reference_is_hf_generate(base_case):
     import torch
 
     eos = base_case.ref.model.config.eos_token_id
-    for ids, want in zip(base_case.prompt_token_ids + base_case.shared_prompt_token_ids,
-                         base_case.expected + base_case.shared_expected):
+    for ids, want in zip(
+        base_case.prompt_token_ids + base_case.shared_prompt_token_ids, base_case.expected + base_case.shared_expected
+    ):
         input_ids = torch.tensor([ids])
         with torch.no_grad():
-            out = base_case.ref.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                               max_new_tokens=MAX_TOKENS, pad_token_id=4)
-        generated = out[0, len(ids):].tolist()
-        assert generated == (want[:want.index(eos) + 1] if eos in want else want)
-
+            out = base_case.ref.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                pad_token_id=4,
+            )
+        generated = out[0, len(ids) :].tolist()
+        assert generated == (want[: want.index(eos) + 1] if eos in want else want)
 
 
 def test_greedy_matches_hf_default(case):
@@ -165,14 +177,14 @@ def test_greedy_matches_hf_small_chunked_prefill(base_case, monkeypatch):
     for label in ("chunked cold", "chunked warm"):  # the warm run chunks on top of cached prefixes
         steps.clear()
         outputs = llm.generate(base_case.prompts, GREEDY, use_tqdm=False)
-        assert_greedy_equal(outputs, base_case.prompt_token_ids, base_case.expected, label,
-                            base_case.ref.tokenizer)
+        assert_greedy_equal(outputs, base_case.prompt_token_ids, base_case.expected, label, base_case.ref.tokenizer)
         assert all(sum(step.values()) <= 16 and max(step.values()) <= 8 for step in steps)
         # Mixed steps happened: some request decoding while another one's prompt chunk runs.
         assert any(1 in step.values() and max(step.values()) > 1 for step in steps)
         assert_pool_clean(llm)
-    assert [o.num_cached_tokens for o in outputs] == [(len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
-                                                      for ids in base_case.prompt_token_ids]
+    assert [o.num_cached_tokens for o in outputs] == [
+        (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE for ids in base_case.prompt_token_ids
+    ]
 
 
 def test_greedy_matches_hf_prefix_caching_cold_and_warm(base_case):
@@ -192,8 +204,9 @@ def test_greedy_matches_hf_prefix_caching_cold_and_warm(base_case):
 
     warm = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_greedy_equal(warm, prompt_token_ids, expected, "warm", base_case.ref.tokenizer)
-    assert [o.num_cached_tokens for o in warm] == [(len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE
-                                                   for ids in prompt_token_ids]
+    assert [o.num_cached_tokens for o in warm] == [
+        (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE for ids in prompt_token_ids
+    ]
     assert all(o.num_cached_tokens > 0 for o, ids in zip(warm, prompt_token_ids) if len(ids) > BLOCK_SIZE)
     stats = llm.llm_engine.engine_core.make_stats().prefix_cache_stats
     assert stats.num_hit_tokens > 0
@@ -202,28 +215,33 @@ def test_greedy_matches_hf_prefix_caching_cold_and_warm(base_case):
     # A follow-up turn: the previous prompt and its output, plus new tokens, hits the blocks that
     # were filled while decoding (all but the last output token, whose KV was never computed).
     rng = random.Random(77)
-    follow_ups = [ids + want + random_token_ids(rng, 5)
-                  for ids, want in zip(prompt_token_ids[3:6], expected[3:6])]
+    follow_ups = [ids + want + random_token_ids(rng, 5) for ids, want in zip(prompt_token_ids[3:6], expected[3:6])]
     outputs = llm.generate([token_prompt(ids) for ids in follow_ups], GREEDY, use_tqdm=False)
-    assert_greedy_equal(outputs, follow_ups, [base_case.ref.greedy(ids, MAX_TOKENS) for ids in follow_ups],
-                        "follow-up", base_case.ref.tokenizer)
-    assert [o.num_cached_tokens for o in outputs] == [(len(ids) + MAX_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
-                                                      for ids in prompt_token_ids[3:6]]
+    assert_greedy_equal(
+        outputs,
+        follow_ups,
+        [base_case.ref.greedy(ids, MAX_TOKENS) for ids in follow_ups],
+        "follow-up",
+        base_case.ref.tokenizer,
+    )
+    assert [o.num_cached_tokens for o in outputs] == [
+        (len(ids) + MAX_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE for ids in prompt_token_ids[3:6]
+    ]
     assert_pool_clean(llm)
 
 
 PREEMPTION_CONFIGS = {
     "caching": dict(enable_prefix_caching=True),
     "no-caching": dict(enable_prefix_caching=False),
-    "priority-chunked": dict(scheduling_policy="priority", max_num_batched_tokens=48,
-                             long_prefill_token_threshold=24),
+    "priority-chunked": dict(scheduling_policy="priority", max_num_batched_tokens=48, long_prefill_token_threshold=24),
 }
 
 
 @pytest.mark.parametrize("config", list(PREEMPTION_CONFIGS))
 def test_greedy_matches_hf_under_preemption(base_case, config):
-    llm = base_case.llm(max_model_len=PREEMPT_MAX_MODEL_LEN, num_gpu_blocks_override=PREEMPT_NUM_BLOCKS,
-                        **PREEMPTION_CONFIGS[config])
+    llm = base_case.llm(
+        max_model_len=PREEMPT_MAX_MODEL_LEN, num_gpu_blocks_override=PREEMPT_NUM_BLOCKS, **PREEMPTION_CONFIGS[config]
+    )
     prompts = base_case.prompts + [token_prompt(ids) for ids in base_case.shared_prompt_token_ids]
     prompt_token_ids = base_case.prompt_token_ids + base_case.shared_prompt_token_ids
     expected = base_case.expected + base_case.shared_expected
@@ -289,11 +307,13 @@ def check_prompt_logprobs_close(output, ref, num, label) -> None:
     # Entry j is the logprob of prompt[j] given prompt[:j]; the first has no context.
     prompt_logprobs = output.prompt_logprobs
     assert prompt_logprobs is not None and len(prompt_logprobs) == len(prompt), (
-        f"{label}: {len(prompt_logprobs or [])} prompt logprob entries for {len(prompt)} prompt tokens")
+        f"{label}: {len(prompt_logprobs or [])} prompt logprob entries for {len(prompt)} prompt tokens"
+    )
     assert prompt_logprobs[0] is None
     for j in range(1, len(prompt)):
-        check_position(prompt_logprobs[j], prompt[j], hf_logprobs[j - 1], num, ref.tokenizer,
-                       f"{label} prompt position {j}")
+        check_position(
+            prompt_logprobs[j], prompt[j], hf_logprobs[j - 1], num, ref.tokenizer, f"{label} prompt position {j}"
+        )
 
 
 LOGPROB_CONFIGS = {
@@ -318,8 +338,13 @@ def _check_logprobs_match_hf(case, config):
     llm = case.llm(**LOGPROB_CONFIGS[config])
     # Prompt logprobs under preemption have their own test (test_prompt_logprobs_survive_preemption).
     with_prompt = config != "preempted"
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=NUM_LOGPROBS,
-                            prompt_logprobs=NUM_LOGPROBS if with_prompt else None)
+    params = SamplingParams(
+        temperature=0.0,
+        ignore_eos=True,
+        max_tokens=MAX_TOKENS,
+        logprobs=NUM_LOGPROBS,
+        prompt_logprobs=NUM_LOGPROBS if with_prompt else None,
+    )
     outputs = llm.generate(case.prompts, params, use_tqdm=False)
     assert_greedy_equal(outputs, case.prompt_token_ids, case.expected, config)
     for i, output in enumerate(outputs):
@@ -336,8 +361,12 @@ def test_prompt_logprobs_survive_preemption(tiny_checkpoint, hf_reference):
     the most recently admitted request, often still prefilling).
     """
     case = Case(tiny_checkpoint("llama"), hf_reference("llama"), None)
-    llm = case.llm(max_model_len=PREEMPT_MAX_MODEL_LEN, num_gpu_blocks_override=PREEMPT_NUM_BLOCKS,
-                   max_num_batched_tokens=32, long_prefill_token_threshold=16)
+    llm = case.llm(
+        max_model_len=PREEMPT_MAX_MODEL_LEN,
+        num_gpu_blocks_override=PREEMPT_NUM_BLOCKS,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+    )
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, prompt_logprobs=2)
     outputs = llm.generate(case.prompts, params, use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
@@ -350,8 +379,10 @@ def test_prompt_logprobs_survive_preemption(tiny_checkpoint, hf_reference):
 def test_sampled_logprobs_match_hf(base_case):
     """Random sampling: logprobs are the raw model's (before temperature and filters), ranks included."""
     llm = base_case.llm()
-    params = [SamplingParams(temperature=1.5, top_k=50, seed=i, ignore_eos=True, max_tokens=MAX_TOKENS,
-                             logprobs=NUM_LOGPROBS) for i in range(len(base_case.prompts))]
+    params = [
+        SamplingParams(temperature=1.5, top_k=50, seed=i, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=NUM_LOGPROBS)
+        for i in range(len(base_case.prompts))
+    ]
     outputs = llm.generate(base_case.prompts, params, use_tqdm=False)
     ranks = []
     for i, output in enumerate(outputs):
@@ -366,8 +397,10 @@ def test_logprobs_counts_and_mixed_batch(base_case):
     llm = base_case.llm()
     ids = base_case.prompt_token_ids[3]
     counts = [(None, None), (0, 0), (1, 3), (NUM_LOGPROBS, None)]
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8, logprobs=lp, prompt_logprobs=plp)
-              for lp, plp in counts]
+    params = [
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8, logprobs=lp, prompt_logprobs=plp)
+        for lp, plp in counts
+    ]
     outputs = llm.generate([token_prompt(ids)] * len(counts), params, use_tqdm=False)
     hf_logprobs = base_case.ref.log_softmax(ids + base_case.expected[3][:8])
     for (lp, plp), output in zip(counts, outputs):
@@ -379,23 +412,35 @@ def test_logprobs_counts_and_mixed_batch(base_case):
             assert len(completion.logprobs) == 8
             for i, (token_id, position) in enumerate(zip(completion.token_ids, completion.logprobs)):
                 if lp > 0:
-                    check_position(position, token_id, hf_logprobs[len(ids) - 1 + i], lp,
-                                   base_case.ref.tokenizer, f"logprobs={lp} output {i}")
+                    check_position(
+                        position,
+                        token_id,
+                        hf_logprobs[len(ids) - 1 + i],
+                        lp,
+                        base_case.ref.tokenizer,
+                        f"logprobs={lp} output {i}",
+                    )
                 else:
                     assert set(position) == {token_id}
                 assert position[token_id].logprob == pytest.approx(
-                    hf_logprobs[len(ids) - 1 + i][token_id].item(), abs=LOGPROB_ATOL)
+                    hf_logprobs[len(ids) - 1 + i][token_id].item(), abs=LOGPROB_ATOL
+                )
         if plp is None:
             assert output.prompt_logprobs is None
         else:
             assert len(output.prompt_logprobs) == len(ids) and output.prompt_logprobs[0] is None
             for j in range(1, len(ids)):
                 position = output.prompt_logprobs[j]
-                assert position[ids[j]].logprob == pytest.approx(hf_logprobs[j - 1][ids[j]].item(),
-                                                                 abs=LOGPROB_ATOL)
+                assert position[ids[j]].logprob == pytest.approx(hf_logprobs[j - 1][ids[j]].item(), abs=LOGPROB_ATOL)
                 if plp > 0:
-                    check_position(position, ids[j], hf_logprobs[j - 1], plp, base_case.ref.tokenizer,
-                                   f"prompt_logprobs={plp} position {j}")
+                    check_position(
+                        position,
+                        ids[j],
+                        hf_logprobs[j - 1],
+                        plp,
+                        base_case.ref.tokenizer,
+                        f"prompt_logprobs={plp} position {j}",
+                    )
                 else:
                     assert set(position) == {ids[j]}
     assert_pool_clean(llm)

@@ -88,10 +88,16 @@ def test_same_seed_same_tokens_across_runs_and_batches(seeded_llm, seeded_prompt
     rng = random.Random(5)
     batch, batch_params, where = [], [], {}
     for i in reversed(range(len(seeded_prompts))):
-        batch += [token_prompt(random_token_ids(rng, rng.randrange(2, 80))), seeded_prompts[i],
-                  token_prompt(random_token_ids(rng, 7))]
-        batch_params += [SamplingParams(temperature=1.0, max_tokens=rng.randrange(1, 30)), params[i],
-                         SamplingParams(temperature=0.0, max_tokens=3)]
+        batch += [
+            token_prompt(random_token_ids(rng, rng.randrange(2, 80))),
+            seeded_prompts[i],
+            token_prompt(random_token_ids(rng, 7)),
+        ]
+        batch_params += [
+            SamplingParams(temperature=1.0, max_tokens=rng.randrange(1, 30)),
+            params[i],
+            SamplingParams(temperature=0.0, max_tokens=3),
+        ]
         where[i] = len(batch) - 2
     mixed = token_ids(llm.generate(batch, batch_params, use_tqdm=False))
     assert [mixed[where[i]] for i in range(len(seeded_prompts))] == seeded_reference
@@ -100,9 +106,11 @@ def test_same_seed_same_tokens_across_runs_and_batches(seeded_llm, seeded_prompt
 
 def test_same_seed_twice_in_one_batch_and_other_seeds_differ(seeded_llm, seeded_prompts, seeded_reference):
     prompt = seeded_prompts[2]
-    outputs = token_ids(seeded_llm.generate([prompt, prompt, prompt],
-                                            [seeded_params(1002), seeded_params(1002), seeded_params(7)],
-                                            use_tqdm=False))
+    outputs = token_ids(
+        seeded_llm.generate(
+            [prompt, prompt, prompt], [seeded_params(1002), seeded_params(1002), seeded_params(7)], use_tqdm=False
+        )
+    )
     assert outputs[0] == outputs[1] == seeded_reference[2]
     assert outputs[2] != outputs[0]
     assert_pool_clean(seeded_llm)
@@ -170,8 +178,9 @@ SEEDED_STAT_CONFIG = dict(temperature=1.5, top_k=12, top_p=0.8)
 NUM_GREEDY_ROWS = 50
 
 
-def filtered_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                          min_p: float = 0.0) -> torch.Tensor:
+def filtered_distribution(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> torch.Tensor:
     """The exact sampling distribution (float64), written independently of the engine's sampler.
 
     min-p keeps tokens with probability >= min_p * the top probability; top-k
@@ -270,8 +279,9 @@ def test_filtered_distributions_match_exact_softmax(stat_llm, stat_logits):
 
 def test_seeded_draws_follow_the_filtered_distribution(stat_llm, stat_logits):
     """Per-request generators (seed i for request i) sample the same distribution as the shared one."""
-    params = [SamplingParams(max_tokens=1, seed=seed, detokenize=False, **SEEDED_STAT_CONFIG)
-              for seed in range(NUM_SAMPLES)]
+    params = [
+        SamplingParams(max_tokens=1, seed=seed, detokenize=False, **SEEDED_STAT_CONFIG) for seed in range(NUM_SAMPLES)
+    ]
     outputs = stat_llm.generate([token_prompt(STAT_PROMPT)] * len(params), params, use_tqdm=False)
     samples = [o.outputs[0].token_ids[0] for o in outputs]
     assert_matches_distribution(samples, filtered_distribution(stat_logits, **SEEDED_STAT_CONFIG), "seeded")
@@ -283,8 +293,9 @@ def test_seeded_draws_follow_the_filtered_distribution(stat_llm, stat_logits):
 
 def test_filter_reference_sanity(stat_logits):
     """The reference itself: supports of the expected sizes, and top-k/top-p/min-p really bite."""
-    sizes = {name: int((filtered_distribution(stat_logits, **fields) > 0).sum())
-             for name, fields in STAT_CONFIGS.items()}
+    sizes = {
+        name: int((filtered_distribution(stat_logits, **fields) > 0).sum()) for name, fields in STAT_CONFIGS.items()
+    }
     assert sizes["temperature-only"] == stat_logits.numel()
     assert sizes["top_k"] == 12
     assert 3 <= sizes["top_p"] < 40 and 3 <= sizes["min_p"] < 40 and 3 <= sizes["combined"] < 40

@@ -42,8 +42,7 @@ def _random_prompts(vocab_size: int, batch: int = 8, length: int = 24) -> torch.
 def tiny(tmp_path_factory):
     """Build each arch's tiny checkpoint once per module: {arch: path}."""
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: make_model(root / arch, arch=arch, size="tiny", quiet=True)
-            for arch in ARCH_NAMES}
+    return {arch: make_model(root / arch, arch=arch, size="tiny", quiet=True) for arch in ARCH_NAMES}
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -132,8 +131,9 @@ def test_tokenizer_round_trip_and_chat_template(tiny, arch):
     assert raw.decode(ids, skip_special_tokens=False).endswith(text)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert rendered == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert "chat_template" in json.loads((tiny[arch] / "tokenizer_config.json").read_text())
     chat_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert chat_ids.count(IM_START_ID) == 3 and chat_ids.count(IM_END_ID) == 2
@@ -164,15 +164,25 @@ def test_cli_help_and_make_model(tmp_path, capsys):
         cli_main(["make-model", "--help"])
     assert exit_info.value.code == 0 and "--max-shard-size" in capsys.readouterr().out
     out_dir = tmp_path / "cli"
-    assert cli_main([
-        "make-model", str(out_dir), "--arch", "qwen3", "--no-tie-word-embeddings", "--seed", "3",
-    ]) == 0
+    assert (
+        cli_main(
+            [
+                "make-model",
+                str(out_dir),
+                "--arch",
+                "qwen3",
+                "--no-tie-word-embeddings",
+                "--seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert "qwen3/tiny" in capsys.readouterr().out
     spec = json.loads((out_dir / SPEC_FILE).read_text())
     assert spec["seed"] == 3 and spec["tie_word_embeddings"] is False
 
 
 def test_w2_preset_is_about_5m_parameters():
-    count = sum(math.prod(s) for s in parameter_shapes(
-        build_config("llama", "w2", tie_word_embeddings=True)).values())
+    count = sum(math.prod(s) for s in parameter_shapes(build_config("llama", "w2", tie_word_embeddings=True)).values())
     assert 4.5e6 < count < 5.5e6

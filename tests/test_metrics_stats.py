@@ -62,9 +62,13 @@ def test_a_request_aborted_before_running_has_zero_length_phases():
 @pytest.fixture(scope="module")
 def engine_run(tiny_checkpoint):
     sink = KeepingStatLogger()
-    engine = LLMEngine(EngineArgs(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=128,
-                                  max_num_batched_tokens=32).create_engine_config(),
-                       stat_loggers=[sink], log_interval_s=0.0)
+    engine = LLMEngine(
+        EngineArgs(
+            model=tiny_checkpoint("llama"), dtype="float32", max_model_len=128, max_num_batched_tokens=32
+        ).create_engine_config(),
+        stat_loggers=[sink],
+        log_interval_s=0.0,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for index, length in enumerate(PROMPT_LENGTHS):
         engine.add_request(str(index), {"prompt_token_ids": list(range(10, 10 + length))}, params)
@@ -112,8 +116,9 @@ def test_an_idle_async_engine_keeps_reporting_its_state(tiny_checkpoint):
     from engine.async_llm import IDLE_STATS_INTERVAL_S, AsyncLLM
 
     sink = KeepingStatLogger()
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_checkpoint("llama"), dtype="float32",
-                                                  max_model_len=128), stat_loggers=[sink])
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=128), stat_loggers=[sink]
+    )
     try:
         # The same 2.5 intervals as the deadline, ended as soon as the two reports asserted below are in.
         deadline = time.monotonic() + 2.5 * IDLE_STATS_INTERVAL_S

@@ -27,8 +27,15 @@ from engine.kernels.cpu import use_cpu_kernels
 from engine.model import Architecture, WeightLoadingError, get_model
 from engine.model.layers.rotary import RotaryEmbedding, compute_inv_freq
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {"head_dim": 16}),
@@ -91,8 +98,8 @@ class PagedRunner:
             logits = self.model.compute_logits(hidden)
         assert logits.dtype == torch.float32
         out, at = {}, 0
-        for (rid, n) in schedule:
-            out[rid], at = logits[at:at + n], at + n
+        for rid, n in schedule:
+            out[rid], at = logits[at : at + n], at + n
         return out
 
 
@@ -114,7 +121,7 @@ def check_fidelity(model_dir, hf, block_size=4):
     r = PagedRunner(model, block_size, seed=1)
     r.add(0, prompts[0])
     for start, n in [(0, 5), (5, 1), (6, 9), (15, 6)]:
-        torch.testing.assert_close(r.step([(0, n)])[0], refs[0][start:start + n], **TOL)
+        torch.testing.assert_close(r.step([(0, n)])[0], refs[0][start : start + n], **TOL)
 
     # (c) mixed batches: chunked prefills with cached context beside single-token decodes
     r = PagedRunner(model, block_size, seed=2)
@@ -132,7 +139,7 @@ def check_fidelity(model_dir, hf, block_size=4):
         starts = {rid: r.done[rid] for rid, _ in sched}
         got = r.step(sched)
         for rid, n in sched:
-            torch.testing.assert_close(got[rid], refs[rid][starts[rid]:starts[rid] + n], **TOL)
+            torch.testing.assert_close(got[rid], refs[rid][starts[rid] : starts[rid] + n], **TOL)
 
 
 @pytest.mark.parametrize("native_ops", [True, False], ids=["native-ops", "torch-ops"])
@@ -172,11 +179,24 @@ def test_prefix_blocks_filled_in_same_step(tmp_path):
 ROPES = {
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 3.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.7,
-                    "mscale_all_dim": 0.9, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 0.7,
+        "mscale_all_dim": 0.9,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "truncate": False,
+    },
 }
 
 
@@ -205,8 +225,7 @@ def test_rope_matches_hf_init_functions(name):
 
 @pytest.mark.parametrize("name", list(ROPES))
 def test_rope_scaled_models_match_hf(tmp_path, name):
-    hf = make_checkpoint(tmp_path, "llama", num_hidden_layers=1,
-                         rope_parameters={**ROPES[name], "rope_theta": 5000.0})
+    hf = make_checkpoint(tmp_path, "llama", num_hidden_layers=1, rope_parameters={**ROPES[name], "rope_theta": 5000.0})
     model = get_model(str(tmp_path), torch.float32)
     toks = _tokens(40, seed=3)
     r = PagedRunner(model)
@@ -217,8 +236,12 @@ def test_rope_scaled_models_match_hf(tmp_path, name):
 
 def test_legacy_rope_scaling_config_fields():
     """transformers 4.x wrote rope_theta at top level and rope_scaling with "type"."""
-    cfg = {**TINY, "architectures": ["LlamaForCausalLM"], "rope_theta": 500000.0,
-           "rope_scaling": {"type": "linear", "factor": 4.0}}
+    cfg = {
+        **TINY,
+        "architectures": ["LlamaForCausalLM"],
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 4.0},
+    }
     arch = Architecture.from_hf_config(cfg)
     assert (arch.rope_type, arch.rope_theta, arch.rope_scaling["factor"]) == ("linear", 500000.0, 4.0)
     assert arch.head_dim == 16 and not arch.tie_word_embeddings
@@ -250,8 +273,15 @@ def test_bfloat16_close_to_float32(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_bfloat16_native_ops_match_torch_ops(tmp_path, arch):
     """In bf16 the fused CPU ops round like the torch layers: both paths give (nearly) the same logits."""
-    make_checkpoint(tmp_path, arch, hidden_size=128, intermediate_size=200, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32)
+    make_checkpoint(
+        tmp_path,
+        arch,
+        hidden_size=128,
+        intermediate_size=200,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     model = get_model(str(tmp_path), torch.bfloat16)
     toks = _tokens(40, seed=5)
     out = {}
@@ -272,10 +302,12 @@ def _edit_weights(path, fn):
 
 def test_missing_weight_is_reported(tmp_path):
     make_checkpoint(tmp_path, "llama")
-    _edit_weights(tmp_path, lambda t: (t.pop("model.layers.1.self_attn.k_proj.weight"),
-                                       t.pop("model.norm.weight")))
-    with pytest.raises(WeightLoadingError, match=r"missing weights.*model\.layers\.1\.self_attn\.k_proj\.weight"
-                                                 r".*model\.norm\.weight.*unexpected weights none"):
+    _edit_weights(tmp_path, lambda t: (t.pop("model.layers.1.self_attn.k_proj.weight"), t.pop("model.norm.weight")))
+    with pytest.raises(
+        WeightLoadingError,
+        match=r"missing weights.*model\.layers\.1\.self_attn\.k_proj\.weight"
+        r".*model\.norm\.weight.*unexpected weights none",
+    ):
         get_model(str(tmp_path), torch.float32)
 
 
@@ -304,8 +336,11 @@ def test_untied_checkpoint_without_lm_head_fails(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
-    with pytest.raises(ValueError, match=r"unsupported model architecture 'GPT2LMHeadModel'.*LlamaForCausalLM.*"
-                                         r"MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"unsupported model architecture 'GPT2LMHeadModel'.*LlamaForCausalLM.*"
+        r"MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM",
+    ):
         get_model(str(tmp_path), torch.float32)
 
 
@@ -318,14 +353,22 @@ def test_tensor_parallel_weight_loader_slices(tmp_path, tp_rank):
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     pre = "model.layers.0."
     q, kv = 2 * 16, 1 * 16  # per rank: 2 of 4 q heads, 1 of 2 kv heads, head_dim 16
-    want_qkv = torch.cat([sd[pre + "self_attn.q_proj.weight"][tp_rank * q:(tp_rank + 1) * q],
-                          sd[pre + "self_attn.k_proj.weight"][tp_rank * kv:(tp_rank + 1) * kv],
-                          sd[pre + "self_attn.v_proj.weight"][tp_rank * kv:(tp_rank + 1) * kv]])
+    want_qkv = torch.cat(
+        [
+            sd[pre + "self_attn.q_proj.weight"][tp_rank * q : (tp_rank + 1) * q],
+            sd[pre + "self_attn.k_proj.weight"][tp_rank * kv : (tp_rank + 1) * kv],
+            sd[pre + "self_attn.v_proj.weight"][tp_rank * kv : (tp_rank + 1) * kv],
+        ]
+    )
     torch.testing.assert_close(attn.qkv_proj.weight, want_qkv)
-    torch.testing.assert_close(attn.o_proj.weight, sd[pre + "self_attn.o_proj.weight"][:, tp_rank * q:(tp_rank + 1) * q])
+    torch.testing.assert_close(
+        attn.o_proj.weight, sd[pre + "self_attn.o_proj.weight"][:, tp_rank * q : (tp_rank + 1) * q]
+    )
     half = 64
-    torch.testing.assert_close(mlp.gate_up_proj.weight[half:], sd[pre + "mlp.up_proj.weight"][tp_rank * half:(tp_rank + 1) * half])
-    torch.testing.assert_close(model.lm_head.weight, sd["lm_head.weight"][tp_rank * 128:(tp_rank + 1) * 128])
+    torch.testing.assert_close(
+        mlp.gate_up_proj.weight[half:], sd[pre + "mlp.up_proj.weight"][tp_rank * half : (tp_rank + 1) * half]
+    )
+    torch.testing.assert_close(model.lm_head.weight, sd["lm_head.weight"][tp_rank * 128 : (tp_rank + 1) * 128])
     assert model.get_kv_cache_shape(10, 4) == (2, 10, 4, 1, 16)
 
 

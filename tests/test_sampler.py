@@ -38,6 +38,7 @@ def req(params, prompt=(), output=(), generator=None):
 
 # ---------------------------------------------------------------- greedy & masks
 
+
 def test_greedy_is_argmax_fast_path():
     logits = torch.randn(5, 50)
     meta = SamplingMetadata.from_requests([req(SamplingParams(temperature=0))] * 5, 50, EOS)
@@ -92,9 +93,14 @@ def test_tokenize_bad_words_adds_spaced_variant_like_vllm():
     assert tokenize_bad_words([" bad", "x", "same"], FakeTokenizer()) == [[10, 11], [12, 11], [5], [3]]
 
 
-@pytest.mark.parametrize("num_output, ignore_eos, banned", [
-    (0, False, {EOS, 7}), (1, True, {7}), (2, False, set()),
-])
+@pytest.mark.parametrize(
+    "num_output, ignore_eos, banned",
+    [
+        (0, False, {EOS, 7}),
+        (1, True, {7}),
+        (2, False, set()),
+    ],
+)
 def test_min_tokens_bans_eos_and_stop_tokens(num_output, ignore_eos, banned):
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[7], ignore_eos=ignore_eos)
     meta = SamplingMetadata.from_requests([req(params, output=[3] * num_output)], VOCAB, EOS)
@@ -115,6 +121,7 @@ def test_validate_token_ids():
 
 # ---------------------------------------------------------------- penalties
 
+
 def reference_penalties(logits, prompt, output, presence, frequency, repetition):
     result = logits.clone()
     for token in range(logits.shape[0]):
@@ -131,15 +138,21 @@ token_lists = st.lists(st.integers(0, VOCAB - 1), max_size=12)
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.lists(st.tuples(token_lists, token_lists, penalty, penalty, st.floats(0.1, 3.0)),
-                     min_size=1, max_size=4),
-       seed=st.integers(0, 2**16))
+@given(
+    rows=st.lists(st.tuples(token_lists, token_lists, penalty, penalty, st.floats(0.1, 3.0)), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+)
 def test_penalties_match_reference(rows, seed):
     logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
     requests, expected = [], []
     for i, (prompt, output, presence, frequency, repetition) in enumerate(rows):
-        params = SamplingParams(temperature=0, presence_penalty=presence, frequency_penalty=frequency,
-                                repetition_penalty=repetition, logprobs=VOCAB - 1)
+        params = SamplingParams(
+            temperature=0,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            logprobs=VOCAB - 1,
+        )
         requests.append(req(params, prompt, output))
         expected.append(reference_penalties(logits[i], prompt, output, presence, frequency, repetition))
     meta = SamplingMetadata.from_requests(requests, VOCAB, None)
@@ -151,6 +164,7 @@ def test_penalties_match_reference(rows, seed):
 
 
 # ---------------------------------------------------------------- seeded sampling
+
 
 def run_steps(batch_params, seeded_row, steps_logits):
     """Samples ``len(steps_logits)`` steps; returns the tokens of ``seeded_row``."""
@@ -177,6 +191,7 @@ def test_seeded_sampling_independent_of_batch():
 
 # ---------------------------------------------------------------- filter statistics
 
+
 def reference_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     """Exact filtered distribution: temperature, min-p, top-k, top-p (no ties assumed)."""
     probs = (logits / temperature).softmax(-1)
@@ -198,10 +213,19 @@ def reference_distribution(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.
 NUM_DRAWS = 20_000
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(temperature=1.0), dict(temperature=0.6), dict(temperature=1.7), dict(top_k=3), dict(top_p=0.6),
-    dict(top_p=0.9, temperature=0.8), dict(min_p=0.3), dict(min_p=0.2, top_k=5, top_p=0.7, temperature=1.3),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.6),
+        dict(temperature=1.7),
+        dict(top_k=3),
+        dict(top_p=0.6),
+        dict(top_p=0.9, temperature=0.8),
+        dict(min_p=0.3),
+        dict(min_p=0.2, top_k=5, top_p=0.7, temperature=1.3),
+    ],
+)
 def test_empirical_frequencies_match_filtered_softmax(kwargs):
     torch.manual_seed(2024)
     params = SamplingParams(**kwargs)
@@ -216,8 +240,12 @@ def test_empirical_frequencies_match_filtered_softmax(kwargs):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**16), top_k=st.integers(0, 20), temperature=st.floats(0.05, 3.0),
-       allowed=st.one_of(st.none(), st.lists(st.integers(0, 19), min_size=1, max_size=6)))
+@given(
+    seed=st.integers(0, 2**16),
+    top_k=st.integers(0, 20),
+    temperature=st.floats(0.05, 3.0),
+    allowed=st.one_of(st.none(), st.lists(st.integers(0, 19), min_size=1, max_size=6)),
+)
 def test_samples_stay_in_support(seed, top_k, temperature, allowed):
     logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(seed)).round(decimals=1).repeat(64, 1)
     params = SamplingParams(temperature=temperature, top_k=top_k, allowed_token_ids=allowed, seed=seed)
@@ -232,13 +260,16 @@ def test_samples_stay_in_support(seed, top_k, temperature, allowed):
 
 # ---------------------------------------------------------------- logprobs
 
+
 def test_logprobs_are_raw_topn_with_sampled_token_and_rank():
     torch.manual_seed(3)
     logits = torch.randn(4, 40)
-    params = [SamplingParams(logprobs=3, temperature=2.0, presence_penalty=1.0),
-              SamplingParams(temperature=0),
-              SamplingParams(logprobs=5, top_k=10),
-              SamplingParams(logprobs=0, temperature=0.5)]
+    params = [
+        SamplingParams(logprobs=3, temperature=2.0, presence_penalty=1.0),
+        SamplingParams(temperature=0),
+        SamplingParams(logprobs=5, top_k=10),
+        SamplingParams(logprobs=0, temperature=0.5),
+    ]
     out = sample(logits, [req(p, output=[1, 2]) for p in params])
     raw = logits.log_softmax(-1)
     assert out.logprob_token_ids.shape == out.logprobs.shape == (4, 6)

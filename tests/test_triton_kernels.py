@@ -25,8 +25,10 @@ def random_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, generato
     return torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("block_size, num_kv_heads, head_dim, dtype", [
-    (16, 2, 64, torch.float32), (32, 8, 128, torch.bfloat16), (16, 1, 128, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "block_size, num_kv_heads, head_dim, dtype",
+    [(16, 2, 64, torch.float32), (32, 8, 128, torch.bfloat16), (16, 1, 128, torch.bfloat16)],
+)
 def test_write_kv_cache_equals_the_reference(block_size, num_kv_heads, head_dim, dtype):
     generator = torch.Generator().manual_seed(0)
     cache = random_cache(12, block_size, num_kv_heads, head_dim, dtype, generator)
@@ -53,9 +55,9 @@ def shuffled_block_tables(num_reqs, max_blocks, generator):
 
 
 SHAPES = [  # block_size, head_dim, num_heads, num_kv_heads, dtype
-    (16, 64, 4, 4, torch.float32),    # MHA
-    (16, 128, 8, 2, torch.float32),   # GQA 4
-    (32, 64, 8, 1, torch.bfloat16),   # GQA 8
+    (16, 64, 4, 4, torch.float32),  # MHA
+    (16, 128, 8, 2, torch.float32),  # GQA 4
+    (32, 64, 8, 1, torch.bfloat16),  # GQA 8
     (32, 128, 4, 1, torch.bfloat16),  # GQA 4, bf16
     (16, 64, 14, 2, torch.bfloat16),  # GQA 7 (Qwen2-0.5B): a group that is no power of two
 ]
@@ -63,17 +65,17 @@ SHAPES = [  # block_size, head_dim, num_heads, num_kv_heads, dtype
 
 @pytest.mark.parametrize("block_size, head_dim, num_heads, num_kv_heads, dtype", SHAPES)
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_paged_decode_attention_equals_the_reference(block_size, head_dim, num_heads, num_kv_heads, dtype,
-                                                     num_splits):
+def test_paged_decode_attention_equals_the_reference(block_size, head_dim, num_heads, num_kv_heads, dtype, num_splits):
     generator = torch.Generator().manual_seed(1)
     # Context lengths on, just past and well past block boundaries in one batch, and 0 (a padded row).
-    seq_lens = torch.tensor([1, block_size, block_size + 1, 0, 3 * block_size - 1, 9 * block_size + 7],
-                            dtype=torch.int32)
+    seq_lens = torch.tensor(
+        [1, block_size, block_size + 1, 0, 3 * block_size - 1, 9 * block_size + 7], dtype=torch.int32
+    )
     max_blocks = -(-int(seq_lens.max()) // block_size)
     cache = random_cache(1 + len(seq_lens) * max_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
     block_tables = shuffled_block_tables(len(seq_lens), max_blocks, generator)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(DEVICE, dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     seq_lens = seq_lens.to(DEVICE)
     out = triton_decode.paged_decode_attention(query, cache, block_tables, seq_lens, scale, num_splits)
     expected = triton_decode.paged_decode_attention_reference(query, cache, block_tables, seq_lens, scale)
@@ -93,7 +95,14 @@ def test_paged_prefill_attention_equals_the_reference(block_size, head_dim, num_
     """A mixed batch: fresh prompts, chunks over a cached prefix (crossing block boundaries), decodes."""
     generator = torch.Generator().manual_seed(2)
     requests = [  # (new tokens, sequence length after the step)
-        (5, 5), (1, 40), (17, 17 + 3 * block_size), (70, 70), (1, block_size), (33, 34 + block_size), (1, 1)]
+        (5, 5),
+        (1, 40),
+        (17, 17 + 3 * block_size),
+        (70, 70),
+        (1, block_size),
+        (33, 34 + block_size),
+        (1, 1),
+    ]
     query_lens = [q for q, _ in requests]
     max_blocks = max(-(-s // block_size) for _, s in requests)
     cache = random_cache(1 + len(requests) * max_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
@@ -102,7 +111,7 @@ def test_paged_prefill_attention_equals_the_reference(block_size, head_dim, num_
     starts = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32, device=DEVICE)
     seq_lens = torch.tensor([s for _, s in requests], dtype=torch.int32, device=DEVICE)
     tiles = triton_prefill.plan_prefill_tiles(query_lens, num_heads // num_kv_heads, DEVICE)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = triton_prefill.paged_prefill_attention(query, cache, block_tables, starts, seq_lens, tiles, scale)
     expected = triton_prefill.paged_prefill_attention_reference(query, cache, block_tables, starts, seq_lens, scale)
     assert relative_error(out, expected) < TOLERANCE[dtype]
@@ -126,7 +135,14 @@ def test_the_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_chec
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = LLM(tiny_checkpoint(arch), attention_backend=backend, max_model_len=128, dtype="float32",
-                  num_gpu_blocks_override=32, max_num_seqs=4, max_num_batched_tokens=16)
+        llm = LLM(
+            tiny_checkpoint(arch),
+            attention_backend=backend,
+            max_model_len=128,
+            dtype="float32",
+            num_gpu_blocks_override=32,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+        )
         tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]

@@ -23,14 +23,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, required=True, help="checkpoint and phase records")
     parser.add_argument("--out", type=Path, help="report only: where results.json and table.md go")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, tiny sizes")
-    parser.add_argument("--deadline", type=float, default=float("inf"),
-                        help="epoch seconds by which the phase should end (optional work is skipped)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=float("inf"),
+        help="epoch seconds by which the phase should end (optional work is skipped)",
+    )
     args = parser.parse_args(argv)
     settings = get_settings(args.smoke)
     # The engine's own progress (KV cache size, CUDA graph capture) in the log.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if args.phase == "report":
         from benchmarks.gpu_check.report import run_report
+
         return run_report(settings, args.work, args.out or args.work)
     begin = time.perf_counter()
     record = PHASES[args.phase](settings, args.work, args.deadline)

@@ -26,9 +26,11 @@ def disable_tf32() -> dict:
 
 
 def tf32_flags() -> dict:
-    return {"cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+    return {
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
 
 
 def synchronize(device: str) -> None:
@@ -69,8 +71,12 @@ def matmul_throughput(device: str, n: int, warmup: int, reps: int, dtype: torch.
     a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     matmul_s = time_repeated_s(lambda: torch.matmul(a, b), device, warmup, reps)
-    return {"matmul_n": n, "matmul_dtype": str(dtype).removeprefix("torch."), "matmul_s": matmul_s,
-            "matmul_flops_per_s": 2 * n ** 3 / matmul_s}
+    return {
+        "matmul_n": n,
+        "matmul_dtype": str(dtype).removeprefix("torch."),
+        "matmul_s": matmul_s,
+        "matmul_flops_per_s": 2 * n**3 / matmul_s,
+    }
 
 
 def describe(device: str) -> dict:
@@ -80,15 +86,21 @@ def describe(device: str) -> dict:
     info = {"device": device, "torch": torch.__version__, "triton": triton.__version__}
     try:
         import transformers
+
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
     if is_cuda(device):
         props = torch.cuda.get_device_properties(device)
-        info.update(name=props.name, total_memory_bytes=props.total_memory,
-                    multiprocessors=props.multi_processor_count, capability=f"{props.major}.{props.minor}",
-                    cuda=torch.version.cuda)
+        info.update(
+            name=props.name,
+            total_memory_bytes=props.total_memory,
+            multiprocessors=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+        )
     else:
         import platform
+
         info.update(name=platform.processor() or platform.machine(), threads=torch.get_num_threads())
     return info

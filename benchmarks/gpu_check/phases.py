@@ -46,13 +46,11 @@ def run_hardware(settings: Settings, work: Path, deadline: float) -> dict:
 
     record = {"device_info": dev.describe(settings.device)}
     log(f"device: {record['device_info'].get('name')}")
-    record.update(dev.copy_bandwidth(settings.device, settings.copy_bytes, settings.bench_warmup,
-                                     settings.bench_reps))
+    record.update(dev.copy_bandwidth(settings.device, settings.copy_bytes, settings.bench_warmup, settings.bench_reps))
     log(f"copy: {record['copy_bytes_per_s'] / 1e12:.3f} TB/s (read + write, {settings.copy_bytes >> 20} MiB)")
     if dev.is_cuda(settings.device):
         torch.cuda.empty_cache()
-    record.update(dev.matmul_throughput(settings.device, settings.matmul_n, settings.bench_warmup,
-                                        settings.bench_reps))
+    record.update(dev.matmul_throughput(settings.device, settings.matmul_n, settings.bench_warmup, settings.bench_reps))
     log(f"matmul: {record['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s (bf16, n={settings.matmul_n})")
     return record
 
@@ -92,8 +90,13 @@ def run_kernels(settings: Settings, work: Path, deadline: float) -> dict:
     os.chdir(REPO_ROOT)
     exit_code = int(pytest.main(["-q", "-p", "no:cacheprovider", *files], plugins=[counter]))
     log(f"pytest exit code {exit_code}: {counter.counts}")
-    return {"files": files, "exit_code": exit_code, **counter.counts, "failures": counter.failures[:20],
-            "all_passed": exit_code == 0 and counter.counts["passed"] > 0}
+    return {
+        "files": files,
+        "exit_code": exit_code,
+        **counter.counts,
+        "failures": counter.failures[:20],
+        "all_passed": exit_code == 0 and counter.counts["passed"] > 0,
+    }
 
 
 # -------------------------------------------------------------------------- checkpoint
@@ -107,16 +110,32 @@ def run_checkpoint(settings: Settings, work: Path, deadline: float) -> dict:
     spec_file = path / "serval_model_spec.json"  # written last; left alone when the checkpoint is up to date
     spec_mtime = spec_file.stat().st_mtime_ns if spec_file.is_file() else None
     begin = time.perf_counter()
-    make_model(path, arch=settings.arch, size=settings.size, seed=settings.seed, dtype=settings.checkpoint_dtype,
-               max_shard_size=settings.max_shard_size_bytes, threads=settings.threads)
+    make_model(
+        path,
+        arch=settings.arch,
+        size=settings.size,
+        seed=settings.seed,
+        dtype=settings.checkpoint_dtype,
+        max_shard_size=settings.max_shard_size_bytes,
+        threads=settings.threads,
+    )
     seconds = time.perf_counter() - begin
     spec = json.loads(spec_file.read_text())
     reused = spec_file.stat().st_mtime_ns == spec_mtime
     weight_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    log(f"checkpoint: {spec['num_parameters'] / 1e6:.1f}M parameters, {weight_bytes / 1e6:.1f} MB "
-        f"in {seconds:.1f} s ({settings.threads} threads) -> {path}")
-    return {"path": str(path), "num_parameters": spec["num_parameters"], "weight_bytes": weight_bytes,
-            "make_s": seconds, "threads": settings.threads, "reused": reused, "spec": spec}
+    log(
+        f"checkpoint: {spec['num_parameters'] / 1e6:.1f}M parameters, {weight_bytes / 1e6:.1f} MB "
+        f"in {seconds:.1f} s ({settings.threads} threads) -> {path}"
+    )
+    return {
+        "path": str(path),
+        "num_parameters": spec["num_parameters"],
+        "weight_bytes": weight_bytes,
+        "make_s": seconds,
+        "threads": settings.threads,
+        "reused": reused,
+        "spec": spec,
+    }
 
 
 # ------------------------------------------------------------------------- engine use
@@ -141,9 +160,17 @@ def make_llm(settings: Settings, work: Path, dtype: str, max_num_seqs: int, max_
 
     facts = ModelFacts(**model_facts(settings, work))
     kv_cache_bytes = int(KV_CACHE_SLACK * max_num_seqs * (max_model_len + BLOCK_SIZE) * facts.kv_bytes_per_token(dtype))
-    kwargs = dict(dtype=dtype, device=settings.device, attention_backend=settings.attention_backend,
-                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE,
-                  enable_prefix_caching=False, kv_cache_memory_bytes=kv_cache_bytes, seed=settings.seed)
+    kwargs = dict(
+        dtype=dtype,
+        device=settings.device,
+        attention_backend=settings.attention_backend,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        seed=settings.seed,
+    )
     kwargs.update(engine_kwargs)
     log(f"LLM({', '.join(f'{k}={v}' for k, v in kwargs.items())})")
     begin = time.perf_counter()
@@ -181,9 +208,15 @@ def measure_decode_step(llm, prompts: list[list[int]], output_len: int) -> dict:
     first_token_s = min(timed_generate(llm, prompts, 1)[0] for _ in range(2))
     total_s = timed_generate(llm, prompts, 1 + output_len)[0]
     step_s = (total_s - first_token_s) / output_len
-    return {"batch": len(prompts), "prompt_len": len(prompts[0]), "output_len": output_len,
-            "first_token_s": first_token_s, "total_s": total_s, "step_s": step_s,
-            "tokens_per_s": len(prompts) / step_s}
+    return {
+        "batch": len(prompts),
+        "prompt_len": len(prompts[0]),
+        "output_len": output_len,
+        "first_token_s": first_token_s,
+        "total_s": total_s,
+        "step_s": step_s,
+        "tokens_per_s": len(prompts) / step_s,
+    }
 
 
 def run_decode(settings: Settings, work: Path, deadline: float, eager: bool) -> dict:
@@ -201,10 +234,16 @@ def run_decode(settings: Settings, work: Path, deadline: float, eager: bool) -> 
     graph_kwargs = {"enforce_eager": eager}
     if not eager and is_cuda(settings.device):
         graph_kwargs["cuda_graph_batch_sizes"] = list(settings.decode_batches)
-    llm, record = make_llm(settings, work, settings.speed_dtype, max_num_seqs=largest, max_model_len=max_model_len,
-                           max_num_batched_tokens=max(largest * settings.decode_prompt_len, 2048), **graph_kwargs)
-    record.update(mode="eager" if eager else "graphs", dtype=settings.speed_dtype, facts=facts, batches={},
-                  skipped=[])
+    llm, record = make_llm(
+        settings,
+        work,
+        settings.speed_dtype,
+        max_num_seqs=largest,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max(largest * settings.decode_prompt_len, 2048),
+        **graph_kwargs,
+    )
+    record.update(mode="eager" if eager else "graphs", dtype=settings.speed_dtype, facts=facts, batches={}, skipped=[])
     previous_s = 0.0
     for batch in settings.decode_batches:
         # A larger batch takes at least as long as the previous one did; a 2x margin for its prefill.
@@ -218,8 +257,10 @@ def run_decode(settings: Settings, work: Path, deadline: float, eager: bool) -> 
         previous_s = time.time() - begin
         record["batches"][str(batch)] = result
         write_record(work, f"decode_{record['mode']}", {**record, "partial": True})
-        log(f"decode {record['mode']} batch {batch}: {result['step_s'] * 1e3:.2f} ms/step, "
-            f"{result['tokens_per_s']:.1f} tokens/s ({previous_s:.1f} s)")
+        log(
+            f"decode {record['mode']} batch {batch}: {result['step_s'] * 1e3:.2f} ms/step, "
+            f"{result['tokens_per_s']:.1f} tokens/s ({previous_s:.1f} s)"
+        )
     llm.shutdown()
     return record
 
@@ -235,15 +276,28 @@ def run_prefill(settings: Settings, work: Path, deadline: float) -> dict:
     """
     facts = model_facts(settings, work)
     num, length = settings.prefill_num_prompts, settings.prefill_prompt_len
-    llm, record = make_llm(settings, work, settings.speed_dtype, max_num_seqs=num, max_model_len=length + BLOCK_SIZE,
-                           max_num_batched_tokens=settings.prefill_max_num_batched_tokens, enforce_eager=True)
+    llm, record = make_llm(
+        settings,
+        work,
+        settings.speed_dtype,
+        max_num_seqs=num,
+        max_model_len=length + BLOCK_SIZE,
+        max_num_batched_tokens=settings.prefill_max_num_batched_tokens,
+        enforce_eager=True,
+    )
     prompts = random_prompts(settings.seed, [length] * num, facts["vocab"])
-    timed_generate(llm, prompts[:max(1, num // 4)], 1)  # warm-up
+    timed_generate(llm, prompts[: max(1, num // 4)], 1)  # warm-up
     seconds = timed_generate(llm, prompts, 1)[0]
     llm.shutdown()
-    record.update(dtype=settings.speed_dtype, facts=facts, num_prompts=num, prompt_len=length,
-                  max_num_batched_tokens=settings.prefill_max_num_batched_tokens, prefill_s=seconds,
-                  tokens_per_s=num * length / seconds)
+    record.update(
+        dtype=settings.speed_dtype,
+        facts=facts,
+        num_prompts=num,
+        prompt_len=length,
+        max_num_batched_tokens=settings.prefill_max_num_batched_tokens,
+        prefill_s=seconds,
+        tokens_per_s=num * length / seconds,
+    )
     log(f"prefill: {num} x {length} tokens in {seconds:.3f} s = {record['tokens_per_s']:.0f} tokens/s")
     return record
 
@@ -263,14 +317,22 @@ def run_parity_ours(settings: Settings, work: Path, deadline: float) -> dict:
     facts = model_facts(settings, work)
     prompts = parity_prompts(settings, facts["vocab"])
     max_model_len = max(settings.parity_prompt_lens) + settings.parity_max_tokens + BLOCK_SIZE
-    llm, record = make_llm(settings, work, settings.parity_dtype, max_num_seqs=len(prompts), max_model_len=max_model_len,
-                           max_num_batched_tokens=settings.parity_max_num_batched_tokens, enforce_eager=False)
+    llm, record = make_llm(
+        settings,
+        work,
+        settings.parity_dtype,
+        max_num_seqs=len(prompts),
+        max_model_len=max_model_len,
+        max_num_batched_tokens=settings.parity_max_num_batched_tokens,
+        enforce_eager=False,
+    )
     seconds, outputs = timed_generate(llm, prompts, settings.parity_max_tokens, logprobs=0)
     llm.shutdown()
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     logprobs = [[o.outputs[0].logprobs[i][t].logprob for i, t in enumerate(ids)] for o, ids in zip(outputs, tokens)]
-    record.update(tf32=flags, generate_s=seconds, prompt_lens=list(settings.parity_prompt_lens),
-                  tokens=tokens, logprobs=logprobs)
+    record.update(
+        tf32=flags, generate_s=seconds, prompt_lens=list(settings.parity_prompt_lens), tokens=tokens, logprobs=logprobs
+    )
     log(f"ours: {len(prompts)} prompts x {settings.parity_max_tokens} tokens in {seconds:.2f} s")
     return record
 
@@ -329,8 +391,14 @@ def run_parity_hf(settings: Settings, work: Path, deadline: float) -> dict:
     references = [hf_greedy(model, ids, settings.parity_max_tokens, settings.device) for ids in prompts]
     generate_s = time.perf_counter() - begin
     log(f"transformers: {len(prompts)} prompts x {settings.parity_max_tokens} tokens in {generate_s:.2f} s")
-    return {"tf32": flags, "load_s": load_s, "generate_s": generate_s, "prompt_lens": list(settings.parity_prompt_lens),
-            "attn_implementation": model.config._attn_implementation, "references": references}
+    return {
+        "tf32": flags,
+        "load_s": load_s,
+        "generate_s": generate_s,
+        "prompt_lens": list(settings.parity_prompt_lens),
+        "attn_implementation": model.config._attn_implementation,
+        "references": references,
+    }
 
 
 PHASES = {

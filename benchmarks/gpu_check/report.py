@@ -78,16 +78,27 @@ def compare_parity(ours: dict, hf: dict, near_tie_gap: float = NEAR_TIE_LOGIT_GA
         entry = {"prompt_len": length, "matched": matched, "of": len(expected)}
         if matched < len(expected):
             gap = reference["top2_gaps"][matched]
-            entry.update(diverged_at=matched, ours=mine[matched], reference=expected[matched], top2_gap=gap,
-                         status="near-tie" if gap <= near_tie_gap else "mismatch")
+            entry.update(
+                diverged_at=matched,
+                ours=mine[matched],
+                reference=expected[matched],
+                top2_gap=gap,
+                status="near-tie" if gap <= near_tie_gap else "mismatch",
+            )
         else:
             entry["status"] = "exact"
         prompts.append(entry)
-    logprob_diffs = [abs(a - b) for mine, ref, entry in zip(ours["logprobs"], hf["references"], prompts)
-                     for a, b in list(zip(mine, ref["logprobs"]))[:entry["matched"]]]
-    return {"near_tie_gap": near_tie_gap, "prompts": prompts,
-            "max_abs_logprob_diff": max(logprob_diffs, default=0.0),
-            "passed": all(p["status"] != "mismatch" for p in prompts)}
+    logprob_diffs = [
+        abs(a - b)
+        for mine, ref, entry in zip(ours["logprobs"], hf["references"], prompts)
+        for a, b in list(zip(mine, ref["logprobs"]))[: entry["matched"]]
+    ]
+    return {
+        "near_tie_gap": near_tie_gap,
+        "prompts": prompts,
+        "max_abs_logprob_diff": max(logprob_diffs, default=0.0),
+        "passed": all(p["status"] != "mismatch" for p in prompts),
+    }
 
 
 def parity_row(parity: dict) -> Row:
@@ -100,11 +111,16 @@ def parity_row(parity: dict) -> Row:
         measured += f", {len(ties)} near-tie (gap <= {max(p['top2_gap'] for p in ties):.2g})"
     if mismatches:
         measured += f", {len(mismatches)} MISMATCH (gap {min(p['top2_gap'] for p in mismatches):.2g})"
-    measured += f"; matched {','.join(str(p['matched']) for p in prompts)}; max abs dlogprob " \
-                f"{parity['max_abs_logprob_diff']:.1e}"
-    return Row("greedy parity vs transformers (fp32)", measured,
-               target=f"identical, or diverge at top-2 gap <= {parity['near_tie_gap']}",
-               verdict=PASS if parity["passed"] else FAIL)
+    measured += (
+        f"; matched {','.join(str(p['matched']) for p in prompts)}; max abs dlogprob "
+        f"{parity['max_abs_logprob_diff']:.1e}"
+    )
+    return Row(
+        "greedy parity vs transformers (fp32)",
+        measured,
+        target=f"identical, or diverge at top-2 gap <= {parity['near_tie_gap']}",
+        verdict=PASS if parity["passed"] else FAIL,
+    )
 
 
 # ----------------------------------------------------------------------------- rows
@@ -132,26 +148,40 @@ def _step(seconds: float) -> str:
 
 def hardware_rows(hardware: dict) -> list[Row]:
     name = hardware["device_info"].get("name", "?")
-    return [Row(f"copy bandwidth ({name})", f"{_si(hardware['copy_bytes_per_s'], 'B/s')} (read+write)"),
-            Row(f"matmul {hardware['matmul_n']}^3 {hardware['matmul_dtype']}",
-                _si(hardware["matmul_flops_per_s"], "FLOP/s"))]
+    return [
+        Row(f"copy bandwidth ({name})", f"{_si(hardware['copy_bytes_per_s'], 'B/s')} (read+write)"),
+        Row(
+            f"matmul {hardware['matmul_n']}^3 {hardware['matmul_dtype']}", _si(hardware["matmul_flops_per_s"], "FLOP/s")
+        ),
+    ]
 
 
 def kernel_row(kernels: dict) -> Row:
     counts = ", ".join(f"{kernels[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if kernels.get(k))
-    return Row(f"kernel tests ({', '.join(Path(f).name for f in kernels['files'])})", counts or "no tests",
-               target=f"all pass (bf16 rel err <= {KERNEL_BF16_REL_TOL:g})",
-               verdict=PASS if kernels["all_passed"] else FAIL)
+    return Row(
+        f"kernel tests ({', '.join(Path(f).name for f in kernels['files'])})",
+        counts or "no tests",
+        target=f"all pass (bf16 rel err <= {KERNEL_BF16_REL_TOL:g})",
+        verdict=PASS if kernels["all_passed"] else FAIL,
+    )
 
 
 def decode_rows(decode: dict, hardware: dict | None, smoke: bool) -> list[Row]:
     rows = []
     for batch, result in decode["batches"].items():
-        row = Row(f"decode {decode['dtype']} batch {batch}, {decode['mode']}",
-                  f"{_rate(result['tokens_per_s'])} ({_step(result['step_s'])})")
+        row = Row(
+            f"decode {decode['dtype']} batch {batch}, {decode['mode']}",
+            f"{_rate(result['tokens_per_s'])} ({_step(result['step_s'])})",
+        )
         if hardware:
-            roof = decode_roofline(decode["facts"], int(batch), result["prompt_len"], result["output_len"],
-                                   decode["dtype"], hardware["copy_bytes_per_s"])
+            roof = decode_roofline(
+                decode["facts"],
+                int(batch),
+                result["prompt_len"],
+                result["output_len"],
+                decode["dtype"],
+                hardware["copy_bytes_per_s"],
+            )
             result["roofline"] = roof
             ratio = result["tokens_per_s"] / roof["tokens_per_s"]
             row.roofline = f"{_rate(roof['tokens_per_s'])} ({_step(roof['step_s'])})"
@@ -171,8 +201,9 @@ def graph_gain_rows(graphs: dict, eager: dict, smoke: bool) -> list[Row]:
         if batch not in eager["batches"]:
             continue
         gain = result["tokens_per_s"] / eager["batches"][batch]["tokens_per_s"]
-        row = Row(f"CUDA graph gain, batch {batch}", f"{gain:.2f}x",
-                  f"eager {_rate(eager['batches'][batch]['tokens_per_s'])}")
+        row = Row(
+            f"CUDA graph gain, batch {batch}", f"{gain:.2f}x", f"eager {_rate(eager['batches'][batch]['tokens_per_s'])}"
+        )
         if batch == "1":
             row.target = f">= {CUDA_GRAPH_MIN_GAIN}x"
             row.verdict = "n/a on CPU" if smoke else (PASS if gain >= CUDA_GRAPH_MIN_GAIN else FAIL)
@@ -183,8 +214,9 @@ def graph_gain_rows(graphs: dict, eager: dict, smoke: bool) -> list[Row]:
 
 
 def prefill_row(prefill: dict, hardware: dict | None) -> Row:
-    row = Row(f"prefill {prefill['dtype']} {prefill['num_prompts']}x{prefill['prompt_len']}",
-              _rate(prefill["tokens_per_s"]))
+    row = Row(
+        f"prefill {prefill['dtype']} {prefill['num_prompts']}x{prefill['prompt_len']}", _rate(prefill["tokens_per_s"])
+    )
     if hardware:
         roof = prefill_roofline(prefill["facts"], prefill["prompt_len"], hardware["matmul_flops_per_s"])
         prefill["roofline"] = roof
@@ -194,10 +226,15 @@ def prefill_row(prefill: dict, hardware: dict | None) -> Row:
 
 
 def checkpoint_row(checkpoint: dict) -> Row:
-    return Row("checkpoint (random, made here)",
-               f"{_params(checkpoint['num_parameters'])} params, {_si(checkpoint['weight_bytes'], 'B')} "
-               + ("(already there)" if checkpoint.get("reused") else
-                  f"in {checkpoint['make_s']:.0f} s ({checkpoint['threads']} threads)"))
+    return Row(
+        "checkpoint (random, made here)",
+        f"{_params(checkpoint['num_parameters'])} params, {_si(checkpoint['weight_bytes'], 'B')} "
+        + (
+            "(already there)"
+            if checkpoint.get("reused")
+            else f"in {checkpoint['make_s']:.0f} s ({checkpoint['threads']} threads)"
+        ),
+    )
 
 
 def build_rows(records: dict, smoke: bool) -> tuple[list[Row], dict | None]:
@@ -229,8 +266,10 @@ def build_rows(records: dict, smoke: bool) -> tuple[list[Row], dict | None]:
 
 def markdown_table(header: list[str], lines: list[list[str]]) -> str:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *lines)]
+
     def fmt(cells):
         return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
     return "\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, lines)])
 
 
@@ -246,17 +285,27 @@ def run_report(settings: Settings, work: Path, out: Path) -> int:
     rows, parity = build_rows(records, settings.smoke)
     phase_lines = [[phase, phase_state(s["rc"]), f"{s['seconds']:.0f}"] for phase, s in statuses.items()]
     phases_md = markdown_table(["phase", "status", "s"], phase_lines)
-    rows_md = markdown_table(["check", "measured", "roofline", "ratio", "target", "verdict"],
-                             [list(asdict(r).values()) for r in rows])
-    title = ("gpu_check SMOKE run (CPU, tiny model, Triton interpreter: numbers are not meaningful, targets "
-             "are for the GPU)" if settings.smoke else "gpu_check")
+    rows_md = markdown_table(
+        ["check", "measured", "roofline", "ratio", "target", "verdict"], [list(asdict(r).values()) for r in rows]
+    )
+    title = (
+        "gpu_check SMOKE run (CPU, tiny model, Triton interpreter: numbers are not meaningful, targets are for the GPU)"
+        if settings.smoke
+        else "gpu_check"
+    )
     code = exit_code(statuses, rows)
     text = f"## {title}\n\n{phases_md}\n\n{rows_md}\n\nexit code {code}\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(text)
-    results = {"smoke": settings.smoke, "exit_code": code, "settings": asdict(settings),
-               "phases": {p: {**s, "state": phase_state(s["rc"])} for p, s in statuses.items()},
-               "rows": [asdict(r) for r in rows], "parity": parity, "records": records}
+    results = {
+        "smoke": settings.smoke,
+        "exit_code": code,
+        "settings": asdict(settings),
+        "phases": {p: {**s, "state": phase_state(s["rc"])} for p, s in statuses.items()},
+        "rows": [asdict(r) for r in rows],
+        "parity": parity,
+        "records": records,
+    }
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print("\n" + text, flush=True)
     return code

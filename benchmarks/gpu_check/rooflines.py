@@ -65,12 +65,19 @@ class ModelFacts:
         counts = {name: math.prod(shape) for name, shape in shapes.items()}
         other = {name: n for name, n in counts.items() if name not in (EMBED, LM_HEAD)}
         return cls(
-            hidden=config["hidden_size"], layers=config["num_hidden_layers"], heads=heads,
-            kv_heads=config.get("num_key_value_heads", heads), head_dim=head_dim, vocab=config["vocab_size"],
+            hidden=config["hidden_size"],
+            layers=config["num_hidden_layers"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=head_dim,
+            vocab=config["vocab_size"],
             tied=LM_HEAD not in shapes,
             matrix_params=sum(n for name, n in other.items() if len(shapes[name]) == 2),
             vector_params=sum(n for name, n in other.items() if len(shapes[name]) != 2),
-            embed_params=counts[EMBED], lm_head_params=counts.get(LM_HEAD, 0), total_params=sum(counts.values()))
+            embed_params=counts[EMBED],
+            lm_head_params=counts.get(LM_HEAD, 0),
+            total_params=sum(counts.values()),
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -110,16 +117,22 @@ def decode_mean_context_len(prompt_len: int, output_len: int) -> float:
     return prompt_len + (output_len + 1) / 2
 
 
-def decode_roofline(facts: dict, batch: int, prompt_len: int, output_len: int, dtype: str,
-                    copy_bytes_per_s: float) -> dict:
+def decode_roofline(
+    facts: dict, batch: int, prompt_len: int, output_len: int, dtype: str, copy_bytes_per_s: float
+) -> dict:
     """Bytes one decode step reads and the step time / tokens/s the copy bandwidth allows."""
     model = ModelFacts(**facts)
     mean_context_len = decode_mean_context_len(prompt_len, output_len)
     weight_bytes = model.decode_weight_bytes(batch, dtype)
     kv_bytes = model.decode_kv_read_bytes(batch, mean_context_len, dtype)
     step_s = (weight_bytes + kv_bytes) / copy_bytes_per_s
-    return {"weight_bytes": weight_bytes, "kv_read_bytes": kv_bytes, "mean_context_len": mean_context_len,
-            "step_s": step_s, "tokens_per_s": batch / step_s}
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_read_bytes": kv_bytes,
+        "mean_context_len": mean_context_len,
+        "step_s": step_s,
+        "tokens_per_s": batch / step_s,
+    }
 
 
 def prefill_roofline(facts: dict, prompt_len: int, matmul_flops_per_s: float) -> dict:

@@ -58,26 +58,51 @@ class Settings:
 
 
 FULL = Settings(
-    smoke=False, size="8b", checkpoint_dtype="bfloat16", max_shard_size_bytes=4_000_000_000,
-    device="cuda", attention_backend="auto",
-    copy_bytes=4 << 30, matmul_n=8192, bench_warmup=3, bench_reps=10,
+    smoke=False,
+    size="8b",
+    checkpoint_dtype="bfloat16",
+    max_shard_size_bytes=4_000_000_000,
+    device="cuda",
+    attention_backend="auto",
+    copy_bytes=4 << 30,
+    matmul_n=8192,
+    bench_warmup=3,
+    bench_reps=10,
     # About 5 to 300 tokens; 8 prompts, prefilled in chunks of 256 tokens so that decode batches
     # grow one request at a time (1, 2, ... 8: graph sizes replayed with and without padding).
-    parity_prompt_lens=(5, 300, 17, 229, 64, 150, 33, 100), parity_max_tokens=32,
+    parity_prompt_lens=(5, 300, 17, 229, 64, 150, 33, 100),
+    parity_max_tokens=32,
     parity_max_num_batched_tokens=256,
-    decode_batches=(1, 32, 256), decode_prompt_len=256, decode_output_len=128,
-    prefill_num_prompts=16, prefill_prompt_len=2048, prefill_max_num_batched_tokens=8192,
+    decode_batches=(1, 32, 256),
+    decode_prompt_len=256,
+    decode_output_len=128,
+    prefill_num_prompts=16,
+    prefill_prompt_len=2048,
+    prefill_max_num_batched_tokens=8192,
 )
 
 SMOKE = Settings(
-    smoke=True, size="tiny", checkpoint_dtype="float32", max_shard_size_bytes=None,
+    smoke=True,
+    size="tiny",
+    checkpoint_dtype="float32",
+    max_shard_size_bytes=None,
     # On a CPU "auto" would pick the torch backend; the smoke run takes the GPU's path (Triton,
     # through its interpreter).
-    device="cpu", attention_backend="triton",
-    copy_bytes=64 << 20, matmul_n=256, bench_warmup=1, bench_reps=3,
-    parity_prompt_lens=(3, 40, 9, 17), parity_max_tokens=8, parity_max_num_batched_tokens=32,
-    decode_batches=(1, 2), decode_prompt_len=16, decode_output_len=4,
-    prefill_num_prompts=4, prefill_prompt_len=64, prefill_max_num_batched_tokens=128,
+    device="cpu",
+    attention_backend="triton",
+    copy_bytes=64 << 20,
+    matmul_n=256,
+    bench_warmup=1,
+    bench_reps=3,
+    parity_prompt_lens=(3, 40, 9, 17),
+    parity_max_tokens=8,
+    parity_max_num_batched_tokens=32,
+    decode_batches=(1, 2),
+    decode_prompt_len=16,
+    decode_output_len=4,
+    prefill_num_prompts=4,
+    prefill_prompt_len=64,
+    prefill_max_num_batched_tokens=128,
 )
 
 

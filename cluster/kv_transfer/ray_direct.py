@@ -69,8 +69,11 @@ class KVDirectCoordinator:
 
     async def stats(self) -> dict:
         """Workers registered and in the group; transfers done by each path."""
-        return {"num_registered": len(self.members), "group_size": len(self.group_member_ids or ()),
-                "num_transfers": dict(self.num_transfers)}
+        return {
+            "num_registered": len(self.members),
+            "group_size": len(self.group_member_ids or ()),
+            "num_transfers": dict(self.num_transfers),
+        }
 
     async def _in_group(self, src_worker, dst_worker) -> bool:
         async with self.lock:
@@ -101,15 +104,20 @@ class KVDirectClient:
     def __init__(self, worker, config: KVTransferConfig, uses_gpu: bool) -> None:
         self.worker = worker
         self.coordinator = KVDirectCoordinator.options(
-            name=COORDINATOR_NAME, namespace=COORDINATOR_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
+            name=COORDINATOR_NAME, namespace=COORDINATOR_NAMESPACE, get_if_exists=True, lifetime="detached"
+        ).remote()
         ray.get(self.coordinator.register.remote(worker, resolve_tensor_transport(config, uses_gpu)))
 
     def pull(self, loads: list[KVLoad]) -> None:
         """Delivers every load's blocks to this engine's worker before its step; failures are left to the
         worker (it computes what did not arrive)."""
-        transfers = [self.coordinator.transfer.remote(load.handle.data.worker, load.handle.data.kv_id,
-                                                      load.src_block_indices, self.worker, load.req_id)
-                     for load in loads if isinstance(load.handle.data, DirectKVRef)]
+        transfers = [
+            self.coordinator.transfer.remote(
+                load.handle.data.worker, load.handle.data.kv_id, load.src_block_indices, self.worker, load.req_id
+            )
+            for load in loads
+            if isinstance(load.handle.data, DirectKVRef)
+        ]
         for transfer in transfers:
             try:
                 ray.get(transfer, timeout=LOAD_TIMEOUT_S)

@@ -42,13 +42,28 @@ class AttentionBackend(ABC):
         """Shape of one layer's KV cache tensor."""
 
     @abstractmethod
-    def forward(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata, scale: float, kv_is_written: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        kv_cache: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+        kv_is_written: bool = False,
+    ) -> torch.Tensor:
         """See the module docstring."""
 
-    def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                           head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"
-                           ) -> list[torch.Tensor]:
+    def allocate_kv_caches(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> list[torch.Tensor]:
         """One zeroed cache tensor per layer (on CPU backed by huge pages where the OS allows)."""
         shape = self.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         caches = []

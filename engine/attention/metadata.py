@@ -29,15 +29,15 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    num_actual_tokens: int                 # tokens in the batch (= query_start_loc[-1])
-    query_start_loc: torch.Tensor          # int32 [num_reqs + 1], cumulative new-token counts
-    seq_lens: torch.Tensor                 # int32 [num_reqs], context + new tokens
-    block_tables: torch.Tensor             # int32 [num_reqs, max_num_blocks_per_req], 0-padded
-    slot_mapping: torch.Tensor             # int64 [num_tokens], where each new K/V is written
+    num_actual_tokens: int  # tokens in the batch (= query_start_loc[-1])
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], cumulative new-token counts
+    seq_lens: torch.Tensor  # int32 [num_reqs], context + new tokens
+    block_tables: torch.Tensor  # int32 [num_reqs, max_num_blocks_per_req], 0-padded
+    slot_mapping: torch.Tensor  # int64 [num_tokens], where each new K/V is written
     max_query_len: int
     max_seq_len: int
     query_lens_cpu: list[int] = field(default_factory=list)  # new tokens per request
-    seq_lens_cpu: list[int] = field(default_factory=list)    # == seq_lens.tolist()
+    seq_lens_cpu: list[int] = field(default_factory=list)  # == seq_lens.tolist()
     num_decodes: int = -1  # hint: requests [0, num_decodes) have query_len 1; -1 = unknown
     # Whatever the backend derives from the batch layout on the first layer and reuses on the others.
     backend_plan: object | None = None
@@ -65,9 +65,17 @@ class AttentionMetadata:
         """A copy with the tensors moved to ``device`` (Python-side fields shared)."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         return AttentionMetadata(
-            self.num_actual_tokens, move(self.query_start_loc), move(self.seq_lens),
-            move(self.block_tables), move(self.slot_mapping), self.max_query_len, self.max_seq_len,
-            self.query_lens_cpu, self.seq_lens_cpu, self.num_decodes)  # the plan is rebuilt on the device
+            self.num_actual_tokens,
+            move(self.query_start_loc),
+            move(self.seq_lens),
+            move(self.block_tables),
+            move(self.slot_mapping),
+            self.max_query_len,
+            self.max_seq_len,
+            self.query_lens_cpu,
+            self.seq_lens_cpu,
+            self.num_decodes,
+        )  # the plan is rebuilt on the device
 
 
 def _leading_decodes(query_lens: Sequence[int]) -> int:
@@ -77,9 +85,13 @@ def _leading_decodes(query_lens: Sequence[int]) -> int:
     return n
 
 
-def build_attention_metadata(query_lens: Sequence[int], seq_lens: Sequence[int],
-                             block_tables: Sequence[Sequence[int]], block_size: int,
-                             device: torch.device | str = "cpu") -> AttentionMetadata:
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
     """Build metadata from Python lists (one entry per request, in batch order).
 
     ``block_tables[i]`` lists request ``i``'s block ids, covering at least

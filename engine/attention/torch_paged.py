@@ -91,8 +91,16 @@ class TorchPagedAttention(AttentionBackend):
         flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
         flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
-    def forward(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata, scale: float, kv_is_written: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        kv_cache: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+        kv_is_written: bool = False,
+    ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
         q, k, v = q[:n], k[:n], v[:n]
@@ -112,15 +120,18 @@ class TorchPagedAttention(AttentionBackend):
         return out.reshape(n, -1)  # [T, H*D]
 
     @staticmethod
-    def _native_decode(kv_cache: torch.Tensor, q: torch.Tensor, native: _NativeDecode, scale: float,
-                       out: torch.Tensor) -> None:
+    def _native_decode(
+        kv_cache: torch.Tensor, q: torch.Tensor, native: _NativeDecode, scale: float, out: torch.Tensor
+    ) -> None:
         """Every decode of the step in one kernel call (the compiled CPU kernel here), into ``out``."""
         if isinstance(native.tokens, slice):  # the usual case: the kernel writes straight into out
-            load_cpu_kernels().paged_decode_attention(q[native.tokens], kv_cache, native.block_tables,
-                                                      native.seq_lens, scale, out[native.tokens])
+            load_cpu_kernels().paged_decode_attention(
+                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale, out[native.tokens]
+            )
         else:
             out[native.tokens] = load_cpu_kernels().paged_decode_attention(
-                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale)
+                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale
+            )
 
     def _has_native_decode(self, device: torch.device) -> bool:
         return self.use_cpu_kernel and device.type == "cpu" and load_cpu_kernels() is not None
@@ -138,25 +149,31 @@ class TorchPagedAttention(AttentionBackend):
         if decodes and self._has_native_decode(device):
             native_decode = self._plan_native_decode(decodes, starts, md)
         elif decodes:
-            chunks = [self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, device)
-                      for chunk in self._decode_chunks(decodes, seq_lens, block_size, row_elems)]
-        prefills = [self._plan_prefill(i, starts, query_lens[i], seq_lens[i], md.block_tables, block_size, device)
-                    for i, query_len in enumerate(query_lens) if query_len > 1]
+            chunks = [
+                self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, device)
+                for chunk in self._decode_chunks(decodes, seq_lens, block_size, row_elems)
+            ]
+        prefills = [
+            self._plan_prefill(i, starts, query_lens[i], seq_lens[i], md.block_tables, block_size, device)
+            for i, query_len in enumerate(query_lens)
+            if query_len > 1
+        ]
         return _StepPlan(native_decode, chunks, prefills)
 
     @staticmethod
     def _plan_native_decode(decodes: list[int], starts: list[int], md: AttentionMetadata) -> _NativeDecode:
         if decodes == list(range(len(decodes))):  # the runner puts running decodes first
             tokens: slice | torch.Tensor = slice(0, len(decodes))
-            block_tables, seq_lens = md.block_tables[:len(decodes)], md.seq_lens[:len(decodes)]
+            block_tables, seq_lens = md.block_tables[: len(decodes)], md.seq_lens[: len(decodes)]
         else:
             rows = torch.tensor(decodes, dtype=torch.long)
             tokens = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
             block_tables, seq_lens = md.block_tables[rows], md.seq_lens[rows]
         return _NativeDecode(tokens, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous())
 
-    def _decode_chunks(self, decodes: list[int], seq_lens: list[int], block_size: int,
-                       row_elems: int) -> list[list[int]]:
+    def _decode_chunks(
+        self, decodes: list[int], seq_lens: list[int], block_size: int, row_elems: int
+    ) -> list[list[int]]:
         """Group decode requests (sorted by length) so each padded gather stays under the budget."""
         order = sorted(decodes, key=lambda i: seq_lens[i])
         chunks: list[list[int]] = []
@@ -170,13 +187,18 @@ class TorchPagedAttention(AttentionBackend):
         return chunks + [current] if current else chunks
 
     @staticmethod
-    def _plan_decode_chunk(chunk: list[int], starts: list[int], seq_lens: list[int], block_tables: torch.Tensor,
-                           block_size: int, device) -> _DecodeChunk:
+    def _plan_decode_chunk(
+        chunk: list[int], starts: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int, device
+    ) -> _DecodeChunk:
         first = chunk[0]
-        is_contiguous = chunk == list(range(first, first + len(chunk))) and \
-            starts[first + len(chunk)] - starts[first] == len(chunk)
-        tokens = (slice(starts[first], starts[first] + len(chunk)) if is_contiguous
-                  else torch.tensor([starts[i] for i in chunk], dtype=torch.long, device=device))
+        is_contiguous = chunk == list(range(first, first + len(chunk))) and starts[first + len(chunk)] - starts[
+            first
+        ] == len(chunk)
+        tokens = (
+            slice(starts[first], starts[first] + len(chunk))
+            if is_contiguous
+            else torch.tensor([starts[i] for i in chunk], dtype=torch.long, device=device)
+        )
         lens = [seq_lens[i] for i in chunk]
         num_blocks = -(-max(lens) // block_size)
         rows = torch.tensor(chunk, dtype=torch.long, device=device)
@@ -186,12 +208,13 @@ class TorchPagedAttention(AttentionBackend):
         return _DecodeChunk(tokens, block_ids, len(chunk), num_blocks, mask[:, None, None, :])
 
     @staticmethod
-    def _plan_prefill(i: int, starts: list[int], query_len: int, seq_len: int, block_tables: torch.Tensor,
-                      block_size: int, device) -> _Prefill:
+    def _plan_prefill(
+        i: int, starts: list[int], query_len: int, seq_len: int, block_tables: torch.Tensor, block_size: int, device
+    ) -> _Prefill:
         context_len = seq_len - query_len
         if context_len == 0:
             return _Prefill(starts[i], starts[i] + query_len, seq_len, None, None)
-        block_ids = block_tables[i, :-(-seq_len // block_size)].long()
+        block_ids = block_tables[i, : -(-seq_len // block_size)].long()
         key_positions = torch.arange(seq_len, device=device)
         query_positions = torch.arange(context_len, seq_len, device=device)
         mask = key_positions[None, :] <= query_positions[:, None]  # [Q, S]
@@ -206,30 +229,41 @@ class TorchPagedAttention(AttentionBackend):
         rows = cache.view(num_blocks, block_size * hk * d).index_select(0, block_ids)
         return rows.view(-1, hk, d)
 
-    def _decode_chunk(self, kv_cache: torch.Tensor, q: torch.Tensor, chunk: _DecodeChunk,
-                      scale: float) -> torch.Tensor:
+    def _decode_chunk(self, kv_cache: torch.Tensor, q: torch.Tensor, chunk: _DecodeChunk, scale: float) -> torch.Tensor:
         """q [n, H, D] -> [n, H, D]: each row attends to its own cached sequence."""
         n, hk = chunk.num_reqs, kv_cache.shape[3]
         keys = self._gather(kv_cache[0], chunk.block_ids).view(n, -1, hk, q.shape[2]).transpose(1, 2)  # [n, Hk, S, D]
         vals = self._gather(kv_cache[1], chunk.block_ids).view(n, -1, hk, q.shape[2]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.float().unsqueeze(2), keys.float(), vals.float(), attn_mask=chunk.mask,
-                                             scale=scale, enable_gqa=q.shape[1] != hk)  # [n, H, 1, D]
+        out = F.scaled_dot_product_attention(
+            q.float().unsqueeze(2),
+            keys.float(),
+            vals.float(),
+            attn_mask=chunk.mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != hk,
+        )  # [n, H, 1, D]
         return out.squeeze(2).to(q.dtype)
 
-    def _prefill(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 prefill: _Prefill, scale: float) -> torch.Tensor:
+    def _prefill(
+        self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: _Prefill, scale: float
+    ) -> torch.Tensor:
         """One request: q [Q, H, D] (new tokens k, v [Q, Hk, D]) over its seq_len keys -> [Q, H, D]."""
         hk = kv_cache.shape[3]
         if prefill.block_ids is None:
             keys, vals = k, v
         else:
-            keys = self._gather(kv_cache[0], prefill.block_ids)[:prefill.seq_len]  # [S, Hk, D]
-            vals = self._gather(kv_cache[1], prefill.block_ids)[:prefill.seq_len]
+            keys = self._gather(kv_cache[0], prefill.block_ids)[: prefill.seq_len]  # [S, Hk, D]
+            vals = self._gather(kv_cache[1], prefill.block_ids)[: prefill.seq_len]
         dtype = product_dtype(q.dtype, q.device)  # float32 for bf16 on CPUs without bf16 matrix instructions
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0).to(dtype), keys.transpose(0, 1).unsqueeze(0).to(dtype),
-            vals.transpose(0, 1).unsqueeze(0).to(dtype), attn_mask=prefill.mask, is_causal=prefill.mask is None,
-            scale=scale, enable_gqa=q.shape[1] != hk)  # [1, H, Q, D]
+            q.transpose(0, 1).unsqueeze(0).to(dtype),
+            keys.transpose(0, 1).unsqueeze(0).to(dtype),
+            vals.transpose(0, 1).unsqueeze(0).to(dtype),
+            attn_mask=prefill.mask,
+            is_causal=prefill.mask is None,
+            scale=scale,
+            enable_gqa=q.shape[1] != hk,
+        )  # [1, H, Q, D]
         return out[0].transpose(0, 1).to(q.dtype)
 
 

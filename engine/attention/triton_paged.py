@@ -32,14 +32,26 @@ class TritonPagedAttention(AttentionBackend):
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def forward(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata, scale: float, kv_is_written: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        kv_cache: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        scale: float,
+        kv_is_written: bool = False,
+    ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
         q = q[:n].contiguous()
         if not kv_is_written:
-            write_kv_cache(kv_cache, k[:n].to(kv_cache.dtype).contiguous(), v[:n].to(kv_cache.dtype).contiguous(),
-                           md.slot_mapping[:n])
+            write_kv_cache(
+                kv_cache,
+                k[:n].to(kv_cache.dtype).contiguous(),
+                v[:n].to(kv_cache.dtype).contiguous(),
+                md.slot_mapping[:n],
+            )
         num_kv_heads = kv_cache.shape[3]
         if md.max_query_len == 1:  # rows are requests; a CUDA graph's padded rows have seq_len 0
             num_splits = choose_num_splits(n, num_kv_heads, md.max_seq_len)
@@ -47,8 +59,9 @@ class TritonPagedAttention(AttentionBackend):
         else:
             if md.backend_plan is None:
                 md.backend_plan = plan_prefill_tiles(md.host_lens()[0], q.shape[1] // num_kv_heads, q.device)
-            out = paged_prefill_attention(q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens,
-                                          md.backend_plan, scale)
+            out = paged_prefill_attention(
+                q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.backend_plan, scale
+            )
         return out.reshape(n, -1)  # [T, H*D]
 
 

@@ -38,8 +38,9 @@ def get_hash_function(name: str) -> HashFunction:
         raise ValueError(f"Unknown prefix-caching hash {name!r}; choose one of {sorted(HASH_FUNCTIONS)}.") from None
 
 
-def hash_block_tokens(hash_fn: HashFunction, parent_hash: BlockHash, token_ids: Sequence[int],
-                      extra_keys: tuple = ()) -> BlockHash:
+def hash_block_tokens(
+    hash_fn: HashFunction, parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: tuple = ()
+) -> BlockHash:
     """The hash of one full block given its parent's hash."""
     # 'q' (int64) is a fixed-width, unambiguous encoding of the token ids.
     payload = parent_hash + array("q", token_ids).tobytes()
@@ -48,8 +49,13 @@ def hash_block_tokens(hash_fn: HashFunction, parent_hash: BlockHash, token_ids: 
     return hash_fn(payload)
 
 
-def extend_block_hashes(hash_fn: HashFunction, block_hashes: list[BlockHash], token_ids: Sequence[int],
-                        block_size: int, cache_salt: str | None) -> None:
+def extend_block_hashes(
+    hash_fn: HashFunction,
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+) -> None:
     """Appends the hash of every full block of ``token_ids`` not hashed yet."""
     num_full_blocks = len(token_ids) // block_size
     for block_index in range(len(block_hashes), num_full_blocks):
@@ -57,4 +63,4 @@ def extend_block_hashes(hash_fn: HashFunction, block_hashes: list[BlockHash], to
         start = block_index * block_size
         # The salt goes into the first block only; chaining carries it to every later block.
         extra_keys = (cache_salt,) if block_index == 0 and cache_salt is not None else ()
-        block_hashes.append(hash_block_tokens(hash_fn, parent, token_ids[start:start + block_size], extra_keys))
+        block_hashes.append(hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], extra_keys))

@@ -70,8 +70,13 @@ class KVCacheManager:
         stats.num_queried_tokens += request.num_tokens
         stats.num_hit_tokens += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
         """Makes room for ``num_new_tokens`` more tokens of ``request``.
 
         ``new_computed_blocks`` (holding ``num_new_computed_tokens`` tokens) are
@@ -117,8 +122,9 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
-            extend_block_hashes(self.hash_fn, request.block_hashes, request.all_token_ids, self.block_size,
-                                request.cache_salt)
+            extend_block_hashes(
+                self.hash_fn, request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+            )
 
     def free(self, request: Request) -> None:
         """Drops the request's references; its tail blocks go first in the eviction order."""
@@ -143,8 +149,9 @@ class KVCacheManager:
         """
         pool = self.block_pool
         free_ids = [block.block_id for block in pool.free_queue]
-        assert free_ids == [block.block_id for block in pool.free_queue.iter_backwards()][::-1], \
+        assert free_ids == [block.block_id for block in pool.free_queue.iter_backwards()][::-1], (
             "free queue links disagree"
+        )
         assert len(free_ids) == len(set(free_ids)) == pool.num_free_blocks, "free queue count is off"
         holders: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
@@ -154,9 +161,12 @@ class KVCacheManager:
         assert NULL_BLOCK_ID not in free_set and NULL_BLOCK_ID not in holders, "null block in use"
         assert not free_set & holders.keys(), f"blocks both free and referenced: {free_set & holders.keys()}"
         assert len(free_set) + len(holders) + 1 == pool.num_blocks, (
-            f"{len(free_set)} free + {len(holders)} referenced + 1 null != {pool.num_blocks} blocks")
+            f"{len(free_set)} free + {len(holders)} referenced + 1 null != {pool.num_blocks} blocks"
+        )
         for block in pool.blocks[1:]:
-            assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} has {holders.get(block.block_id, 0)} holders"
+            assert block.ref_cnt == holders.get(block.block_id, 0), (
+                f"{block} has {holders.get(block.block_id, 0)} holders"
+            )
         for block_hash, block in pool.cached_blocks.items():
             assert block.block_hash == block_hash, f"{block} registered under a foreign hash"
         num_hashed = sum(1 for block in pool.blocks if block.block_hash is not None)

@@ -131,8 +131,9 @@ class KVConnectorScheduler:
         num_loadable = min(handle.num_tokens, request.num_prompt_tokens - 1)
         return max(0, num_loadable - num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_local_tokens: int,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_local_tokens: int, num_external_tokens: int
+    ) -> None:
         """Plans the load of the external tokens into the blocks just allocated for them (or the
         save of a producer request's prompt). The handle is used once: a preempted request recomputes."""
         if self.is_producer and (request.kv_transfer_params or {}).get("do_remote_decode"):
@@ -142,8 +143,7 @@ class KVConnectorScheduler:
         handle = request.kv_transfer_params.pop("remote_kv")
         first = num_local_tokens // self.block_size
         last = -(-(num_local_tokens + num_external_tokens) // self.block_size)
-        self._pending_loads.append(KVLoad(request.request_id, handle, list(range(first, last)),
-                                          block_ids[first:last]))
+        self._pending_loads.append(KVLoad(request.request_id, handle, list(range(first, last)), block_ids[first:last]))
         self.stats.num_skipped_blocks += first
         self.stats.num_loads += 1
         self.stats.num_loaded_blocks += last - first

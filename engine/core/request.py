@@ -38,8 +38,10 @@ FINISH_REASONS = {
 def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
     """Raises ValueError unless at least one token fits after the prompt."""
     if num_prompt_tokens >= max_model_len:
-        raise ValueError(f"The prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len}: "
-                         "at least one token must fit after the prompt.")
+        raise ValueError(
+            f"The prompt has {num_prompt_tokens} tokens, but max_model_len is {max_model_len}: "
+            "at least one token must fit after the prompt."
+        )
 
 
 class Request:
@@ -109,5 +111,7 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
-                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

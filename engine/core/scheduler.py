@@ -58,8 +58,12 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 kv_transfer_config: KVTransferConfig | None = None) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_transfer_config: KVTransferConfig | None = None,
+    ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
@@ -72,8 +76,11 @@ class Scheduler:
         # Finished or aborted since the last schedule(): the workers must drop them.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        self.kv_connector = None if kv_transfer_config is None else \
-            KVConnectorScheduler(kv_transfer_config.kv_role, cache_config.block_size)
+        self.kv_connector = (
+            None
+            if kv_transfer_config is None
+            else KVConnectorScheduler(kv_transfer_config.kv_role, cache_config.block_size)
+        )
 
     def _check_pool_holds_one_sequence(self) -> None:
         # Otherwise one long request could preempt everything, then itself, forever.
@@ -85,7 +92,8 @@ class Scheduler:
             raise ValueError(
                 f"The KV cache holds {capacity} tokens ({num_blocks - 1} usable blocks of "
                 f"{self.cache_config.block_size}), fewer than max_model_len={self.max_model_len}. "
-                "Give the cache more memory or lower max_model_len.")
+                "Give the cache more memory or lower max_model_len."
+            )
 
     # ----------------------------------------------------------------- requests
 
@@ -197,26 +205,33 @@ class Scheduler:
     def _admit_waiting(self, plan: _StepPlan) -> None:
         """Moves waiting requests to running while ``plan``'s budget, seats and blocks last."""
         kv = self.kv_cache_manager
-        while len(self.waiting) > 0 and plan.token_budget > 0 and \
-                len(self.running) < self.scheduler_config.max_num_seqs:
+        while (
+            len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs
+        ):
             request = self.waiting.peek()
             # Waiting requests (new or preempted) hold no blocks: start from the prefix cache.
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             # Then what a remote prefill computed (disaggregated serving): loaded, not computed, this step.
-            num_external_tokens = 0 if self.kv_connector is None else \
-                self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            num_external_tokens = (
+                0
+                if self.kv_connector is None
+                else self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            )
             num_computed_tokens = num_hit_tokens + num_external_tokens
             num_wanted = request.num_tokens - num_computed_tokens
             if not self.scheduler_config.enable_chunked_prefill and num_wanted > plan.token_budget:
                 break
             num_new_tokens = self._num_tokens_to_compute(request, num_computed_tokens, plan.token_budget)
-            if kv.allocate_slots(request, num_external_tokens + num_new_tokens, num_hit_tokens,
-                                 computed_blocks) is None:
+            if (
+                kv.allocate_slots(request, num_external_tokens + num_new_tokens, num_hit_tokens, computed_blocks)
+                is None
+            ):
                 break
             kv.record_prefix_cache_query(request, num_hit_tokens)
             if self.kv_connector is not None:
-                self.kv_connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id),
-                                                           num_hit_tokens, num_external_tokens)
+                self.kv_connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), num_hit_tokens, num_external_tokens
+                )
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -248,27 +263,33 @@ class Scheduler:
         """The step as the workers see it, read from the requests' state before the step; changes nothing."""
         kv = self.kv_cache_manager
         new_reqs_data = [
-            NewRequestData(req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                           output_token_ids=list(request.output_token_ids),
-                           sampling_params=request.sampling_params,
-                           block_ids=kv.get_block_ids(request.request_id),
-                           num_computed_tokens=request.num_computed_tokens)
-            for request in plan.scheduled_new]
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=kv.get_block_ids(request.request_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+            for request in plan.scheduled_new
+        ]
         cached = CachedRequestData()
         num_scheduled_tokens, new_block_ids = plan.num_scheduled_tokens, plan.new_block_ids
         for request in plan.scheduled_running:
             num_computed = request.num_computed_tokens
             num_new_tokens = num_scheduled_tokens[request.request_id]
             cached.req_ids.append(request.request_id)
-            cached.new_token_ids.append(request.all_token_ids[num_computed:num_computed + num_new_tokens])
+            cached.new_token_ids.append(request.all_token_ids[num_computed : num_computed + num_new_tokens])
             cached.new_block_ids.append(new_block_ids[request.request_id])
             cached.num_computed_tokens.append(num_computed)
         return SchedulerOutput(
-            scheduled_new_reqs=new_reqs_data, scheduled_cached_reqs=cached,
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=self.scheduler_config.max_num_batched_tokens - plan.token_budget,
             preempted_req_ids={request.request_id for request in plan.preempted},
-            finished_req_ids=self.finished_req_ids)
+            finished_req_ids=self.finished_req_ids,
+        )
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         """Every state change that follows from scheduling ``output``, in one place.
@@ -282,13 +303,15 @@ class Scheduler:
             requests[req_id].num_computed_tokens += num_new_tokens
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(
-                output.num_scheduled_tokens, self.kv_cache_manager.get_block_ids)
+                output.num_scheduled_tokens, self.kv_cache_manager.get_block_ids
+            )
         self.finished_req_ids = set()
 
     # ------------------------------------------------------------------ update
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Appends sampled tokens, finishes requests that hit a stop condition, frees their blocks.
 
         Returns one output per request that got tokens or prompt logprobs.
@@ -310,10 +333,15 @@ class Scheduler:
             if not new_token_ids and new_prompt_logprobs is None:
                 continue
             output = EngineCoreOutput(
-                request_id=req_id, new_token_ids=new_token_ids, finish_reason=request.get_finish_reason(),
-                stop_reason=request.stop_reason, new_logprobs=logprobs.get(req_id),
-                new_prompt_logprobs=new_prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
-                first_scheduled_time=request.first_scheduled_time)
+                request_id=req_id,
+                new_token_ids=new_token_ids,
+                finish_reason=request.get_finish_reason(),
+                stop_reason=request.stop_reason,
+                new_logprobs=logprobs.get(req_id),
+                new_prompt_logprobs=new_prompt_logprobs,
+                num_cached_tokens=request.num_cached_tokens,
+                first_scheduled_time=request.first_scheduled_time,
+            )
             outputs.append(output)
             if output.finish_reason is not None:
                 any_finished = True
@@ -340,7 +368,10 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=self.num_preemptions,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            num_preemptions=self.num_preemptions,
             prefix_cache_stats=self.kv_cache_manager.prefix_cache_stats,
-            kv_transfer_stats=None if self.kv_connector is None else self.kv_connector.stats)
+            kv_transfer_stats=None if self.kv_connector is None else self.kv_connector.stats,
+        )

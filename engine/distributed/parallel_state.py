@@ -49,8 +49,14 @@ class ParallelState:
     def for_rank(rank: int, tp_size: int, pp_size: int) -> ParallelState:
         if not 0 <= rank < tp_size * pp_size:
             raise ValueError(f"rank {rank} is outside a world of {tp_size} x {pp_size} ranks")
-        return ParallelState(rank=rank, world_size=tp_size * pp_size, tp_rank=rank % tp_size, tp_size=tp_size,
-                             pp_rank=rank // tp_size, pp_size=pp_size)
+        return ParallelState(
+            rank=rank,
+            world_size=tp_size * pp_size,
+            tp_rank=rank % tp_size,
+            tp_size=tp_size,
+            pp_rank=rank // tp_size,
+            pp_size=pp_size,
+        )
 
     @property
     def is_first_stage(self) -> bool:
@@ -91,8 +97,9 @@ def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
     return start, start + sizes[pp_rank]
 
 
-def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int, pp_size: int,
-                     backend: str | None = None) -> ParallelState:
+def init_distributed(
+    world_size: int, rank: int, init_method: str, tp_size: int, pp_size: int, backend: str | None = None
+) -> ParallelState:
     """Joins the process group of ``world_size`` ranks and builds every TP and PP group.
 
     Blocks until all ranks have called it (collective). ``init_method`` is
@@ -181,8 +188,9 @@ def send_to_next_stage(hidden: torch.Tensor, residual: torch.Tensor) -> None:
     dist.send(packed, dst=_state.rank + _state.tp_size, group=_require(_pp_group))
 
 
-def recv_from_prev_stage(num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def recv_from_prev_stage(
+    num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Receives the previous stage's (hidden, residual), each [num_tokens, hidden_size]."""
     packed = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)  # [2, T, hidden]
     dist.recv(packed, src=_state.rank - _state.tp_size, group=_require(_pp_group))

@@ -11,8 +11,10 @@ class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         parallel = self.config.parallel_config
         if parallel.world_size != 1:
-            raise ValueError(f"The in-process executor runs one device; world size is {parallel.world_size}. "
-                             "Use distributed_executor_backend='ray'.")
+            raise ValueError(
+                f"The in-process executor runs one device; world size is {parallel.world_size}. "
+                "Use distributed_executor_backend='ray'."
+            )
         self.worker = Worker(self.config)
         self.worker.init_device()
         self.worker.load_model()

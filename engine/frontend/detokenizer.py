@@ -41,8 +41,9 @@ class IncrementalDetokenizer:
         self.min_tokens = params.min_tokens
         self.include_stop_str_in_output = params.include_stop_str_in_output
         # Characters held back while streaming: a stop string may be starting there.
-        self.stop_buffer_length = (max(len(s) for s in self.stop) - 1
-                                   if self.stop and not self.include_stop_str_in_output else 0)
+        self.stop_buffer_length = (
+            max(len(s) for s in self.stop) - 1 if self.stop and not self.include_stop_str_in_output else 0
+        )
         context = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
         self.token_ids: list[int] = context  # window context + all output tokens
         self.prefix_offset = 0
@@ -56,7 +57,7 @@ class IncrementalDetokenizer:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_context_tokens:]
+        return self.token_ids[self.num_context_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -67,8 +68,9 @@ class IncrementalDetokenizer:
         """True once a stop string matched; the request must be aborted in the core."""
         return self.stop_reason is not None
 
-    def update(self, new_token_ids: Sequence[int], is_finished: bool = False,
-               is_stop_token: bool = False) -> str | None:
+    def update(
+        self, new_token_ids: Sequence[int], is_finished: bool = False, is_stop_token: bool = False
+    ) -> str | None:
         """Adds ``new_token_ids``; returns the stop string that matched, else None.
 
         ``is_finished``: the core finished the request with these tokens
@@ -101,7 +103,7 @@ class IncrementalDetokenizer:
         buffer_length = 0 if finished or self.is_stopped else self.stop_buffer_length
         end = len(self.output_text) - buffer_length
         if not delta:
-            return self.output_text[:max(end, 0)]
+            return self.output_text[: max(end, 0)]
         if end <= self._num_sent_chars:
             return ""
         start, self._num_sent_chars = self._num_sent_chars, end
@@ -113,12 +115,12 @@ class IncrementalDetokenizer:
             return self._stream_next(is_flush)
         if self.read_offset >= len(self.token_ids):
             return ""
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
         if not is_flush and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def _stream_next(self, is_flush: bool) -> str:
         """The fast path: the tokenizer's own incremental decoder, about 1 us per token."""
@@ -129,16 +131,17 @@ class IncrementalDetokenizer:
             if chunk:
                 text += chunk
         if is_flush:  # bytes of an unfinished character: show them as decode() does
-            full = self._decode(self.token_ids[self.num_context_tokens:])
+            full = self._decode(self.token_ids[self.num_context_tokens :])
             emitted = self._stream_text + text
             if len(full) > len(emitted) and full.startswith(emitted):
-                text += full[len(emitted):]
+                text += full[len(emitted) :]
         self._stream_text += text
         return text
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def _check_stop_strings(self, num_chars_before: int) -> str | None:
         match = find_stop_string(self.output_text, num_chars_before, self.stop)
@@ -158,6 +161,7 @@ def _make_decode_stream(tokenizer, skip_special_tokens: bool):
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return None
     from tokenizers.decoders import DecodeStream
+
     return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 

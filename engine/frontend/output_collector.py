@@ -76,12 +76,23 @@ class RequestOutputCollector:
             if latest is not None and self.output_kind == RequestOutputKind.CUMULATIVE:
                 completions.append(replace(latest, finish_reason="abort", stop_reason=None))
             else:  # DELTA: nothing new; FINAL_ONLY: nothing was produced
-                completions.append(CompletionOutput(
-                    index=index, text="", token_ids=[], finish_reason="abort",
-                    cumulative_logprob=latest.cumulative_logprob if latest is not None else None,
-                    logprobs=[] if self.is_logprobs_wanted else None))
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=completions, finished=True)
+                completions.append(
+                    CompletionOutput(
+                        index=index,
+                        text="",
+                        token_ids=[],
+                        finish_reason="abort",
+                        cumulative_logprob=latest.cumulative_logprob if latest is not None else None,
+                        logprobs=[] if self.is_logprobs_wanted else None,
+                    )
+                )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=True,
+        )
 
 
 def merge_outputs(pending: RequestOutput, new: RequestOutput, is_delta: bool) -> RequestOutput:
@@ -91,8 +102,12 @@ def merge_outputs(pending: RequestOutput, new: RequestOutput, is_delta: bool) ->
         old = by_index.get(completion.index)
         by_index[completion.index] = _concat(old, completion) if is_delta and old is not None else completion
     prompt_logprobs = new.prompt_logprobs if new.prompt_logprobs is not None else pending.prompt_logprobs
-    return replace(new, outputs=[by_index[index] for index in sorted(by_index)],
-                   finished=pending.finished or new.finished, prompt_logprobs=prompt_logprobs)
+    return replace(
+        new,
+        outputs=[by_index[index] for index in sorted(by_index)],
+        finished=pending.finished or new.finished,
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def _concat(old: CompletionOutput, new: CompletionOutput) -> CompletionOutput:

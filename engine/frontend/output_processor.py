@@ -59,14 +59,20 @@ class OutputProcessor:
         self.stream_interval = stream_interval
         self.states: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, user_request_id: str, index: int, prompt: str | None,
-                    prompt_token_ids: list[int], params: SamplingParams, parent: ParentRequest | None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        user_request_id: str,
+        index: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        parent: ParentRequest | None,
+        arrival_time: float | None = None,
+    ) -> None:
         """``arrival_time`` (time.monotonic()) turns on latency statistics for this request."""
-        detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-                       if params.detokenize else None)
-        state = RequestState(request_id, user_request_id, index, prompt, prompt_token_ids, params, detokenizer,
-                             parent)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
+        state = RequestState(request_id, user_request_id, index, prompt, prompt_token_ids, params, detokenizer, parent)
         if arrival_time is not None:
             state.times = RequestTimes(arrival_time, len(prompt_token_ids))
         if params.logprobs is not None:
@@ -81,8 +87,9 @@ class OutputProcessor:
     def abort(self, request_id: str) -> RequestState | None:
         return self.states.pop(request_id, None)
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
-                        ) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
+    ) -> tuple[list[RequestOutput], list[str]]:
         """(outputs to deliver, ids the core must abort because a stop string ended them).
 
         With ``iteration_stats``, every request's new tokens are counted there, and the step's
@@ -97,8 +104,9 @@ class OutputProcessor:
             if self._update(state, core_output):
                 to_abort.append(state.request_id)
             if iteration_stats is not None:
-                iteration_stats.record_tokens(state.times, len(core_output.new_token_ids),
-                                              core_output.first_scheduled_time)
+                iteration_stats.record_tokens(
+                    state.times, len(core_output.new_token_ids), core_output.first_scheduled_time
+                )
                 if state.finish_reason is not None and state.times is not None:
                     iteration_stats.record_finished(state.times, state.finish_reason)
             if state.finish_reason is not None:
@@ -124,8 +132,9 @@ class OutputProcessor:
         is_stop_token = finish_reason == "stop"
         stop_string = None
         if state.detokenizer is not None and new_token_ids:
-            stop_string = state.detokenizer.update(new_token_ids, is_finished=finish_reason is not None,
-                                                   is_stop_token=is_stop_token)
+            stop_string = state.detokenizer.update(
+                new_token_ids, is_finished=finish_reason is not None, is_stop_token=is_stop_token
+            )
         if stop_string is not None:
             # A matched stop string ends the request as "stop" even when the core finished it in
             # the same step (e.g. on its last allowed token, which would otherwise say "length").
@@ -167,10 +176,16 @@ class OutputProcessor:
                 outputs = [parent.completions[i] for i in sorted(parent.completions)]
             else:
                 outputs = [completion]
-        return RequestOutput(request_id=state.user_request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=outputs, finished=all_finished,
-                             prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
-                             kv_transfer_params=state.kv_transfer_params)
+        return RequestOutput(
+            request_id=state.user_request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=all_finished,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params,
+        )
 
     def _is_stream_due(self, state: RequestState) -> bool:
         if self.stream_interval == 1:
@@ -183,11 +198,17 @@ class OutputProcessor:
         finished = state.finish_reason is not None
         text = state.detokenizer.get_next_output_text(finished, delta) if state.detokenizer else ""
         if delta:
-            token_ids = state.token_ids[state.num_sent_tokens:]
-            logprobs = state.logprobs[state.num_sent_tokens:] if state.logprobs is not None else None
+            token_ids = state.token_ids[state.num_sent_tokens :]
+            logprobs = state.logprobs[state.num_sent_tokens :] if state.logprobs is not None else None
             state.num_sent_tokens = len(state.token_ids)
         else:
             token_ids, logprobs = list(state.token_ids), state.logprobs
-        return CompletionOutput(index=state.index, text=text, token_ids=token_ids,
-                                cumulative_logprob=state.cumulative_logprob, logprobs=logprobs,
-                                finish_reason=state.finish_reason, stop_reason=state.stop_reason)
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+        )

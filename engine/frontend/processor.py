@@ -38,16 +38,18 @@ class Processor:
                 return prompt.get("prompt"), _as_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError(f"A prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', "
-                         f"got {type(prompt).__name__}.")
+        raise ValueError(
+            f"A prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}."
+        )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         # An empty prompt is refused by Request itself, one that leaves no room by Scheduler.add_request:
         # both cover every way into the core, so they are not repeated here.
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"The prompt contains token ids outside the vocabulary (size {self.vocab_size}): "
-                             f"{bad[:8]}.")
+            raise ValueError(
+                f"The prompt contains token ids outside the vocabulary (size {self.vocab_size}): {bad[:8]}."
+            )
         if params.stop and not params.detokenize:
             raise ValueError("Stop strings need detokenize=True (they are matched in the text).")
         validate_token_ids(params, self.vocab_size)
@@ -55,18 +57,32 @@ class Processor:
         if bad_stop:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary: {bad_stop[:8]}.")
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None,
-                     kv_transfer_params: dict | None = None) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> Request:
         self.validate(prompt_token_ids, params)
         if params.bad_words and params.bad_words_token_ids is None:
             # Workers ban token ids and never load a tokenizer: the words become ids here, once.
             params = params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
         if self.extra_stop_token_ids and not params.ignore_eos:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + self.extra_stop_token_ids)
-        return Request(request_id, prompt_token_ids, params, self.eos_token_id, priority=priority,
-                       arrival_time=arrival_time or time.time(), cache_salt=cache_salt,
-                       kv_transfer_params=kv_transfer_params)
+        return Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.eos_token_id,
+            priority=priority,
+            arrival_time=arrival_time or time.time(),
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        )
 
 
 def _as_token_ids(token_ids) -> list[int]:

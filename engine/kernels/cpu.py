@@ -31,8 +31,15 @@ _SOURCES = ["bindings.cpp", "decode_attention.cpp", "elementwise.cpp", "sampling
 # -march=native: the build is cached per machine, so it may use every vector unit this CPU has.
 # The reassociation flags let the compiler vectorize the float dot products and sums of the
 # generic loops; no contraction into FMAs, so that the fused elementwise ops round like torch's.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
-           "-ffp-contract=off"]
+_CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-ffp-contract=off",
+]
 _FUSED_OPS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "rotary_embedding_and_cache")
 
 _is_enabled = os.environ.get("SERVAL_DISABLE_CPU_KERNELS") != "1"
@@ -45,11 +52,18 @@ _MODULE_NAME = "serval_cpu_kernels_" + hashlib.sha1(str(_CSRC).encode()).hexdige
 def _build():
     try:
         import ninja  # the pip package carries the binary torch's loader looks for on PATH
+
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         from torch.utils.cpp_extension import load
-        return load(name=_MODULE_NAME, sources=[str(_CSRC / s) for s in _SOURCES],
-                    extra_include_paths=[str(_CSRC)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                    verbose=False)
+
+        return load(
+            name=_MODULE_NAME,
+            sources=[str(_CSRC / s) for s in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     except Exception as error:  # no compiler, no ninja, ...: plain torch still works
         logger.warning("Serval's CPU kernels could not be built (%s); using plain torch.", error)
         return None

@@ -18,8 +18,9 @@ PAD_SLOT_ID = -1
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_token, stride_kv, stride_slot,
-                     ROW: tl.constexpr, ROW_POW2: tl.constexpr):
+def _write_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr, stride_token, stride_kv, stride_slot, ROW: tl.constexpr, ROW_POW2: tl.constexpr
+):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
@@ -31,20 +32,29 @@ def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_token, stride_kv,
         tl.store(cache_ptr + stride_kv + slot * stride_slot + offsets, value, mask=mask)
 
 
-def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """``key``, ``value`` [T, Hk, D] (contiguous, the cache's dtype) into ``kv_cache`` at ``slot_mapping`` [T];
     tokens whose slot is negative are skipped."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     row = num_heads * head_dim  # one token's K (or V) is one contiguous row of the cache
-    _write_kv_kernel[(num_tokens,)](key, value, kv_cache, slot_mapping, key.stride(0), kv_cache.stride(0),
-                                    kv_cache.stride(2), ROW=row, ROW_POW2=triton.next_power_of_2(row))
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        ROW=row,
+        ROW_POW2=triton.next_power_of_2(row),
+    )
 
 
-def write_kv_cache_reference(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             slot_mapping: torch.Tensor) -> None:
+def write_kv_cache_reference(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])  # [2, slots, Hk, D]
     keep = slot_mapping >= 0

@@ -31,9 +31,21 @@ def is_interpreted() -> bool:
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, block_table_row_ptr, first_position, seq_len, kv_head, stride_kv, stride_block,
-                 stride_slot, stride_head, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+def load_kv_tile(
+    cache_ptr,
+    block_table_row_ptr,
+    first_position,
+    seq_len,
+    kv_head,
+    stride_kv,
+    stride_block,
+    stride_slot,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Keys and values [KV_TILE, HEAD_DIM] of one sequence at positions ``first_position + 0..KV_TILE-1``
     (zeros at and past ``seq_len``), and those positions [KV_TILE]."""
     positions = first_position + tl.arange(0, KV_TILE)
@@ -41,8 +53,12 @@ def load_kv_tile(cache_ptr, block_table_row_ptr, first_position, seq_len, kv_hea
     # Each position's block, through the table (a tile spans KV_TILE / BLOCK_SIZE blocks, or part of one);
     # int64: a large cache has more than 2**31 elements.
     blocks = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
-    offsets = (blocks[:, None] * stride_block + (positions % BLOCK_SIZE)[:, None] * stride_slot
-               + kv_head * stride_head + tl.arange(0, HEAD_DIM)[None, :])  # [KV_TILE, HEAD_DIM]
+    offsets = (
+        blocks[:, None] * stride_block
+        + (positions % BLOCK_SIZE)[:, None] * stride_slot
+        + kv_head * stride_head
+        + tl.arange(0, HEAD_DIM)[None, :]
+    )  # [KV_TILE, HEAD_DIM]
     keys = tl.load(cache_ptr + offsets, mask=is_key[:, None], other=0.0)
     values = tl.load(cache_ptr + stride_kv + offsets, mask=is_key[:, None], other=0.0)
     if UPCAST:
@@ -52,8 +68,7 @@ def load_kv_tile(cache_ptr, block_table_row_ptr, first_position, seq_len, kv_hea
 
 
 @triton.jit
-def online_softmax_step(query, keys, values, is_visible, scale, running_max, running_sum, acc,
-                        PRECISION: tl.constexpr):
+def online_softmax_step(query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION: tl.constexpr):
     """Folds one tile of keys into each query row's (running max, sum of weights, unnormalized output).
 
     ``is_visible`` [rows, KV_TILE] masks keys out; a row must have seen a visible key by its first tile

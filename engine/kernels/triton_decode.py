@@ -24,12 +24,31 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_stats_ptr, scale,
-                         stride_q_seq, stride_q_head, stride_kv, stride_block, stride_slot, stride_head,
-                         stride_table, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         QUERIES_PER_KV: tl.constexpr, GROUP_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         KV_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_stats_ptr,
+    scale,
+    stride_q_seq,
+    stride_q_head,
+    stride_kv,
+    stride_block,
+    stride_slot,
+    stride_head,
+    stride_table,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -43,8 +62,9 @@ def _decode_split_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_o
     is_head = group < QUERIES_PER_KV
     heads = kv_head * QUERIES_PER_KV + group
     dims = tl.arange(0, HEAD_DIM)
-    query = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
-                    mask=is_head[:, None], other=0.0)  # [GROUP_ROWS, HEAD_DIM]
+    query = tl.load(
+        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=is_head[:, None], other=0.0
+    )  # [GROUP_ROWS, HEAD_DIM]
     if UPCAST:
         query = query.to(tl.float32)
     running_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
@@ -52,11 +72,24 @@ def _decode_split_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_o
     acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
     for tile in range(first_tile, end_tile):
         keys, values, positions = load_kv_tile(
-            cache_ptr, block_table_ptr + seq * stride_table, tile * KV_TILE, seq_len, kv_head, stride_kv,
-            stride_block, stride_slot, stride_head, BLOCK_SIZE, KV_TILE, HEAD_DIM, UPCAST)
+            cache_ptr,
+            block_table_ptr + seq * stride_table,
+            tile * KV_TILE,
+            seq_len,
+            kv_head,
+            stride_kv,
+            stride_block,
+            stride_slot,
+            stride_head,
+            BLOCK_SIZE,
+            KV_TILE,
+            HEAD_DIM,
+            UPCAST,
+        )
         # The tile's first position is a key (tile < num_tiles), so every row's max is finite.
         running_max, running_sum, acc = online_softmax_step(
-            query, keys, values, (positions < seq_len)[None, :], scale, running_max, running_sum, acc, PRECISION)
+            query, keys, values, (positions < seq_len)[None, :], scale, running_max, running_sum, acc, PRECISION
+        )
     # Partials of (seq, head, split): out [HEAD_DIM] unnormalized; stats = (max, sum).
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_ROWS]
     tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_head[:, None])
@@ -65,9 +98,17 @@ def _decode_split_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, part_o
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_stats_ptr, out_ptr, stride_out_seq, stride_out_head,
-                         NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
-                         HEAD_DIM: tl.constexpr):
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_stats_ptr,
+    out_ptr,
+    stride_out_seq,
+    stride_out_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
@@ -94,8 +135,14 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int
     return 1 << (splits.bit_length() - 1)  # round down to a power of two
 
 
-def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, num_splits: int = 1) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int = 1,
+) -> torch.Tensor:
     """``query`` [N, Hq, D] (one token per sequence) over its cached context; returns [N, Hq, D].
 
     ``block_tables`` [N, max_blocks] int32, ``seq_lens`` [N] int32 (the query token's own KV included;
@@ -110,26 +157,53 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     part_stats = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, kv_cache, block_tables, seq_lens, part_out, part_stats, scale,
-        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.stride(3), block_tables.stride(0), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        QUERIES_PER_KV=queries_per_kv, GROUP_ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(queries_per_kv)),
-        BLOCK_SIZE=block_size, KV_TILE=KV_TILE, HEAD_DIM=head_dim, **dot_options(query.dtype))
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        part_out,
+        part_stats,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_ROWS=max(MIN_DOT_ROWS, triton.next_power_of_2(queries_per_kv)),
+        BLOCK_SIZE=block_size,
+        KV_TILE=KV_TILE,
+        HEAD_DIM=head_dim,
+        **dot_options(query.dtype),
+    )
     _merge_splits_kernel[(num_seqs, num_heads)](
-        part_out, part_stats, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, NUM_SPLITS=num_splits,
-        SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim)
+        part_out,
+        part_stats,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=head_dim,
+    )
     return out
 
 
-def paged_decode_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention_reference(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     num_heads, num_kv_heads, block_size = query.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     outputs = []
     for seq, seq_len in enumerate(seq_lens.tolist()):
         if seq_len == 0:
             outputs.append(torch.zeros(query.shape[1:], dtype=torch.float32, device=query.device))
             continue
-        blocks = block_tables[seq, :-(-seq_len // block_size)].long()
+        blocks = block_tables[seq, : -(-seq_len // block_size)].long()
         keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float()  # [S, Hk, D]
         values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float()
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, Hq, D]

@@ -50,12 +50,32 @@ def plan_prefill_tiles(query_lens: list[int], queries_per_kv: int, device: torch
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, tile_req_ptr,
-                    tile_query_ptr, out_ptr, scale, stride_q_token, stride_q_head, stride_kv, stride_block,
-                    stride_slot, stride_head, stride_table, QUERIES_PER_KV: tl.constexpr,
-                    QUERIES_PER_TILE: tl.constexpr, TILE_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    KV_TILE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    cache_ptr,
+    block_table_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    tile_req_ptr,
+    tile_query_ptr,
+    out_ptr,
+    scale,
+    stride_q_token,
+    stride_q_head,
+    stride_kv,
+    stride_block,
+    stride_slot,
+    stride_head,
+    stride_table,
+    QUERIES_PER_KV: tl.constexpr,
+    QUERIES_PER_TILE: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
@@ -82,20 +102,39 @@ def _prefill_kernel(q_ptr, cache_ptr, block_table_ptr, query_start_ptr, seq_lens
     num_tiles = (context_len + last_query + KV_TILE) // KV_TILE  # tiles up to the last causal key
     for tile in range(0, num_tiles):
         keys, values, key_position = load_kv_tile(
-            cache_ptr, block_table_ptr + req * stride_table, tile * KV_TILE, seq_len, kv_head, stride_kv,
-            stride_block, stride_slot, stride_head, BLOCK_SIZE, KV_TILE, HEAD_DIM, UPCAST)
+            cache_ptr,
+            block_table_ptr + req * stride_table,
+            tile * KV_TILE,
+            seq_len,
+            kv_head,
+            stride_kv,
+            stride_block,
+            stride_slot,
+            stride_head,
+            BLOCK_SIZE,
+            KV_TILE,
+            HEAD_DIM,
+            UPCAST,
+        )
         # Causal. Every row sees key 0 in the first tile (rows past the request's end too: their
         # positions only grow), as online_softmax_step requires.
         is_visible = key_position[None, :] <= query_position[:, None]
         running_max, running_sum, acc = online_softmax_step(
-            query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION)
+            query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION
+        )
     out = acc / running_sum[:, None]
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])
 
 
-def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tiles: PrefillTiles,
-                            scale: float) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tiles: PrefillTiles,
+    scale: float,
+) -> torch.Tensor:
     """``query`` [T, Hq, D] (every request's new tokens, flattened; see ``engine/attention/metadata.py``);
     returns [T, Hq, D]: each new token's causal attention over its request's cached sequence.
 
@@ -110,23 +149,47 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     if num_tiles == 0:
         return out
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        query, kv_cache, block_tables, query_start_loc, seq_lens, tiles.req, tiles.first_query, out, scale,
-        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.stride(3), block_tables.stride(0), QUERIES_PER_KV=num_heads // num_kv_heads,
-        QUERIES_PER_TILE=tiles.queries_per_tile, TILE_ROWS=max(TILE_ROWS, MIN_DOT_ROWS), BLOCK_SIZE=block_size,
-        KV_TILE=KV_TILE, HEAD_DIM=head_dim, **dot_options(query.dtype))
+        query,
+        kv_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        tiles.req,
+        tiles.first_query,
+        out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        QUERIES_PER_KV=num_heads // num_kv_heads,
+        QUERIES_PER_TILE=tiles.queries_per_tile,
+        TILE_ROWS=max(TILE_ROWS, MIN_DOT_ROWS),
+        BLOCK_SIZE=block_size,
+        KV_TILE=KV_TILE,
+        HEAD_DIM=head_dim,
+        **dot_options(query.dtype),
+    )
     return out
 
 
-def paged_prefill_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                                      scale: float) -> torch.Tensor:
+def paged_prefill_attention_reference(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     num_heads, num_kv_heads, block_size = query.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     starts = query_start_loc.tolist()
     out = torch.empty_like(query)
     for req, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[req], starts[req + 1]
-        blocks = block_tables[req, :-(-seq_len // block_size)].long()
+        blocks = block_tables[req, : -(-seq_len // block_size)].long()
         keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // num_kv_heads, 1)
         values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // num_kv_heads, 1)
         scores = torch.einsum("qhd,shd->hqs", query[start:end].float(), keys) * scale  # [Hq, Q, S]

@@ -48,8 +48,14 @@ class KVConnectorWorker:
         self.block_size = block_size
         self.transport = get_transport_class(config)(config, device)
 
-    def start_load_kv(self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor], output: KVTransferOutput,
-                      input_batch: InputBatch, model: torch.nn.Module) -> None:
+    def start_load_kv(
+        self,
+        metadata: KVConnectorMetadata,
+        kv_caches: list[torch.Tensor],
+        output: KVTransferOutput,
+        input_batch: InputBatch,
+        model: torch.nn.Module,
+    ) -> None:
         """Loads every planned block into the cache; computes the KV of each load that failed instead.
 
         Call after ``input_batch.apply_deltas`` and before the step's forward. The
@@ -59,8 +65,9 @@ class KVConnectorWorker:
         for load in self._load_blocks(metadata, kv_caches, output):
             self._compute_failed_load(load, kv_caches, input_batch, model)
 
-    def _load_blocks(self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor],
-                     output: KVTransferOutput) -> list[KVLoad]:
+    def _load_blocks(
+        self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor], output: KVTransferOutput
+    ) -> list[KVLoad]:
         """Loads every planned block into the cache; returns the loads that failed (nothing written)."""
         failed = []
         for load in metadata.loads:
@@ -77,20 +84,25 @@ class KVConnectorWorker:
             output.num_loaded_bytes += sum(block.numel() * block.element_size() for block in blocks)
         return failed
 
-    def _compute_failed_load(self, load: KVLoad, kv_caches: list[torch.Tensor], input_batch: InputBatch,
-                             model: torch.nn.Module) -> None:
+    def _compute_failed_load(
+        self, load: KVLoad, kv_caches: list[torch.Tensor], input_batch: InputBatch, model: torch.nn.Module
+    ) -> None:
         """Computes the KV a failed load should have brought: one forward over those tokens alone."""
         end = input_batch.requests[load.req_id].num_computed_tokens  # local hits + the external tokens
         start = load.src_block_indices[0] * self.block_size  # the local hits
         inputs = input_batch.prepare_inputs({load.req_id: end - start}, starts={load.req_id: start})
         model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata, None)
 
-    def save_kv(self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor],
-                output: KVTransferOutput) -> None:
+    def save_kv(self, metadata: KVConnectorMetadata, kv_caches: list[torch.Tensor], output: KVTransferOutput) -> None:
         """Publishes each finished prompt's blocks; their handles go back to the scheduler."""
         for save in metadata.saves:
             blocks = gather_blocks(kv_caches, save.block_ids)
             num_bytes = sum(block.numel() * block.element_size() for block in blocks)
             data = self.transport.save(save.req_id, blocks)
-            output.saved[save.req_id] = KVHandle(data=data, num_tokens=save.num_tokens, num_blocks=len(blocks),
-                                                 block_size=self.block_size, num_bytes=num_bytes)
+            output.saved[save.req_id] = KVHandle(
+                data=data,
+                num_tokens=save.num_tokens,
+                num_blocks=len(blocks),
+                block_size=self.block_size,
+                num_bytes=num_bytes,
+            )

@@ -5,5 +5,12 @@ from engine.metrics.engine_stats import EngineStats, EngineTotals
 from engine.metrics.loggers import LoggingStatLogger, StatLogger
 from engine.metrics.stats import FinishedRequestStats, IterationStats, RequestTimes
 
-__all__ = ["EngineStats", "EngineTotals", "FinishedRequestStats", "IterationStats", "LoggingStatLogger",
-           "RequestTimes", "StatLogger"]
+__all__ = [
+    "EngineStats",
+    "EngineTotals",
+    "FinishedRequestStats",
+    "IterationStats",
+    "LoggingStatLogger",
+    "RequestTimes",
+    "StatLogger",
+]

@@ -61,17 +61,25 @@ class EngineStats:
     kv_transfer: KVTransferStats | None = None  # disaggregated prefill only (a copy)
 
     @classmethod
-    def derive(cls, scheduler_stats: SchedulerStats, totals: EngineTotals, num_total_blocks: int,
-               num_free_blocks: int) -> EngineStats:
+    def derive(
+        cls, scheduler_stats: SchedulerStats, totals: EngineTotals, num_total_blocks: int, num_free_blocks: int
+    ) -> EngineStats:
         """The snapshot of these stats; it shares nothing mutable with them (the engine steps on)."""
         prefix = scheduler_stats.prefix_cache_stats
         kv_transfer = scheduler_stats.kv_transfer_stats
         return cls(
-            num_running_reqs=scheduler_stats.num_running_reqs, num_waiting_reqs=scheduler_stats.num_waiting_reqs,
-            num_total_blocks=num_total_blocks, num_free_blocks=num_free_blocks,
-            kv_cache_usage=scheduler_stats.kv_cache_usage, num_generated_tokens_total=totals.num_generation_tokens,
-            num_prompt_tokens_total=totals.num_prompt_tokens, num_finished_reqs_total=totals.num_finished_reqs,
-            num_aborted_reqs_total=totals.num_aborted_reqs, num_preemptions_total=scheduler_stats.num_preemptions,
-            num_steps_total=totals.num_steps, prefix_cache_hits=prefix.num_hit_tokens,
+            num_running_reqs=scheduler_stats.num_running_reqs,
+            num_waiting_reqs=scheduler_stats.num_waiting_reqs,
+            num_total_blocks=num_total_blocks,
+            num_free_blocks=num_free_blocks,
+            kv_cache_usage=scheduler_stats.kv_cache_usage,
+            num_generated_tokens_total=totals.num_generation_tokens,
+            num_prompt_tokens_total=totals.num_prompt_tokens,
+            num_finished_reqs_total=totals.num_finished_reqs,
+            num_aborted_reqs_total=totals.num_aborted_reqs,
+            num_preemptions_total=scheduler_stats.num_preemptions,
+            num_steps_total=totals.num_steps,
+            prefix_cache_hits=prefix.num_hit_tokens,
             prefix_cache_queries=prefix.num_queried_tokens,
-            kv_transfer=None if kv_transfer is None else dataclasses.replace(kv_transfer))
+            kv_transfer=None if kv_transfer is None else dataclasses.replace(kv_transfer),
+        )

@@ -49,8 +49,15 @@ class LoggingStatLogger:
         stats = self.last_scheduler_stats
         if stats is not None and (self.num_prompt_tokens or self.num_generation_tokens or stats.num_running_reqs):
             hit_rate = stats.prefix_cache_stats.hit_rate  # since start
-            logger.info("%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                        self.prefix, self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed,
-                        stats.num_running_reqs, stats.num_waiting_reqs, 100 * stats.kv_cache_usage, 100 * hit_rate)
+            logger.info(
+                "%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                self.prefix,
+                self.num_prompt_tokens / elapsed,
+                self.num_generation_tokens / elapsed,
+                stats.num_running_reqs,
+                stats.num_waiting_reqs,
+                100 * stats.kv_cache_usage,
+                100 * hit_rate,
+            )
         self._reset(now)

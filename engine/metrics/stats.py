@@ -60,8 +60,9 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     kv_load_latencies_s: list[float] = field(default_factory=list)  # remote KV loads (disaggregated prefill)
 
-    def record_tokens(self, times: RequestTimes | None, num_new_tokens: int,
-                      first_scheduled_time: float | None) -> None:
+    def record_tokens(
+        self, times: RequestTimes | None, num_new_tokens: int, first_scheduled_time: float | None
+    ) -> None:
         """A step's output for one request (``num_new_tokens`` may be 0: prompt logprobs of a chunk).
 
         With ``times`` None (the request keeps no latency statistics) only the tokens are counted.
@@ -89,9 +90,16 @@ class IterationStats:
         last_token = times.last_token_time if times.last_token_time is not None else self.now
         decode_time = last_token - first_token
         num_tokens = times.num_generation_tokens
-        self.finished_requests.append(FinishedRequestStats(
-            finish_reason=finish_reason, num_prompt_tokens=times.num_prompt_tokens, num_generation_tokens=num_tokens,
-            e2e_latency_s=last_token - times.arrival_time, queued_time_s=scheduled - times.arrival_time,
-            prefill_time_s=first_token - scheduled, decode_time_s=decode_time,
-            inference_time_s=last_token - scheduled,
-            mean_time_per_output_token_s=decode_time / (num_tokens - 1) if num_tokens > 1 else 0.0))
+        self.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=finish_reason,
+                num_prompt_tokens=times.num_prompt_tokens,
+                num_generation_tokens=num_tokens,
+                e2e_latency_s=last_token - times.arrival_time,
+                queued_time_s=scheduled - times.arrival_time,
+                prefill_time_s=first_token - scheduled,
+                decode_time_s=decode_time,
+                inference_time_s=last_token - scheduled,
+                mean_time_per_output_token_s=decode_time / (num_tokens - 1) if num_tokens > 1 else 0.0,
+            )
+        )

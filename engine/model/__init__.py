@@ -8,5 +8,4 @@ from engine.model.architecture import Architecture, parse_dtype
 from engine.model.loader import WeightLoadingError, get_model
 from engine.model.registry import MODEL_REGISTRY, get_model_class
 
-__all__ = ["MODEL_REGISTRY", "Architecture", "WeightLoadingError", "get_model", "get_model_class",
-           "parse_dtype"]
+__all__ = ["MODEL_REGISTRY", "Architecture", "WeightLoadingError", "get_model", "get_model_class", "parse_dtype"]

@@ -24,9 +24,16 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 _QKV_BIAS_ARCHS = ("Qwen2ForCausalLM",)
 _QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float": torch.float32, "half": torch.float16, "fp32": torch.float32,
-           "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float": torch.float32,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -52,11 +59,14 @@ def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     if params.get("rope_theta") is None:
         params["rope_theta"] = cfg.get("rope_theta", 10000.0)
     if params["rope_type"] in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings",
-                          cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
+        params.setdefault(
+            "original_max_position_embeddings",
+            cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")),
+        )
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(
-            f"rope_type {params['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+            f"rope_type {params['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
     if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (None, 1.0):
         raise NotImplementedError("partial_rotary_factor != 1 is not supported")
     return params
@@ -89,10 +99,10 @@ class Architecture:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: dict[str, Any] = field(default_factory=dict)  # full rope dict, incl. rope_type
-    qkv_bias: bool = False          # bias on q/k/v projections
-    o_proj_bias: bool = False       # bias on o_proj
-    mlp_bias: bool = False          # bias on gate/up/down (llama's ``mlp_bias``)
-    has_qk_norm: bool = False       # per-head RMSNorm on q and k before rope (qwen3)
+    qkv_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False  # bias on o_proj
+    mlp_bias: bool = False  # bias on gate/up/down (llama's ``mlp_bias``)
+    has_qk_norm: bool = False  # per-head RMSNorm on q and k before rope (qwen3)
     sliding_window: int | None = None  # recorded only; attention is always full (see report)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

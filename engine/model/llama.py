@@ -28,26 +28,40 @@ from engine.model.loader import load_named_weights
 
 # (packed param name part, checkpoint name part, shard id)
 PACKED_MODULES = [
-    ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-    ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
 ]
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Architecture, rotary: RotaryEmbedding, backend: AttentionBackend,
-                 tp_rank: int, tp_size: int):
+    def __init__(
+        self, cfg: Architecture, rotary: RotaryEmbedding, backend: AttentionBackend, tp_rank: int, tp_size: int
+    ):
         super().__init__()
         self.self_attn = SelfAttention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rotary, backend,
-            qkv_bias=cfg.qkv_bias, o_bias=cfg.o_proj_bias,
-            qk_norm_eps=cfg.rms_norm_eps if cfg.has_qk_norm else None, tp_rank=tp_rank, tp_size=tp_size)
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            rotary,
+            backend,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_proj_bias,
+            qk_norm_eps=cfg.rms_norm_eps if cfg.has_qk_norm else None,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, tp_rank, tp_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, attn_metadata, cos_sin
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions, hidden, residual, kv_cache, attn_metadata, cos_sin
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) -> (mlp output, residual stream before it); the next norm adds them (vLLM's layout)."""
         if residual is None:
             residual = hidden
@@ -73,20 +87,30 @@ class LlamaModel(nn.Module):
     (``None`` elsewhere); other stages' layers are parameterless ``PPMissingLayer``s.
     """
 
-    def __init__(self, cfg: Architecture, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
-                 pp_rank: int = 0, pp_size: int = 1):
+    def __init__(
+        self,
+        cfg: Architecture,
+        backend: AttentionBackend,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ):
         super().__init__()
         self.start_layer, self.end_layer = get_pp_indices(cfg.num_hidden_layers, pp_rank, pp_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_scaling, cfg.max_position_embeddings)
         is_first_stage, is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
-        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size)
-                             if is_first_stage else None)
+        self.embed_tokens = (
+            VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size) if is_first_stage else None
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.rotary, backend, tp_rank, tp_size)
-            if self.start_layer <= index < self.end_layer else PPMissingLayer()
-            for index in range(cfg.num_hidden_layers))
+            if self.start_layer <= index < self.end_layer
+            else PPMissingLayer()
+            for index in range(cfg.num_hidden_layers)
+        )
         # A plain tuple, not a registered submodule: the layers stay named model.layers.N.
-        self.local_layers = tuple(self.layers[self.start_layer:self.end_layer])
+        self.local_layers = tuple(self.layers[self.start_layer : self.end_layer])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage else None
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None):
@@ -118,8 +142,15 @@ class LlamaForCausalLM(nn.Module):
     * ``wants_weight(name)``: whether this rank loads checkpoint tensor ``name`` (others are never read).
     """
 
-    def __init__(self, arch_config: Architecture, backend: AttentionBackend, tp_rank: int = 0, tp_size: int = 1,
-                 pp_rank: int = 0, pp_size: int = 1):
+    def __init__(
+        self,
+        arch_config: Architecture,
+        backend: AttentionBackend,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ):
         super().__init__()
         self.arch_config = arch_config
         self.backend = backend
@@ -141,10 +172,14 @@ class LlamaForCausalLM(nn.Module):
     def num_kv_heads_local(self) -> int:
         return self.model.local_layers[0].self_attn.num_kv_heads
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -152,16 +187,28 @@ class LlamaForCausalLM(nn.Module):
 
     def get_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache on this rank."""
-        return self.backend.get_kv_cache_shape(num_blocks, block_size, self.num_kv_heads_local,
-                                               self.arch_config.head_dim)
+        return self.backend.get_kv_cache_shape(
+            num_blocks, block_size, self.num_kv_heads_local, self.arch_config.head_dim
+        )
 
-    def make_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
-                       device: torch.device | str | None = None) -> list[torch.Tensor]:
+    def make_kv_caches(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[torch.Tensor]:
         """Zeroed caches, one per layer of this stage (dtype/device default to the model's)."""
         w = self.model.local_layers[0].input_layernorm.weight
         return self.backend.allocate_kv_caches(
-            self.num_local_layers, num_blocks, block_size, self.num_kv_heads_local,
-            self.arch_config.head_dim, dtype or w.dtype, device or w.device)
+            self.num_local_layers,
+            num_blocks,
+            block_size,
+            self.num_kv_heads_local,
+            self.arch_config.head_dim,
+            dtype or w.dtype,
+            device or w.device,
+        )
 
     def wants_weight(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to this stage.

@@ -48,8 +48,9 @@ def safetensors_files(model_dir: str) -> list[str]:
     return files
 
 
-def iter_safetensors(model_dir: str, name_filter: Callable[[str], bool] | None = None
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    model_dir: str, name_filter: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, CPU tensor) one at a time; never materialises a whole file.
 
     Tensors whose name ``name_filter`` refuses are never read.
@@ -82,8 +83,12 @@ def _expected_shards(model: nn.Module) -> dict[str, list]:
     return expected
 
 
-def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                       packed: list[tuple[str, str, object]], skip_suffixes: Iterable[str] = ()) -> None:
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    packed: list[tuple[str, str, object]],
+    skip_suffixes: Iterable[str] = (),
+) -> None:
     """Load checkpoint (name, tensor) pairs into ``model``; raise ``WeightLoadingError`` on any mismatch."""
     params = dict(model.named_parameters())
     expected = _expected_shards(model)
@@ -109,7 +114,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     if missing or unexpected:
         raise WeightLoadingError(
             f"checkpoint does not match {type(model).__name__}: "
-            f"missing weights {missing or 'none'}; unexpected weights {sorted(unexpected) or 'none'}")
+            f"missing weights {missing or 'none'}; unexpected weights {sorted(unexpected) or 'none'}"
+        )
 
 
 def _display(name: str, shard_id: object) -> str:
@@ -131,9 +137,17 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def get_model(model_dir: str, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu", *,
-              attn_backend: str = "torch", tp_rank: int = 0, tp_size: int = 1,
-              pp_rank: int = 0, pp_size: int = 1) -> nn.Module:
+def get_model(
+    model_dir: str,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    *,
+    attn_backend: str = "torch",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+) -> nn.Module:
     """Build this rank's part of the model in ``model_dir``, load its weights cast to ``dtype``; eval mode.
 
     The part is pipeline stage ``pp_rank`` of ``pp_size``, tensor-parallel slice
@@ -150,7 +164,13 @@ def get_model(model_dir: str, dtype: torch.dtype | str | None = None, device: to
     arch = Architecture.from_hf_config(hf_config)
     dtype = parse_dtype(dtype) or arch.torch_dtype or torch.float32
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(arch, get_attention_backend(attn_backend), tp_rank=tp_rank, tp_size=tp_size,
-                          pp_rank=pp_rank, pp_size=pp_size)
+        model = model_cls(
+            arch,
+            get_attention_backend(attn_backend),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+        )
     model.load_weights(iter_safetensors(model_dir, model.wants_weight))
     return model.eval()

@@ -20,5 +20,6 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ValueError(f"unsupported model architecture {architecture!r}; "
-                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None

@@ -24,8 +24,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, NEG_INF)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                       top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Keeps each row's ``top_k`` largest logits, then the smallest top set with mass >= ``top_p``.
 
     ``top_k`` holds ``vocab_size`` and ``top_p`` 1.0 for rows without the filter.

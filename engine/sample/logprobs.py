@@ -37,8 +37,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprob
     return LogprobsTensors(token_ids, token_logprobs, ranks)
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor,
-                            num_logprobs: int) -> LogprobsTensors:
+def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
     """Prompt logprobs for one chunk of one request's prompt positions.
 
     ``logits[j]`` is the model output at prompt position ``p + j`` and

@@ -47,8 +47,7 @@ def is_greedy(params: SamplingParams) -> bool:
 
 
 def has_penalties(params: SamplingParams) -> bool:
-    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0)
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
 
 
 def num_logprobs_for(num: int | None, vocab_size: int) -> int | None:
@@ -63,8 +62,7 @@ def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
     Meant for the front end (a 400); the sampler itself ignores such ids.
     """
-    for name, ids in (("logit_bias", params.logit_bias or {}),
-                      ("allowed_token_ids", params.allowed_token_ids or [])):
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{name} contains token ids outside the vocabulary (size {vocab_size}): {bad[:8]}.")
@@ -105,14 +103,12 @@ class SamplingMetadata:
 
     @property
     def is_no_masks(self) -> bool:
-        return not (self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
-                    or self.min_tokens_banned_ids)
+        return not (self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids or self.min_tokens_banned_ids)
 
     @property
     def is_argmax_only(self) -> bool:
         """True when the sampler can return the plain argmax of the logits."""
-        return (self.all_greedy and self.is_no_penalties and self.is_no_masks
-                and self.max_num_logprobs is None)
+        return self.all_greedy and self.is_no_penalties and self.is_no_masks and self.max_num_logprobs is None
 
     @classmethod
     def from_requests(
@@ -140,10 +136,18 @@ class SamplingMetadata:
         num_logprobs = [num_logprobs_for(p.logprobs, vocab_size) for p in params]
         max_num_logprobs = max((n for n in num_logprobs if n is not None), default=None)
         meta = cls(
-            num_reqs=len(reqs), all_greedy=all_greedy, all_random=all_random,
-            temperature=None, is_greedy_row=None, top_k=None, top_p=None, min_p=None,
-            generators={}, max_num_logprobs=max_num_logprobs,
-            output_token_ids=[list(r.output_token_ids) for r in reqs])
+            num_reqs=len(reqs),
+            all_greedy=all_greedy,
+            all_random=all_random,
+            temperature=None,
+            is_greedy_row=None,
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            generators={},
+            max_num_logprobs=max_num_logprobs,
+            output_token_ids=[list(r.output_token_ids) for r in reqs],
+        )
         if not all_greedy:
             _fill_random(meta, reqs, greedy, vocab_size, device)
         if any(has_penalties(p) for p in params):
@@ -160,16 +164,19 @@ def _eos_ids(eos_token_id: int | Sequence[int] | None) -> list[int]:
     return list(eos_token_id)
 
 
-def _fill_random(meta: SamplingMetadata, reqs: list[RequestSamplingState], greedy: list[bool],
-                 vocab_size: int, device) -> None:
+def _fill_random(
+    meta: SamplingMetadata, reqs: list[RequestSamplingState], greedy: list[bool], vocab_size: int, device
+) -> None:
     params = [r.params for r in reqs]
-    meta.temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                    dtype=torch.float32, device=device)
+    meta.temperature = torch.tensor(
+        [1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32, device=device
+    )
     if not meta.all_random:
         meta.is_greedy_row = torch.tensor(greedy, dtype=torch.bool, device=device)
     if any(0 < p.top_k < vocab_size for p in params):
-        meta.top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
-                                  dtype=torch.int64, device=device)
+        meta.top_k = torch.tensor(
+            [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], dtype=torch.int64, device=device
+        )
     if any(p.top_p < 1.0 for p in params):
         meta.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     if any(p.min_p > 0.0 for p in params):
@@ -183,7 +190,7 @@ def _fill_penalties(meta: SamplingMetadata, reqs: list[RequestSamplingState], vo
     prompt = torch.full((len(reqs), max_len), vocab_size, dtype=torch.int64)
     for i, r in enumerate(reqs):
         if has_penalties(r.params) and r.prompt_token_ids:
-            prompt[i, :len(r.prompt_token_ids)] = torch.as_tensor(list(r.prompt_token_ids), dtype=torch.int64)
+            prompt[i, : len(r.prompt_token_ids)] = torch.as_tensor(list(r.prompt_token_ids), dtype=torch.int64)
     meta.prompt_token_ids = prompt.to(device)
 
     def vec(values: list[float]) -> torch.Tensor:
@@ -194,8 +201,9 @@ def _fill_penalties(meta: SamplingMetadata, reqs: list[RequestSamplingState], vo
     meta.repetition_penalties = vec([p.repetition_penalty for p in params])
 
 
-def _fill_masks(meta: SamplingMetadata, reqs: list[RequestSamplingState], vocab_size: int,
-                eos_ids: list[int], bad_words_token_ids) -> None:
+def _fill_masks(
+    meta: SamplingMetadata, reqs: list[RequestSamplingState], vocab_size: int, eos_ids: list[int], bad_words_token_ids
+) -> None:
     for i, r in enumerate(reqs):
         p = r.params
         if p.logit_bias:

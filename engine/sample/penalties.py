@@ -20,14 +20,13 @@ def token_bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts[:, :vocab_size]
 
 
-def pad_output_token_ids(output_token_ids: list[list[int]], vocab_size: int,
-                         device: torch.device) -> torch.Tensor:
+def pad_output_token_ids(output_token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """Output ids as ``[num_reqs, max_len]`` int64 padded with ``vocab_size``."""
     max_len = max((len(ids) for ids in output_token_ids), default=0)
     padded = torch.full((len(output_token_ids), max_len), vocab_size, dtype=torch.int64)
     for row, ids in enumerate(output_token_ids):
         if ids:
-            padded[row, :len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+            padded[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
     return padded.to(device)
 
 

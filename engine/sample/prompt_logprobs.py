@@ -40,9 +40,13 @@ class PromptLogprobs:
         """The request finished: nothing more will be asked for it."""
         self._num_sent.pop(req_id, None)
 
-    def compute(self, chunks: Sequence[PromptChunk], hidden: torch.Tensor,
-                compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                is_output_rank: bool) -> dict[str, LogprobsLists] | None:
+    def compute(
+        self,
+        chunks: Sequence[PromptChunk],
+        hidden: torch.Tensor,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        is_output_rank: bool,
+    ) -> dict[str, LogprobsLists] | None:
         """Logprobs for the chunks' prompt positions not sent yet; None when there are none.
 
         ``compute_logits`` runs on every chunk with positions to report (with
@@ -59,12 +63,13 @@ class PromptLogprobs:
             if start > last:
                 continue
             offset = chunk.row + start - chunk.start
-            logits = compute_logits(hidden[offset:offset + last - start + 1])
+            logits = compute_logits(hidden[offset : offset + last - start + 1])
             self._num_sent[chunk.req_id] = last + 1
             if not is_output_rank:
                 continue
-            next_ids = torch.tensor(chunk.prompt_token_ids[start + 1:last + 2], device=hidden.device)
+            next_ids = torch.tensor(chunk.prompt_token_ids[start + 1 : last + 2], device=hidden.device)
             tensors = compute_prompt_logprobs(logits, next_ids, chunk.num_logprobs)
-            result[chunk.req_id] = LogprobsLists(tensors.token_ids.tolist(), tensors.logprobs.tolist(),
-                                                 tensors.ranks.tolist())
+            result[chunk.req_id] = LogprobsLists(
+                tensors.token_ids.tolist(), tensors.logprobs.tolist(), tensors.ranks.tolist()
+            )
         return result or None

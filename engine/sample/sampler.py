@@ -85,8 +85,12 @@ class Sampler(torch.nn.Module):
         if raw_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
         tensors = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=tensors.token_ids,
-                             logprobs=tensors.logprobs, sampled_token_ranks=tensors.ranks)
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            logprob_token_ids=tensors.token_ids,
+            logprobs=tensors.logprobs,
+            sampled_token_ranks=tensors.ranks,
+        )
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; random rows are filtered and drawn. Edits ``logits``."""

@@ -25,21 +25,28 @@ def run(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=1024)
-    conversations = [[{"role": "user", "content": text}]
-                     for text in ("What is a paged KV cache?", "Write a haiku about Ray.")]
-    for conversation, output in zip(conversations, llm.chat(conversations, SamplingParams(
-            temperature=0.8, top_p=0.95, max_tokens=32, seed=0), use_tqdm=False)):
+    conversations = [
+        [{"role": "user", "content": text}] for text in ("What is a paged KV cache?", "Write a haiku about Ray.")
+    ]
+    for conversation, output in zip(
+        conversations,
+        llm.chat(conversations, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=0), use_tqdm=False),
+    ):
         print(f"user: {conversation[0]['content']}\nmodel: {output.outputs[0].text!r}\n")
 
     rng = random.Random(0)
     vocab_size = llm.get_tokenizer().vocab_size
-    prompts = [{"prompt_token_ids": [rng.randrange(10, vocab_size) for _ in range(args.input_len)]}
-               for _ in range(args.num_prompts)]
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(10, vocab_size) for _ in range(args.input_len)]}
+        for _ in range(args.num_prompts)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     num_generated = sum(len(output.outputs[0].token_ids) for output in outputs)
-    print(f"{args.num_prompts} prompts x {args.input_len} tokens -> {num_generated} tokens in {elapsed:.2f} s "
-          f"({num_generated / elapsed:.0f} generated tokens/s)")
+    print(
+        f"{args.num_prompts} prompts x {args.input_len} tokens -> {num_generated} tokens in {elapsed:.2f} s "
+        f"({num_generated / elapsed:.0f} generated tokens/s)"
+    )
     return 0

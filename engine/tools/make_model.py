@@ -42,7 +42,8 @@ SPEC_VERSION = 1
 _OUTPUT_NAME = re.compile(
     r"config\.json|generation_config\.json|tokenizer(_config)?\.json|chat_template\.jinja"
     r"|special_tokens_map\.json|model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?"
-    r"|serval_model_spec\.json")
+    r"|serval_model_spec\.json"
+)
 MAX_POSITION_EMBEDDINGS = 4096
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -70,8 +71,7 @@ SIZES: dict[str, SizePreset] = {
     "w2": SizePreset(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688, vocab=8192),
     "w1": SizePreset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=16384),
     # Llama-3-8B's shapes: 8.03B parameters, untied.
-    "8b": SizePreset(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
-                     bpe_vocab=16384),
+    "8b": SizePreset(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, bpe_vocab=16384),
 }
 RESERVED_TOKEN = "<|reserved_{}|>"
 
@@ -86,8 +86,9 @@ ARCHS: dict[str, tuple[str, str, bool, bool, float]] = {
 }
 
 
-def build_config(arch: str, size: str, dtype: str = "float32",
-                 tie_word_embeddings: bool | None = None, vocab_size: int | None = None):
+def build_config(
+    arch: str, size: str, dtype: str = "float32", tie_word_embeddings: bool | None = None, vocab_size: int | None = None
+):
     """Return the transformers ``PretrainedConfig`` for ``arch``/``size``."""
     import transformers
 
@@ -97,13 +98,20 @@ def build_config(arch: str, size: str, dtype: str = "float32",
     preset = SIZES[size]
     head_dim = preset.hidden // preset.heads
     kwargs = dict(
-        hidden_size=preset.hidden, num_hidden_layers=preset.layers,
-        num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
-        intermediate_size=preset.intermediate, vocab_size=vocab_size or preset.vocab,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS, rms_norm_eps=1e-6,
+        hidden_size=preset.hidden,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        intermediate_size=preset.intermediate,
+        vocab_size=vocab_size or preset.vocab,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        rms_norm_eps=1e-6,
         tie_word_embeddings=default_tie if tie_word_embeddings is None else tie_word_embeddings,
-        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-        architectures=[architecture], dtype=dtype,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        architectures=[architecture],
+        dtype=dtype,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
     )
     if arch in ("llama", "mistral", "qwen3"):
@@ -116,9 +124,16 @@ def build_config(arch: str, size: str, dtype: str = "float32",
 
 
 def _spec(arch, size, seed, dtype, max_shard_size, tie_word_embeddings, vocab_size) -> dict:
-    return {"spec_version": SPEC_VERSION, "arch": arch, "size": size, "seed": seed,
-            "dtype": dtype, "max_shard_size": max_shard_size, "vocab_size": vocab_size,
-            "tie_word_embeddings": tie_word_embeddings}
+    return {
+        "spec_version": SPEC_VERSION,
+        "arch": arch,
+        "size": size,
+        "seed": seed,
+        "dtype": dtype,
+        "max_shard_size": max_shard_size,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tie_word_embeddings,
+    }
 
 
 def _is_complete(path: Path, spec: dict) -> bool:
@@ -140,10 +155,19 @@ def _clear_output(path: Path) -> None:
         entry.unlink()
 
 
-def make_model(path, arch: str = "llama", size: str = "tiny", seed: int = 0,
-               dtype: str = "float32", max_shard_size: int | None = None,
-               tie_word_embeddings: bool | None = None, force: bool = False,
-               vocab_size: int | None = None, quiet: bool = False, threads: int = 1) -> Path:
+def make_model(
+    path,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: int | None = None,
+    tie_word_embeddings: bool | None = None,
+    force: bool = False,
+    vocab_size: int | None = None,
+    quiet: bool = False,
+    threads: int = 1,
+) -> Path:
     """Write a random-weight HF checkpoint to ``path`` and return it as a Path.
 
     Deterministic in ``(arch, size, seed, dtype, tie_word_embeddings,
@@ -180,8 +204,7 @@ def make_model(path, arch: str = "llama", size: str = "tiny", seed: int = 0,
     (path / SPEC_FILE).write_text(json.dumps({**spec, "num_parameters": n_params}, indent=2) + "\n")
     if not quiet:
         tied = "tied" if config.tie_word_embeddings else "untied"
-        print(f"serval make-model: {arch}/{size} {n_params / 1e6:.2f}M params ({tied}), "
-              f"{dtype}, seed {seed} -> {path}")
+        print(f"serval make-model: {arch}/{size} {n_params / 1e6:.2f}M params ({tied}), {dtype}, seed {seed} -> {path}")
     return path
 
 
@@ -208,8 +231,9 @@ def _reserve_vocab(tokenizer, vocab_size: int) -> None:
 def _write_generation_config(path: Path, config) -> None:
     from transformers import GenerationConfig
 
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(path)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -219,29 +243,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
-    parser.add_argument("--max-shard-size", type=int, default=None, metavar="BYTES",
-                        help="split weights into shards of at most BYTES (default: one file)")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="override the preset's vocabulary size")
-    parser.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction,
-                        default=None, help="default: tied for qwen2/qwen3, untied for llama/mistral")
+    parser.add_argument(
+        "--max-shard-size",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="split weights into shards of at most BYTES (default: one file)",
+    )
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary size")
+    parser.add_argument(
+        "--tie-word-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: tied for qwen2/qwen3, untied for llama/mistral",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="generate this many tensors at once (same bytes as 1; default 1)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="generate this many tensors at once (same bytes as 1; default 1)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``make-model`` for parsed ``args``; returns the exit code."""
-    make_model(args.path, arch=args.arch, size=args.size, seed=args.seed, dtype=args.dtype,
-               max_shard_size=args.max_shard_size, tie_word_embeddings=args.tie_word_embeddings,
-               force=args.force, vocab_size=args.vocab_size, threads=args.threads)
+    make_model(
+        args.path,
+        arch=args.arch,
+        size=args.size,
+        seed=args.seed,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        tie_word_embeddings=args.tie_word_embeddings,
+        force=args.force,
+        vocab_size=args.vocab_size,
+        threads=args.threads,
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m engine.tools.make_model``."""
-    parser = argparse.ArgumentParser(prog="python -m engine.tools.make_model",
-                                     description=SUMMARY)
+    parser = argparse.ArgumentParser(prog="python -m engine.tools.make_model", description=SUMMARY)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

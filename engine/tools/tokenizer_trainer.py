@@ -36,8 +36,10 @@ SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, IM_START, IM_END, PAD_TOKEN]
 BOS_ID, EOS_ID, IM_START_ID, IM_END_ID, PAD_ID = range(len(SPECIAL_TOKENS))
 
 # Same regex as transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX.
-PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
-                     r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 CORPUS_CHARS = 2_000_000
 
 CHAT_TEMPLATE = (
@@ -70,10 +72,12 @@ def train_bpe(vocab_size: int):
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -83,8 +87,9 @@ def train_bpe(vocab_size: int):
     )
     tokenizer.train_from_iterator(stdlib_corpus(), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"BPE training produced {tokenizer.get_vocab_size()} tokens, "
-                           f"expected {vocab_size}; corpus too small?")
+        raise RuntimeError(
+            f"BPE training produced {tokenizer.get_vocab_size()} tokens, expected {vocab_size}; corpus too small?"
+        )
     return tokenizer
 
 
@@ -96,8 +101,8 @@ def build_hf_tokenizer(vocab_size: int, add_bos: bool, model_max_length: int = 4
     tokenizer = train_bpe(vocab_size)
     if add_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-            special_tokens=[(BOS_TOKEN, BOS_ID)])
+            single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, BOS_ID)]
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN if add_bos else None,

@@ -93,8 +93,7 @@ def init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden: int) -> to
     return values.mul_(_std_for(name, shape, hidden))
 
 
-def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int,
-                 max_shard_size: int | None) -> list[list[str]]:
+def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, max_shard_size: int | None) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     used = 0
     for name, shape in shapes.items():
@@ -107,17 +106,18 @@ def _plan_shards(shapes: dict[str, tuple[int, ...]], itemsize: int,
     return shards
 
 
-def _shard_tensors(names: list[str], shapes, seed: int, hidden: int,
-                   dtype: torch.dtype, pool: ThreadPoolExecutor | None = None
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def _shard_tensors(
+    names: list[str], shapes, seed: int, hidden: int, dtype: torch.dtype, pool: ThreadPoolExecutor | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     def make(name: str) -> torch.Tensor:
         return init_tensor(name, shapes[name], seed, hidden).to(dtype).contiguous()
 
     yield from zip(names, pool.map(make, names) if pool is not None else map(make, names))
 
 
-def write_weights(directory: Path, config, seed: int, dtype: str,
-                  max_shard_size: int | None = None, threads: int = 1) -> int:
+def write_weights(
+    directory: Path, config, seed: int, dtype: str, max_shard_size: int | None = None, threads: int = 1
+) -> int:
     """Write safetensors weights for ``config`` into ``directory``.
 
     A single ``model.safetensors`` unless ``max_shard_size`` (bytes) forces
@@ -132,8 +132,9 @@ def write_weights(directory: Path, config, seed: int, dtype: str,
     weight_map: dict[str, str] = {}
     with ThreadPoolExecutor(threads) if threads > 1 else contextlib.nullcontext() as pool:
         for index, names in enumerate(shards, start=1):
-            filename = ("model.safetensors" if len(shards) == 1
-                        else f"model-{index:05d}-of-{len(shards):05d}.safetensors")
+            filename = (
+                "model.safetensors" if len(shards) == 1 else f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+            )
             tensors = dict(_shard_tensors(names, shapes, seed, config.hidden_size, torch_dtype, pool))
             save_file(tensors, str(directory / filename), metadata={"format": "pt"})
             os.chmod(directory / filename, 0o644)  # safetensors creates files as 0600
@@ -141,9 +142,9 @@ def write_weights(directory: Path, config, seed: int, dtype: str,
             weight_map.update({name: filename for name in names})
     n_params = sum(math.prod(s) for s in shapes.values())
     if len(shards) > 1:
-        index_doc = {"metadata": {"total_size": n_params * itemsize,
-                                  "total_parameters": n_params},
-                     "weight_map": weight_map}
-        (directory / "model.safetensors.index.json").write_text(
-            json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
+        index_doc = {
+            "metadata": {"total_size": n_params * itemsize, "total_parameters": n_params},
+            "weight_map": weight_map,
+        }
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2, sort_keys=True) + "\n")
     return n_params

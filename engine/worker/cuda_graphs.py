@@ -43,8 +43,16 @@ class DecodeGraphRunner:
     ``max_model_len``: whatever a backend plans from it must hold for every step.
     """
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], batch_sizes: list[int], max_num_blocks_per_req: int,
-                 max_model_len: int, device: torch.device, use_cuda_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        batch_sizes: list[int],
+        max_num_blocks_per_req: int,
+        max_model_len: int,
+        device: torch.device,
+        use_cuda_graphs: bool = True,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.batch_sizes = sorted(set(batch_sizes))
@@ -111,7 +119,14 @@ class DecodeGraphRunner:
     def _metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the first ``size`` rows of the static buffers (what a graph of that size reads)."""
         return AttentionMetadata(
-            num_actual_tokens=size, query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
-            max_seq_len=self.max_model_len, query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_model_len] * size,
-            num_decodes=size)
+            num_actual_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
+            num_decodes=size,
+        )

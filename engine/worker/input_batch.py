@@ -21,8 +21,7 @@ from engine.worker.step_inputs import StepInputs, build_step_inputs
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req)
@@ -46,10 +45,14 @@ class InputBatch:
             if generator is None and params.seed is not None and not params.is_greedy:
                 generator = make_generator(params.seed, self.device)
             self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id, prompt_token_ids=new.prompt_token_ids, sampling_params=params,
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=params,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                num_computed_tokens=new.num_computed_tokens, slot=self.block_table.add_request(new.block_ids),
-                generator=generator)
+                num_computed_tokens=new.num_computed_tokens,
+                slot=self.block_table.add_request(new.block_ids),
+                generator=generator,
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -63,11 +66,13 @@ class InputBatch:
             self.block_table.remove_request(state.slot)
         return state
 
-    def prepare_inputs(self, num_scheduled_tokens: Mapping[str, int],
-                       starts: Mapping[str, int] | None = None) -> StepInputs:
+    def prepare_inputs(
+        self, num_scheduled_tokens: Mapping[str, int], starts: Mapping[str, int] | None = None
+    ) -> StepInputs:
         """The flattened batch (see ``build_step_inputs``); on return nothing here has changed."""
-        return build_step_inputs(self.requests, self.block_table, num_scheduled_tokens, self.block_size,
-                                 self.device, starts)
+        return build_step_inputs(
+            self.requests, self.block_table, num_scheduled_tokens, self.block_size, self.device, starts
+        )
 
     def advance(self, inputs: StepInputs) -> None:
         """Marks the batch's tokens computed: each request's num_computed_tokens moves past them."""

@@ -65,8 +65,9 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         scheduler_config = config.scheduler_config
         self.max_num_blocks_per_req = -(-scheduler_config.max_model_len // self.block_size)
-        self.input_batch = InputBatch(scheduler_config.max_num_seqs, self.max_num_blocks_per_req,
-                                      self.block_size, device)
+        self.input_batch = InputBatch(
+            scheduler_config.max_num_seqs, self.max_num_blocks_per_req, self.block_size, device
+        )
         self.requests: dict[str, CachedRequestState] = self.input_batch.requests  # read-only view
         self.prompt_logprobs = PromptLogprobs()
         self.sampler = Sampler()
@@ -74,19 +75,27 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only, set up with the caches
         # Disaggregated prefill: loads remote KV before a step's forward, saves finished prompts after it.
-        self.kv_connector = None if config.kv_transfer_config is None else \
-            KVConnectorWorker(config.kv_transfer_config, self.block_size, device)
+        self.kv_connector = (
+            None
+            if config.kv_transfer_config is None
+            else KVConnectorWorker(config.kv_transfer_config, self.block_size, device)
+        )
 
     # ------------------------------------------------------------------ set-up
 
     def load_model(self) -> None:
         """Loads this rank's part of the model: its pipeline stage, its tensor-parallel slice."""
         parallel = self.parallel_state = get_parallel_state()
-        self.model = get_model(self.config.model_config.model, dtype=self.dtype, device=self.device,
-                               attn_backend=resolve_backend_name(self.config.model_config.attention_backend,
-                                                                 self.device),
-                               tp_rank=parallel.tp_rank, tp_size=parallel.tp_size,
-                               pp_rank=parallel.pp_rank, pp_size=parallel.pp_size)
+        self.model = get_model(
+            self.config.model_config.model,
+            dtype=self.dtype,
+            device=self.device,
+            attn_backend=resolve_backend_name(self.config.model_config.attention_backend, self.device),
+            tp_rank=parallel.tp_rank,
+            tp_size=parallel.tp_size,
+            pp_rank=parallel.pp_rank,
+            pp_size=parallel.pp_size,
+        )
         prepack_linears(self.model)  # bf16 on CPU: oneDNN layouts once, not per call
         self.vocab_size = self.model.arch_config.vocab_size
         self.hidden_size = self.model.arch_config.hidden_size
@@ -105,21 +114,39 @@ class ModelRunner:
         self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size)
         if self._uses_cuda_graphs():
             model_config = self.config.model_config
-            sizes = model_config.cuda_graph_batch_sizes or \
-                default_batch_sizes(self.config.scheduler_config.max_num_seqs)
-            self.decode_graphs = DecodeGraphRunner(self.model, self.kv_caches, list(sizes), self.max_num_blocks_per_req,
-                                                   self.config.scheduler_config.max_model_len, self.device)
+            sizes = model_config.cuda_graph_batch_sizes or default_batch_sizes(
+                self.config.scheduler_config.max_num_seqs
+            )
+            self.decode_graphs = DecodeGraphRunner(
+                self.model,
+                self.kv_caches,
+                list(sizes),
+                self.max_num_blocks_per_req,
+                self.config.scheduler_config.max_model_len,
+                self.device,
+            )
             self.decode_graphs.capture()
 
     def _uses_cuda_graphs(self) -> bool:
         # One rank only: a stage boundary (PP) or a collective (TP) inside a graph is not supported yet.
-        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
-                and self.model.backend.supports_cuda_graphs and self.config.parallel_config.world_size == 1)
+        return (
+            self.device.type == "cuda"
+            and not self.config.model_config.enforce_eager
+            and self.model.backend.supports_cuda_graphs
+            and self.config.parallel_config.world_size == 1
+        )
 
     def profile_run(self) -> None:
         """One forward of a full step's token budget, to find (on GPU) the activation peak (``profile_forward``)."""
-        profile_forward(self.model, self.config.scheduler_config, self.parallel_state, self.block_size,
-                        self.hidden_size, self.dtype, self.device)
+        profile_forward(
+            self.model,
+            self.config.scheduler_config,
+            self.parallel_state,
+            self.block_size,
+            self.hidden_size,
+            self.dtype,
+            self.device,
+        )
 
     # -------------------------------------------------------------------- step
 
@@ -149,8 +176,9 @@ class ModelRunner:
         hidden = output  # [num_tokens, hidden_size]
         if kv_meta and kv_meta.saves:
             self.kv_connector.save_kv(kv_meta, self.kv_caches, kv_output)
-        prompt_logprobs = self.prompt_logprobs.compute(self._prompt_chunks(inputs), hidden,
-                                                       self.model.compute_logits, parallel.is_output_rank)
+        prompt_logprobs = self.prompt_logprobs.compute(
+            self._prompt_chunks(inputs), hidden, self.model.compute_logits, parallel.is_output_rank
+        )
         logits = None
         if inputs.sampled_req_ids:  # with tp_size > 1 a collective: every rank of the last stage computes them
             logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sampled, vocab]
@@ -161,8 +189,12 @@ class ModelRunner:
         if logits is not None:
             sampled_tokens, logprobs = self._sample(inputs.sampled_req_ids, logits)
         return ModelRunnerOutput(
-            req_ids=inputs.req_ids, sampled_token_ids=[sampled_tokens.get(r, []) for r in inputs.req_ids],
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, kv_transfer_output=kv_output)
+            req_ids=inputs.req_ids,
+            sampled_token_ids=[sampled_tokens.get(r, []) for r in inputs.req_ids],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            kv_transfer_output=kv_output,
+        )
 
     def _forward(self, inputs: StepInputs):
         """This rank's stage on the step's batch: a replayed CUDA graph for a small decode-only step, else eagerly.
@@ -171,8 +203,9 @@ class ModelRunner:
         """
         intermediate = None
         if not self.parallel_state.is_first_stage:
-            intermediate = recv_from_prev_stage(inputs.attn_metadata.num_actual_tokens, self.hidden_size,
-                                                self.dtype, self.device)
+            intermediate = recv_from_prev_stage(
+                inputs.attn_metadata.num_actual_tokens, self.hidden_size, self.dtype, self.device
+            )
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs.attn_metadata):
             return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
@@ -180,22 +213,35 @@ class ModelRunner:
     def _prompt_chunks(self, inputs: StepInputs) -> list[PromptChunk]:
         """The batch's prompt positions of requests that asked for prompt logprobs."""
         chunks = []
-        for req_id, start, num_tokens, row in zip(inputs.req_ids, inputs.starts, inputs.query_lens,
-                                                  inputs.token_offsets):
+        for req_id, start, num_tokens, row in zip(
+            inputs.req_ids, inputs.starts, inputs.query_lens, inputs.token_offsets
+        ):
             state = self.requests[req_id]
             if state.sampling_params.prompt_logprobs is not None:
-                chunks.append(PromptChunk(req_id, state.prompt_token_ids, state.sampling_params.prompt_logprobs,
-                                          start, start + num_tokens, row))
+                chunks.append(
+                    PromptChunk(
+                        req_id,
+                        state.prompt_token_ids,
+                        state.sampling_params.prompt_logprobs,
+                        start,
+                        start + num_tokens,
+                        row,
+                    )
+                )
         return chunks
 
-    def _sample(self, req_ids: list[str], logits: torch.Tensor
-                ) -> tuple[dict[str, list[int]], dict[str, LogprobsLists] | None]:
+    def _sample(
+        self, req_ids: list[str], logits: torch.Tensor
+    ) -> tuple[dict[str, list[int]], dict[str, LogprobsLists] | None]:
         """One token per request (logits row ``i`` is ``req_ids[i]``'s), and the logprobs they asked for."""
         states = [self.requests[req_id] for req_id in req_ids]
         metadata = SamplingMetadata.from_requests(
             [(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states],
-            self.vocab_size, self.eos_token_ids, device=self.device,
-            bad_words_token_ids=[s.sampling_params.bad_words_token_ids for s in states])
+            self.vocab_size,
+            self.eos_token_ids,
+            device=self.device,
+            bad_words_token_ids=[s.sampling_params.bad_words_token_ids for s in states],
+        )
         output = self.sampler(logits, metadata)
         token_ids = output.sampled_token_ids.tolist()
         self.input_batch.append_sampled_tokens(req_ids, token_ids)

@@ -14,8 +14,15 @@ from engine.distributed.parallel_state import ParallelState
 
 
 @torch.inference_mode()
-def profile_forward(model: torch.nn.Module, scheduler_config: SchedulerConfig, parallel_state: ParallelState,
-                    block_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+def profile_forward(
+    model: torch.nn.Module,
+    scheduler_config: SchedulerConfig,
+    parallel_state: ParallelState,
+    block_size: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """One forward of a full step's token budget through this rank's part of ``model``.
 
     The budget is split into prompts of at most ``max_model_len - 1`` tokens (at most
@@ -23,8 +30,9 @@ def profile_forward(model: torch.nn.Module, scheduler_config: SchedulerConfig, p
     largest decode step does. With tp_size > 1 a collective: every rank of the stage must
     call it at once. Stages do not talk to each other here (a later stage runs on zeros).
     """
-    lengths = split_budget(scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len - 1,
-                           scheduler_config.max_num_seqs)
+    lengths = split_budget(
+        scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len - 1, scheduler_config.max_num_seqs
+    )
     num_tokens = sum(lengths)
     tables, next_block = [], 1
     for length in lengths:

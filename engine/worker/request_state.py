@@ -31,7 +31,7 @@ class CachedRequestState:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     def write_tokens(self, start: int, token_ids: list[int]) -> None:
         """Places ``token_ids`` at positions ``start...`` (idempotent for tokens already known)."""
@@ -64,7 +64,7 @@ class BlockTable:
         if not block_ids:
             return
         start = self.num_blocks[slot]
-        self.table[slot, start:start + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.table[slot, start : start + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
         self.num_blocks[slot] = start + len(block_ids)
 
     def remove_request(self, slot: int) -> None:

@@ -33,9 +33,14 @@ class StepInputs:
     query_lens: list[int]  # tokens each request computes in this batch
 
 
-def build_step_inputs(requests: Mapping[str, CachedRequestState], block_table: BlockTable,
-                      num_scheduled_tokens: Mapping[str, int], block_size: int, device: torch.device,
-                      starts: Mapping[str, int] | None = None) -> StepInputs:
+def build_step_inputs(
+    requests: Mapping[str, CachedRequestState],
+    block_table: BlockTable,
+    num_scheduled_tokens: Mapping[str, int],
+    block_size: int,
+    device: torch.device,
+    starts: Mapping[str, int] | None = None,
+) -> StepInputs:
     """Flattens ``num_scheduled_tokens[r]`` tokens of each request ``r`` into one batch.
 
     Request ``r``'s tokens start at ``starts[r]`` when given, else at its
@@ -66,19 +71,33 @@ def build_step_inputs(requests: Mapping[str, CachedRequestState], block_table: B
         if end == len(state.token_ids):  # the prompt is done: this request gets a token
             sampled_req_ids.append(req_id)
             sample_indices.append(token_offsets[-1] - 1)
-    positions_tensor, metadata = _position_tensors(block_table, slots, positions, query_lens, seq_lens,
-                                                   token_offsets, len(input_ids), block_size, device)
+    positions_tensor, metadata = _position_tensors(
+        block_table, slots, positions, query_lens, seq_lens, token_offsets, len(input_ids), block_size, device
+    )
     return StepInputs(
-        req_ids=req_ids, input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=positions_tensor, attn_metadata=metadata,
+        req_ids=req_ids,
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=positions_tensor,
+        attn_metadata=metadata,
         sampled_req_ids=sampled_req_ids,
         sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
-        token_offsets=token_offsets, starts=first_positions, query_lens=query_lens)
+        token_offsets=token_offsets,
+        starts=first_positions,
+        query_lens=query_lens,
+    )
 
 
-def _position_tensors(block_table: BlockTable, slots: list[int], positions: list[int], query_lens: list[int],
-                      seq_lens: list[int], token_offsets: list[int], num_tokens: int, block_size: int,
-                      device: torch.device) -> tuple[torch.Tensor, AttentionMetadata]:
+def _position_tensors(
+    block_table: BlockTable,
+    slots: list[int],
+    positions: list[int],
+    query_lens: list[int],
+    seq_lens: list[int],
+    token_offsets: list[int],
+    num_tokens: int,
+    block_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, AttentionMetadata]:
     """(positions, attention metadata): the batch's block tables and each token's KV slot."""
     # numpy for the index arithmetic: a few microseconds per op instead of torch's tens, and the
     # tensors below share its memory (no copies on CPU).
@@ -96,6 +115,9 @@ def _position_tensors(block_table: BlockTable, slots: list[int], positions: list
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.from_numpy(block_tables).to(device),
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens)
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
     return torch.from_numpy(positions_np).to(device), metadata

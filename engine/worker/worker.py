@@ -41,6 +41,7 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
     if config.model_config.dtype != "auto":
         return parse_dtype(config.model_config.dtype)
     from engine.model.architecture import Architecture
+
     return Architecture.from_dir(config.model_config.model).torch_dtype or torch.float32
 
 
@@ -90,8 +91,9 @@ class Worker:
         self.config = config
         self.rank = rank
         self.distributed_init_method = distributed_init_method
-        self.parallel_state = ParallelState.for_rank(rank, parallel.tensor_parallel_size,
-                                                     parallel.pipeline_parallel_size)
+        self.parallel_state = ParallelState.for_rank(
+            rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        )
         self.device = device_for_rank(resolve_device(config.device_config.device), rank)
         self.dtype = resolve_dtype(config)
         self.model_runner = ModelRunner(config, self.device, self.dtype)
@@ -110,9 +112,14 @@ class Worker:
             torch.cuda.set_device(self.device)
         parallel = self.config.parallel_config
         if parallel.world_size > 1:
-            init_distributed(parallel.world_size, self.rank, self.distributed_init_method,
-                             parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-                             backend="nccl" if self.device.type == "cuda" else "gloo")
+            init_distributed(
+                parallel.world_size,
+                self.rank,
+                self.distributed_init_method,
+                parallel.tensor_parallel_size,
+                parallel.pipeline_parallel_size,
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+            )
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
@@ -153,8 +160,12 @@ class Worker:
         scheduler_config = self.config.scheduler_config
         max_useful = scheduler_config.max_num_seqs * self.model_runner.max_num_blocks_per_req + 1
         num_blocks = min(budget // block_bytes, max_useful)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cache_config.block_size,
-                    num_blocks * block_bytes / GiB)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB)",
+            num_blocks,
+            cache_config.block_size,
+            num_blocks * block_bytes / GiB,
+        )
         return max(num_blocks, 0)
 
     def initialize_cache(self, num_blocks: int) -> None:

@@ -32,19 +32,25 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset")
     group.add_argument("--dataset-name", choices=DATASET_NAMES, default="random")
     group.add_argument("--num-prompts", type=int, default=1000, help="Number of requests to sample.")
-    group.add_argument("--seed", type=int, default=0,
-                       help="Seed of the sampled requests (and of bench serve's arrival times).")
+    group.add_argument(
+        "--seed", type=int, default=0, help="Seed of the sampled requests (and of bench serve's arrival times)."
+    )
     group.add_argument("--random-input-len", type=int, default=1024)
     group.add_argument("--random-output-len", type=int, default=128)
-    group.add_argument("--random-range-ratio", type=float, default=0.0,
-                       help="Lengths are uniform in [len * (1 - r), len * (1 + r)].")
+    group.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="Lengths are uniform in [len * (1 - r), len * (1 + r)]."
+    )
     group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     group.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     group.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     group.add_argument("--prefix-repetition-output-len", type=int, default=128)
     group.add_argument("--dataset-path", help="ShareGPT-format JSON file (for --dataset-name sharegpt).")
-    group.add_argument("--sharegpt-output-len", type=int, default=None,
-                       help="Output length of every ShareGPT request (default: the reply's token count).")
+    group.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="Output length of every ShareGPT request (default: the reply's token count).",
+    )
 
 
 def sample_requests(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
@@ -56,12 +62,24 @@ def sample_requests(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
     """
     rng = random.Random(args.seed)
     if args.dataset_name == "random":
-        return sample_random(rng, ordinary_token_ids(tokenizer), args.num_prompts, args.random_input_len,
-                             args.random_output_len, args.random_range_ratio)
+        return sample_random(
+            rng,
+            ordinary_token_ids(tokenizer),
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+        )
     if args.dataset_name == "prefix-repetition":
-        return sample_prefix_repetition(rng, ordinary_token_ids(tokenizer), args.num_prompts,
-                                        args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
-                                        args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len)
+        return sample_prefix_repetition(
+            rng,
+            ordinary_token_ids(tokenizer),
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+        )
     if not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path")
     return sample_sharegpt(rng, tokenizer, args.dataset_path, args.num_prompts, args.sharegpt_output_len)
@@ -76,8 +94,9 @@ def ordinary_token_ids(tokenizer) -> list[int]:
     return [token_id for token_id in range(tokenizer.vocab_size) if token_id not in special_ids]
 
 
-def sample_random(rng: random.Random, token_ids: list[int], num_prompts: int, input_len: int, output_len: int,
-                  range_ratio: float) -> list[SampleRequest]:
+def sample_random(
+    rng: random.Random, token_ids: list[int], num_prompts: int, input_len: int, output_len: int, range_ratio: float
+) -> list[SampleRequest]:
     """Prompts of uniformly drawn lengths in ``[len * (1 - r), len * (1 + r)]``, of random ordinary tokens."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
@@ -94,8 +113,15 @@ def _draw_length(rng: random.Random, length: int, range_ratio: float) -> int:
     return rng.randint(low, max(int(length * (1 + range_ratio)), low))
 
 
-def sample_prefix_repetition(rng: random.Random, token_ids: list[int], num_prompts: int, prefix_len: int,
-                             suffix_len: int, num_prefixes: int, output_len: int) -> list[SampleRequest]:
+def sample_prefix_repetition(
+    rng: random.Random,
+    token_ids: list[int],
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+) -> list[SampleRequest]:
     """``num_prefixes`` random prefixes, each shared by about ``num_prompts / num_prefixes`` prompts that end
     in their own random suffix; shuffled, so requests with the same prefix interleave."""
     if num_prefixes < 1:
@@ -109,8 +135,9 @@ def sample_prefix_repetition(rng: random.Random, token_ids: list[int], num_promp
     return requests
 
 
-def sample_sharegpt(rng: random.Random, tokenizer, path: str, num_prompts: int,
-                    output_len: int | None) -> list[SampleRequest]:
+def sample_sharegpt(
+    rng: random.Random, tokenizer, path: str, num_prompts: int, output_len: int | None
+) -> list[SampleRequest]:
     """The first (human, gpt) pair of shuffled ShareGPT conversations, filtered by vLLM's length rule.
 
     With fewer usable pairs than ``num_prompts``, pairs are drawn again at random (vLLM oversamples too).

@@ -30,8 +30,11 @@ class LatencyResult:
     def to_dict(self) -> dict:
         """vLLM's JSON: ``avg_latency``, ``latencies`` and ``percentiles`` (percentage -> seconds)."""
         ordered = sorted(self.latencies)
-        return {"avg_latency": sum(ordered) / len(ordered), "latencies": self.latencies,
-                "percentiles": {str(percentage): percentile(ordered, percentage) for percentage in PERCENTAGES}}
+        return {
+            "avg_latency": sum(ordered) / len(ordered),
+            "latencies": self.latencies,
+            "percentiles": {str(percentage): percentile(ordered, percentage) for percentage in PERCENTAGES},
+        }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,14 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=5, help="timed runs")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the engine")
     parser.add_argument("--output-json", metavar="PATH", help="write the results to this JSON file")
-    parser.add_argument("--plot", action="store_true",
-                        help="also write a latency histogram PNG beside --output-json (same name, .png)")
+    parser.add_argument(
+        "--plot", action="store_true", help="also write a latency histogram PNG beside --output-json (same name, .png)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if min(args.input_len, args.output_len, args.batch_size, args.num_iters) < 1 or args.num_iters_warmup < 0:
-        print("serval bench latency: --input-len, --output-len, --batch-size and --num-iters must be at least 1, "
-              "--num-iters-warmup at least 0", file=sys.stderr)
+        print(
+            "serval bench latency: --input-len, --output-len, --batch-size and --num-iters must be at least 1, "
+            "--num-iters-warmup at least 0",
+            file=sys.stderr,
+        )
         return 1
     if args.plot and not args.output_json:
         print("serval bench latency: --plot needs --output-json", file=sys.stderr)

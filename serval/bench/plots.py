@@ -62,11 +62,16 @@ def bin_index(time_s: float, num_bins: int) -> int:
 
 def latency_samples_ms(report: dict) -> dict[str, list[float]]:
     """Each metric's samples of the completed requests, in ms, from the report's raw lists."""
+
     def present(values):
         return [value * 1e3 for value in values if value is not None]
 
-    return {"ttft": present(report["ttfts"]), "tpot": present(report["tpots"]),
-            "itl": [itl * 1e3 for itls in report["itls"] for itl in itls], "e2el": present(report["e2els"])}
+    return {
+        "ttft": present(report["ttfts"]),
+        "tpot": present(report["tpots"]),
+        "itl": [itl * 1e3 for itls in report["itls"] for itl in itls],
+        "e2el": present(report["e2els"]),
+    }
 
 
 def output_tokens_per_s(report: dict, edges: list[float]) -> list[float]:
@@ -76,8 +81,9 @@ def output_tokens_per_s(report: dict, edges: list[float]) -> list[float]:
     spread evenly over its chunks.
     """
     tokens = [0.0] * (len(edges) - 1)
-    for start, ttft, itls, num_tokens in zip(report["start_times"], report["ttfts"], report["itls"],
-                                             report["output_lens"]):
+    for start, ttft, itls, num_tokens in zip(
+        report["start_times"], report["ttfts"], report["itls"], report["output_lens"]
+    ):
         if ttft is None:
             continue
         chunk_time = start + ttft
@@ -108,5 +114,7 @@ def _figure(figsize: tuple[float, float]):
 
 
 def _title(report: dict) -> str:
-    return (f"{report.get('model_id', '')}  {report.get('dataset_name', '')}  "
-            f"rate {report.get('request_rate', '')}  concurrency {report.get('max_concurrency') or 'unbounded'}")
+    return (
+        f"{report.get('model_id', '')}  {report.get('dataset_name', '')}  "
+        f"rate {report.get('request_rate', '')}  concurrency {report.get('max_concurrency') or 'unbounded'}"
+    )

@@ -12,8 +12,12 @@ import statistics
 from dataclasses import dataclass, field
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-                 "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+METRIC_TITLES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
 SLO_METRICS = ("ttft", "tpot", "e2el")
 NUM_ERRORS_KEPT = 5  # distinct error messages kept in the report
 
@@ -21,6 +25,7 @@ NUM_ERRORS_KEPT = 5  # distinct error messages kept in the report
 @dataclass
 class RequestResult:
     """One request's timeline, in seconds since the benchmark started."""
+
     prompt_len: int  # the dataset's count
     start_time: float
     end_time: float
@@ -73,8 +78,9 @@ def parse_slos(text: str) -> dict[str, float]:
     return slos
 
 
-def build_report(results: list[RequestResult], duration_s: float, percentiles: list[float],
-                 slos: dict[str, float] | None = None) -> dict:
+def build_report(
+    results: list[RequestResult], duration_s: float, percentiles: list[float], slos: dict[str, float] | None = None
+) -> dict:
     """The metrics of one measured run (vLLM's names) plus the raw per-request lists.
 
     Throughputs divide by ``duration_s`` (first dispatch to last completion); token totals and latency
@@ -118,9 +124,11 @@ def latencies_ms(completed: list[RequestResult]) -> dict[str, list[float]]:
 def latency_stats(name: str, values: list[float], percentiles: list[float]) -> dict[str, float]:
     """``mean_{name}_ms``, ``median_``, ``std_`` and ``p{N}_`` for each percentile; zeros without samples."""
     ordered = sorted(values)
-    stats = {f"mean_{name}_ms": statistics.fmean(ordered) if ordered else 0.0,
-             f"median_{name}_ms": percentile(ordered, 50),
-             f"std_{name}_ms": statistics.pstdev(ordered) if ordered else 0.0}
+    stats = {
+        f"mean_{name}_ms": statistics.fmean(ordered) if ordered else 0.0,
+        f"median_{name}_ms": percentile(ordered, 50),
+        f"std_{name}_ms": statistics.pstdev(ordered) if ordered else 0.0,
+    }
     for q in percentiles:
         stats[f"p{percentile_label(q)}_{name}_ms"] = percentile(ordered, q)
     return stats
@@ -141,8 +149,9 @@ def percentile_label(q: float) -> str:
     return str(int(q)) if q == int(q) else str(q)
 
 
-def goodput(completed: list[RequestResult], num_requests: int, duration_s: float,
-            slos: dict[str, float] | None) -> dict[str, float | None]:
+def goodput(
+    completed: list[RequestResult], num_requests: int, duration_s: float, slos: dict[str, float] | None
+) -> dict[str, float | None]:
     if not slos:
         return {"goodput": None, "goodput_fraction": None}
     num_good = sum(is_within_slos(result, slos) for result in completed)
@@ -194,16 +203,18 @@ def raw_lists(results: list[RequestResult]) -> dict[str, list]:
 def format_summary(report: dict) -> str:
     """vLLM's result table."""
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
-    rows = [("Successful requests:", report["completed"]),
-            ("Failed requests:", report["failed"]),
-            ("Maximum request concurrency:", report.get("max_concurrency")),
-            ("Peak concurrent requests:", report["max_concurrent_requests"]),
-            ("Benchmark duration (s):", f"{report['duration_s']:.2f}"),
-            ("Total input tokens:", report["total_input_tokens"]),
-            ("Total generated tokens:", report["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{report['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{report['output_throughput']:.2f}"),
-            ("Total Token throughput (tok/s):", f"{report['total_token_throughput']:.2f}")]
+    rows = [
+        ("Successful requests:", report["completed"]),
+        ("Failed requests:", report["failed"]),
+        ("Maximum request concurrency:", report.get("max_concurrency")),
+        ("Peak concurrent requests:", report["max_concurrent_requests"]),
+        ("Benchmark duration (s):", f"{report['duration_s']:.2f}"),
+        ("Total input tokens:", report["total_input_tokens"]),
+        ("Total generated tokens:", report["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{report['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{report['output_throughput']:.2f}"),
+        ("Total Token throughput (tok/s):", f"{report['total_token_throughput']:.2f}"),
+    ]
     if report["goodput"] is not None:
         rows.append(("Request goodput (req/s):", f"{report['goodput']:.2f}"))
         rows.append(("Goodput fraction:", f"{report['goodput_fraction']:.3f}"))

@@ -37,22 +37,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help="Sent as 'Authorization: Bearer KEY'.")
     add_dataset_arguments(parser)
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="Requests per second (default inf: all at once).")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="Gamma shape of the arrival intervals: 1 is Poisson, < 1 burstier, > 1 steadier.")
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Requests per second (default inf: all at once)."
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="Gamma shape of the arrival intervals: 1 is Poisson, < 1 burstier, > 1 steadier.",
+    )
     load.add_argument("--max-concurrency", type=int, default=None, help="At most this many requests in flight.")
     load.add_argument("--num-warmups", type=int, default=0, help="Requests sent (and not counted) before the run.")
-    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                      help="Generate exactly each request's output length (--no-ignore-eos: stop at EOS).")
+    load.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Generate exactly each request's output length (--no-ignore-eos: stop at EOS).",
+    )
     load.add_argument("--temperature", type=float, default=0.0)
-    load.add_argument("--request-timeout", type=float, default=600.0,
-                      help="Seconds to wait on a connection or between streamed chunks before a request fails.")
+    load.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="Seconds to wait on a connection or between streamed chunks before a request fails.",
+    )
     report = parser.add_argument_group("report")
-    report.add_argument("--percentiles", type=parse_percentiles, default=[50.0, 90.0, 99.0],
-                        help="Comma-separated latency percentiles (default 50,90,99).")
-    report.add_argument("--slo", type=parse_slos, default=None,
-                        help="Latency SLOs in ms for goodput, e.g. ttft=500,tpot=50,e2el=10000.")
+    report.add_argument(
+        "--percentiles",
+        type=parse_percentiles,
+        default=[50.0, 90.0, 99.0],
+        help="Comma-separated latency percentiles (default 50,90,99).",
+    )
+    report.add_argument(
+        "--slo", type=parse_slos, default=None, help="Latency SLOs in ms for goodput, e.g. ttft=500,tpot=50,e2el=10000."
+    )
     report.add_argument("--result-dir", default="results")
     report.add_argument("--result-filename", help="Default: serve-{model basename}-{timestamp}.json.")
     report.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
@@ -118,13 +136,21 @@ def load_tokenizer(args: argparse.Namespace):
 
 def run_settings(args: argparse.Namespace) -> dict:
     """What the run was, for the JSON record (vLLM's keys where it has them)."""
-    return {"date": time.strftime("%Y%m%d-%H%M%S"), "url": args.url, "model_id": args.model,
-            "tokenizer_id": args.tokenizer or args.model, "dataset_name": args.dataset_name,
-            "num_prompts": args.num_prompts, "seed": args.seed,
-            # JSON has no infinity; vLLM records an unbounded rate as "inf" too.
-            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-            "ignore_eos": args.ignore_eos, "temperature": args.temperature}
+    return {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "url": args.url,
+        "model_id": args.model,
+        "tokenizer_id": args.tokenizer or args.model,
+        "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts,
+        "seed": args.seed,
+        # JSON has no infinity; vLLM records an unbounded rate as "inf" too.
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "ignore_eos": args.ignore_eos,
+        "temperature": args.temperature,
+    }
 
 
 async def run_load(args: argparse.Namespace, requests: list[SampleRequest]) -> tuple[list[RequestResult], float]:
@@ -144,8 +170,9 @@ async def run_load(args: argparse.Namespace, requests: list[SampleRequest]) -> t
             return await _measured_run(client, sender, requests, arrival_times, progress)
 
 
-async def _measured_run(client, sender: CompletionSender, requests: list[SampleRequest], arrival_times: list[float],
-                        progress) -> tuple[list[RequestResult], float]:
+async def _measured_run(
+    client, sender: CompletionSender, requests: list[SampleRequest], arrival_times: list[float], progress
+) -> tuple[list[RequestResult], float]:
     start = time.perf_counter()
 
     async def send_one(request: SampleRequest) -> RequestResult:
@@ -190,9 +217,15 @@ class CompletionSender:
         self.semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
     def payload(self, request: SampleRequest) -> dict:
-        return {"model": self.model, "prompt": request.prompt, "max_tokens": request.expected_output_len,
-                "temperature": self.temperature, "ignore_eos": self.ignore_eos, "stream": True,
-                "stream_options": {"include_usage": True}}
+        return {
+            "model": self.model,
+            "prompt": request.prompt,
+            "max_tokens": request.expected_output_len,
+            "temperature": self.temperature,
+            "ignore_eos": self.ignore_eos,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
 
     async def send(self, client, request: SampleRequest, benchmark_start: float) -> RequestResult:
         """The request's result, times in seconds since ``benchmark_start``; failures are results too."""
@@ -204,8 +237,9 @@ class CompletionSender:
     async def _stream(self, client, request: SampleRequest, benchmark_start: float) -> RequestResult:
         import httpx
 
-        result = RequestResult(prompt_len=request.prompt_len, start_time=time.perf_counter() - benchmark_start,
-                               end_time=0.0)
+        result = RequestResult(
+            prompt_len=request.prompt_len, start_time=time.perf_counter() - benchmark_start, end_time=0.0
+        )
         try:
             async with client.stream("POST", self.url, json=self.payload(request), headers=self.headers) as response:
                 if response.status_code != 200:

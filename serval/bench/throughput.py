@@ -48,12 +48,16 @@ class ThroughputResult:
     def to_dict(self) -> dict:
         """vLLM's JSON keys, plus the token totals and the output token rate."""
         total_num_tokens = self.total_prompt_tokens + self.total_output_tokens
-        return {"elapsed_time": self.elapsed_time, "num_requests": self.num_requests,
-                "total_num_tokens": total_num_tokens, "total_prompt_tokens": self.total_prompt_tokens,
-                "total_output_tokens": self.total_output_tokens,
-                "requests_per_second": self.num_requests / self.elapsed_time,
-                "tokens_per_second": total_num_tokens / self.elapsed_time,
-                "output_tokens_per_second": self.total_output_tokens / self.elapsed_time}
+        return {
+            "elapsed_time": self.elapsed_time,
+            "num_requests": self.num_requests,
+            "total_num_tokens": total_num_tokens,
+            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "requests_per_second": self.num_requests / self.elapsed_time,
+            "tokens_per_second": total_num_tokens / self.elapsed_time,
+            "output_tokens_per_second": self.total_output_tokens / self.elapsed_time,
+        }
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +66,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", required=True, help="local checkpoint directory")
     for name, options in ENGINE_FLAGS.items():
         group.add_argument(f"--{name.replace('_', '-')}", **options)
-    group.add_argument("--engine-kwargs", type=_json_object, default={}, metavar="JSON",
-                       help="any other EngineArgs fields as a JSON object; the flags above take precedence")
+    group.add_argument(
+        "--engine-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="any other EngineArgs fields as a JSON object; the flags above take precedence",
+    )
 
 
 def _json_object(text: str) -> dict:
@@ -102,9 +111,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"serval bench throughput: {error}", file=sys.stderr)
         return 1
     metrics = result.to_dict()
-    print(f"Throughput: {metrics['requests_per_second']:.2f} requests/s, "
-          f"{metrics['tokens_per_second']:.2f} total tokens/s, "
-          f"{metrics['output_tokens_per_second']:.2f} output tokens/s")
+    print(
+        f"Throughput: {metrics['requests_per_second']:.2f} requests/s, "
+        f"{metrics['tokens_per_second']:.2f} total tokens/s, "
+        f"{metrics['output_tokens_per_second']:.2f} output tokens/s"
+    )
     print(f"Total num prompt tokens:  {result.total_prompt_tokens}")
     print(f"Total num output tokens:  {result.total_output_tokens}")
     if args.output_json:
@@ -131,6 +142,8 @@ def measure_throughput(llm, requests: list[SampleRequest]) -> ThroughputResult:
     outputs = llm.generate(prompts, params)
     elapsed_time = time.perf_counter() - start
     return ThroughputResult(
-        elapsed_time=elapsed_time, num_requests=len(outputs),
+        elapsed_time=elapsed_time,
+        num_requests=len(outputs),
         total_prompt_tokens=sum(len(output.prompt_token_ids) for output in outputs),
-        total_output_tokens=sum(len(completion.token_ids) for output in outputs for completion in output.outputs))
+        total_output_tokens=sum(len(completion.token_ids) for output in outputs for completion in output.outputs),
+    )

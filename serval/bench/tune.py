@@ -56,13 +56,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tune.add_argument("--address", default="http://127.0.0.1:8265", help="The Ray dashboard (Serve REST API).")
     tune.add_argument("--max-num-seqs", type=int, nargs="+", required=True)
     tune.add_argument("--max-num-batched-tokens", type=int, nargs="+", required=True)
-    tune.add_argument("--num-replicas", type=int, nargs="+", default=None,
-                      help="Replica counts to sweep too (default: the config's).")
-    tune.add_argument("--slo-percentile", type=float, default=DEFAULT_SLO_PERCENTILE,
-                      help="The percentile of each --slo metric that must be within its limit.")
+    tune.add_argument(
+        "--num-replicas", type=int, nargs="+", default=None, help="Replica counts to sweep too (default: the config's)."
+    )
+    tune.add_argument(
+        "--slo-percentile",
+        type=float,
+        default=DEFAULT_SLO_PERCENTILE,
+        help="The percentile of each --slo metric that must be within its limit.",
+    )
     tune.add_argument("--deploy-timeout-s", type=float, default=600.0)
-    tune.add_argument("--keep-best", action="store_true",
-                      help="Leave the best point deployed (default: redeploy the original config).")
+    tune.add_argument(
+        "--keep-best",
+        action="store_true",
+        help="Leave the best point deployed (default: redeploy the original config).",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.slo_percentile not in args.percentiles:
         args.percentiles = sorted({*args.percentiles, args.slo_percentile})
     original = launcher.load_config(args.config)
-    points = [measure_point(args, original, point, index, total)
-              for index, point, total in enumerate_points(args, original)]
+    points = [
+        measure_point(args, original, point, index, total) for index, point, total in enumerate_points(args, original)
+    ]
     best = best_point(points)
     final_config = with_point(original, args.model, best) if (args.keep_best and best) else original
     print(f"Redeploying the {'best' if final_config is not original else 'original'} config ...", flush=True)
@@ -86,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
 def enumerate_points(args: argparse.Namespace, config: dict):
     """(index, TunePoint, total) for the grid, in sweep order."""
-    replica_counts = args.num_replicas or [llm_config_of(config, args.model)["deployment_config"]
-                                           .get("num_replicas", 1)]
+    replica_counts = args.num_replicas or [
+        llm_config_of(config, args.model)["deployment_config"].get("num_replicas", 1)
+    ]
     grid = list(itertools.product(replica_counts, args.max_num_seqs, args.max_num_batched_tokens))
     for index, (num_replicas, max_num_seqs, max_num_batched_tokens) in enumerate(grid):
         yield index, TunePoint(max_num_seqs, max_num_batched_tokens, num_replicas), len(grid)
@@ -106,8 +116,9 @@ def with_point(config: dict, model_id: str, point: TunePoint) -> dict:
     """A copy of ``config`` with ``model_id``'s engine settings and replica count set to ``point``'s."""
     varied = copy.deepcopy(config)
     llm_config = llm_config_of(varied, model_id)
-    llm_config.setdefault("engine_kwargs", {}).update(max_num_seqs=point.max_num_seqs,
-                                                      max_num_batched_tokens=point.max_num_batched_tokens)
+    llm_config.setdefault("engine_kwargs", {}).update(
+        max_num_seqs=point.max_num_seqs, max_num_batched_tokens=point.max_num_batched_tokens
+    )
     llm_config.setdefault("deployment_config", {})["num_replicas"] = point.num_replicas
     return varied
 
@@ -116,8 +127,7 @@ def deploy_and_wait(config: dict, args: argparse.Namespace) -> None:
     from deployments import launcher
 
     launcher.deploy(config, args.address)
-    launcher.wait_until_running(args.address, [app["name"] for app in config["applications"]],
-                                args.deploy_timeout_s)
+    launcher.wait_until_running(args.address, [app["name"] for app in config["applications"]], args.deploy_timeout_s)
 
 
 def measure_point(args: argparse.Namespace, config: dict, point: TunePoint, index: int, total: int) -> TunePoint:
@@ -135,10 +145,13 @@ def measure_point(args: argparse.Namespace, config: dict, point: TunePoint, inde
     point.num_failed = report["failed"]
     point.latencies_ms = slo_latencies(report, args)
     point.is_within_slo = point.num_failed == 0 and all(
-        point.latencies_ms[name] <= limit for name, limit in (args.slo or {}).items())
-    print(f"[{index + 1}/{total}] {point.label()}: {point.output_throughput:.1f} output tok/s, "
-          f"{format_latencies(point.latencies_ms)}, {'meets' if point.is_within_slo else 'misses'} the SLO",
-          flush=True)
+        point.latencies_ms[name] <= limit for name, limit in (args.slo or {}).items()
+    )
+    print(
+        f"[{index + 1}/{total}] {point.label()}: {point.output_throughput:.1f} output tok/s, "
+        f"{format_latencies(point.latencies_ms)}, {'meets' if point.is_within_slo else 'misses'} the SLO",
+        flush=True,
+    )
     return point
 
 
@@ -161,8 +174,9 @@ def best_point(points: list[TunePoint]) -> TunePoint | None:
 def pareto_frontier(points: list[TunePoint], metric: str) -> list[TunePoint]:
     """Measured points that no other point beats on both throughput (higher) and ``metric`` (lower),
     in order of throughput."""
-    measured = sorted((p for p in points if p.error is None), key=lambda p: (-p.output_throughput,
-                                                                             p.latencies_ms[metric]))
+    measured = sorted(
+        (p for p in points if p.error is None), key=lambda p: (-p.output_throughput, p.latencies_ms[metric])
+    )
     frontier, best_latency = [], float("inf")
     for point in measured:
         if point.latencies_ms[metric] < best_latency:
@@ -177,9 +191,15 @@ def write_tune_results(points: list[TunePoint], best: TunePoint | None, args: ar
     result_dir.mkdir(parents=True, exist_ok=True)
     stem = f"tune-{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     json_path = result_dir / f"{stem}.json"
-    record = {"config": args.config, "model_id": args.model, "slo": args.slo, "slo_percentile": args.slo_percentile,
-              "settings": serve.run_settings(args), "points": [asdict(point) for point in points],
-              "best": asdict(best) if best else None}
+    record = {
+        "config": args.config,
+        "model_id": args.model,
+        "slo": args.slo,
+        "slo_percentile": args.slo_percentile,
+        "settings": serve.run_settings(args),
+        "points": [asdict(point) for point in points],
+        "best": asdict(best) if best else None,
+    }
     json_path.write_text(json.dumps(record, indent=1))
     plot_path = result_dir / f"{stem}-frontier.png"
     plot_frontier(points, best, args, plot_path)
@@ -203,22 +223,45 @@ def plot_frontier(points: list[TunePoint], best: TunePoint | None, args: argpars
     canvas.print_png(str(path))
 
 
-def _plot_metric(axes, measured: list[TunePoint], best: TunePoint | None, metric: str,
-                 args: argparse.Namespace) -> None:
+def _plot_metric(
+    axes, measured: list[TunePoint], best: TunePoint | None, metric: str, args: argparse.Namespace
+) -> None:
     for is_within in (True, False):
         group = [point for point in measured if point.is_within_slo == is_within]
-        axes.scatter([p.output_throughput for p in group], [p.latencies_ms[metric] for p in group],
-                     label="meets the SLO" if is_within else "misses the SLO",
-                     color="tab:green" if is_within else "tab:red", zorder=3)
+        axes.scatter(
+            [p.output_throughput for p in group],
+            [p.latencies_ms[metric] for p in group],
+            label="meets the SLO" if is_within else "misses the SLO",
+            color="tab:green" if is_within else "tab:red",
+            zorder=3,
+        )
     for point in measured:
-        axes.annotate(point.label(), (point.output_throughput, point.latencies_ms[metric]), fontsize=7,
-                      xytext=(4, 4), textcoords="offset points")
+        axes.annotate(
+            point.label(),
+            (point.output_throughput, point.latencies_ms[metric]),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
     frontier = pareto_frontier(measured, metric)
-    axes.plot([p.output_throughput for p in frontier], [p.latencies_ms[metric] for p in frontier], "--",
-              color="gray", label="Pareto frontier")
+    axes.plot(
+        [p.output_throughput for p in frontier],
+        [p.latencies_ms[metric] for p in frontier],
+        "--",
+        color="gray",
+        label="Pareto frontier",
+    )
     if best:
-        axes.scatter([best.output_throughput], [best.latencies_ms[metric]], marker="*", s=300, color="gold",
-                     edgecolor="black", zorder=4, label="best")
+        axes.scatter(
+            [best.output_throughput],
+            [best.latencies_ms[metric]],
+            marker="*",
+            s=300,
+            color="gold",
+            edgecolor="black",
+            zorder=4,
+            label="best",
+        )
     if args.slo and metric in args.slo:
         axes.axhline(args.slo[metric], color="tab:red", linestyle=":", label=f"{metric} SLO")
     axes.set_xlabel("output tokens/s")
@@ -228,15 +271,23 @@ def _plot_metric(axes, measured: list[TunePoint], best: TunePoint | None, metric
 
 
 def format_table(points: list[TunePoint], best: TunePoint | None, args: argparse.Namespace) -> str:
-    lines = [f"{'max_num_seqs':>12} {'batched_tokens':>14} {'replicas':>8} {'output tok/s':>12}  "
-             f"p{args.slo_percentile:g} latencies"]
+    lines = [
+        f"{'max_num_seqs':>12} {'batched_tokens':>14} {'replicas':>8} {'output tok/s':>12}  "
+        f"p{args.slo_percentile:g} latencies"
+    ]
     for point in points:
-        measured = (f"{point.output_throughput:12.1f}  {format_latencies(point.latencies_ms)}"
-                    f"{'' if point.is_within_slo else '  (misses the SLO)'}") if point.error is None \
+        measured = (
+            (
+                f"{point.output_throughput:12.1f}  {format_latencies(point.latencies_ms)}"
+                f"{'' if point.is_within_slo else '  (misses the SLO)'}"
+            )
+            if point.error is None
             else f"{'-':>12}  not deployed"
+        )
         marker = " <- best" if point is best else ""
-        lines.append(f"{point.max_num_seqs:12d} {point.max_num_batched_tokens:14d} {point.num_replicas:8d} "
-                     f"{measured}{marker}")
+        lines.append(
+            f"{point.max_num_seqs:12d} {point.max_num_batched_tokens:14d} {point.num_replicas:8d} {measured}{marker}"
+        )
     if best is None:
         lines.append("No point met the SLO.")
     return "\n".join(lines)

@@ -28,8 +28,9 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_random_lengths_are_exact_and_in_range(tokenizer):
-    args = parse("--num-prompts", "200", "--random-input-len", "40", "--random-output-len", "10",
-                 "--random-range-ratio", "0.5")
+    args = parse(
+        "--num-prompts", "200", "--random-input-len", "40", "--random-output-len", "10", "--random-range-ratio", "0.5"
+    )
     requests = sample_requests(args, tokenizer)
     assert len(requests) == 200
     for request in requests:
@@ -40,8 +41,9 @@ def test_random_lengths_are_exact_and_in_range(tokenizer):
 
 
 def test_random_without_range_has_fixed_lengths_and_no_special_ids(tokenizer):
-    requests = sample_requests(parse("--num-prompts", "50", "--random-input-len", "64",
-                                     "--random-output-len", "8"), tokenizer)
+    requests = sample_requests(
+        parse("--num-prompts", "50", "--random-input-len", "64", "--random-output-len", "8"), tokenizer
+    )
     assert {(request.prompt_len, request.expected_output_len) for request in requests} == {(64, 8)}
     token_ids = {token_id for request in requests for token_id in request.prompt}
     assert min(token_ids) >= NUM_SPECIAL_TOKENS and max(token_ids) < tokenizer.vocab_size
@@ -49,8 +51,10 @@ def test_random_without_range_has_fixed_lengths_and_no_special_ids(tokenizer):
 
 def test_random_is_reproducible_from_the_seed(tokenizer):
     def sample(seed: str):
-        return sample_requests(parse("--num-prompts", "10", "--random-input-len", "16", "--random-range-ratio",
-                                     "0.3", "--seed", seed), tokenizer)
+        return sample_requests(
+            parse("--num-prompts", "10", "--random-input-len", "16", "--random-range-ratio", "0.3", "--seed", seed),
+            tokenizer,
+        )
 
     assert sample("7") == sample("7")
     assert sample("7") != sample("8")
@@ -62,9 +66,20 @@ def test_random_range_ratio_of_one_is_refused(tokenizer):
 
 
 def test_prefix_repetition_shares_prefixes(tokenizer):
-    args = parse("--dataset-name", "prefix-repetition", "--num-prompts", "12", "--prefix-repetition-prefix-len",
-                 "24", "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "3",
-                 "--prefix-repetition-output-len", "5")
+    args = parse(
+        "--dataset-name",
+        "prefix-repetition",
+        "--num-prompts",
+        "12",
+        "--prefix-repetition-prefix-len",
+        "24",
+        "--prefix-repetition-suffix-len",
+        "8",
+        "--prefix-repetition-num-prefixes",
+        "3",
+        "--prefix-repetition-output-len",
+        "5",
+    )
     requests = sample_requests(args, tokenizer)
     assert len(requests) == 12
     assert {(request.prompt_len, request.expected_output_len) for request in requests} == {(32, 5)}
@@ -82,17 +97,20 @@ def conversation(prompt: str, reply: str, first: str = "human") -> dict:
 
 def write_sharegpt(tmp_path, tokenizer) -> tuple[str, dict[str, str]]:
     """A ShareGPT file with one conversation per filter rule; returns its path and the usable prompt -> reply."""
+
     def words(count: int) -> str:
         return " ".join(["lorem"] * count)
 
     usable = {"tell me about " + words(10): words(20), "and now " + words(30): words(8)}
     entries = [conversation(prompt, reply) for prompt, reply in usable.items()]
-    entries += [conversation("hi", words(20)),  # prompt under 4 tokens
-                conversation(words(10), "ok"),  # reply under 4 tokens
-                conversation(words(1100), words(10)),  # prompt over 1024 tokens
-                conversation(words(1000), words(1100)),  # together over 2048 tokens
-                conversation(words(10), words(10), first="gpt"),  # no human turn before a gpt reply
-                {"conversations": [{"from": "human", "value": words(10)}]}]  # no reply
+    entries += [
+        conversation("hi", words(20)),  # prompt under 4 tokens
+        conversation(words(10), "ok"),  # reply under 4 tokens
+        conversation(words(1100), words(10)),  # prompt over 1024 tokens
+        conversation(words(1000), words(1100)),  # together over 2048 tokens
+        conversation(words(10), words(10), first="gpt"),  # no human turn before a gpt reply
+        {"conversations": [{"from": "human", "value": words(10)}]},
+    ]  # no reply
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(entries))
     token_counts = {text: len(tokenizer(text).input_ids) for text in [words(10), words(1100), "hi", "ok"]}
@@ -102,8 +120,9 @@ def write_sharegpt(tmp_path, tokenizer) -> tuple[str, dict[str, str]]:
 
 def test_sharegpt_filters_like_vllm(tmp_path, tokenizer):
     path, usable = write_sharegpt(tmp_path, tokenizer)
-    requests = sample_requests(parse("--dataset-name", "sharegpt", "--dataset-path", path, "--num-prompts", "2"),
-                               tokenizer)
+    requests = sample_requests(
+        parse("--dataset-name", "sharegpt", "--dataset-path", path, "--num-prompts", "2"), tokenizer
+    )
     assert {request.prompt for request in requests} == set(usable)
     for request in requests:
         assert request.prompt_len == len(tokenizer(request.prompt).input_ids)
@@ -112,8 +131,9 @@ def test_sharegpt_filters_like_vllm(tmp_path, tokenizer):
 
 def test_sharegpt_output_len_override_and_oversampling(tmp_path, tokenizer):
     path, usable = write_sharegpt(tmp_path, tokenizer)
-    args = parse("--dataset-name", "sharegpt", "--dataset-path", path, "--num-prompts", "7",
-                 "--sharegpt-output-len", "3")
+    args = parse(
+        "--dataset-name", "sharegpt", "--dataset-path", path, "--num-prompts", "7", "--sharegpt-output-len", "3"
+    )
     requests = sample_requests(args, tokenizer)
     assert len(requests) == 7
     # A fixed output length skips the reply's minimum: the short-reply pair is usable now.

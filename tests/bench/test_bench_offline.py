@@ -8,15 +8,30 @@ import pytest
 
 from serval import cli
 
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "64", "--device", "cpu", "--kv-cache-memory-bytes",
-                str(4 << 20)]
+ENGINE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "64",
+    "--device",
+    "cpu",
+    "--kv-cache-memory-bytes",
+    str(4 << 20),
+]
 
 
 @pytest.fixture
 def serval_main(monkeypatch):
     """``serval.cli.main`` with only the offline bench commands, so other subcommands' imports don't matter here."""
-    monkeypatch.setattr(cli, "SUBCOMMANDS", {path: module for path, module in cli.SUBCOMMANDS.items()
-                                             if path in {("bench", "throughput"), ("bench", "latency")}})
+    monkeypatch.setattr(
+        cli,
+        "SUBCOMMANDS",
+        {
+            path: module
+            for path, module in cli.SUBCOMMANDS.items()
+            if path in {("bench", "throughput"), ("bench", "latency")}
+        },
+    )
     return cli.main
 
 
@@ -24,9 +39,26 @@ def serval_main(monkeypatch):
 def test_throughput_counts_every_token(tiny_checkpoint, serval_main, tmp_path, capsys):
     num_prompts, input_len, output_len = 5, 12, 6
     output_json = tmp_path / "throughput.json"
-    assert serval_main(["bench", "throughput", "--model", tiny_checkpoint("llama"), *ENGINE_FLAGS,
-                        "--num-prompts", str(num_prompts), "--random-input-len", str(input_len),
-                        "--random-output-len", str(output_len), "--output-json", str(output_json)]) == 0
+    assert (
+        serval_main(
+            [
+                "bench",
+                "throughput",
+                "--model",
+                tiny_checkpoint("llama"),
+                *ENGINE_FLAGS,
+                "--num-prompts",
+                str(num_prompts),
+                "--random-input-len",
+                str(input_len),
+                "--random-output-len",
+                str(output_len),
+                "--output-json",
+                str(output_json),
+            ]
+        )
+        == 0
+    )
 
     result = json.loads(output_json.read_text())
     assert result["num_requests"] == num_prompts
@@ -39,17 +71,53 @@ def test_throughput_counts_every_token(tiny_checkpoint, serval_main, tmp_path, c
 
 
 def test_throughput_rejects_unknown_engine_kwarg(tiny_checkpoint, serval_main, capsys):
-    assert serval_main(["bench", "throughput", "--model", tiny_checkpoint("llama"), *ENGINE_FLAGS,
-                        "--num-prompts", "1", "--engine-kwargs", '{"no_such_field": 1}']) == 1
+    assert (
+        serval_main(
+            [
+                "bench",
+                "throughput",
+                "--model",
+                tiny_checkpoint("llama"),
+                *ENGINE_FLAGS,
+                "--num-prompts",
+                "1",
+                "--engine-kwargs",
+                '{"no_such_field": 1}',
+            ]
+        )
+        == 1
+    )
     assert "no_such_field" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # a whole offline benchmark: ~20 s
 def test_latency_reports_each_iteration(tiny_checkpoint, serval_main, tmp_path):
     output_json = tmp_path / "latency.json"
-    assert serval_main(["bench", "latency", "--model", tiny_checkpoint("llama"), *ENGINE_FLAGS,
-                        "--batch-size", "3", "--input-len", "8", "--output-len", "4", "--num-iters-warmup", "1",
-                        "--num-iters", "2", "--output-json", str(output_json), "--plot"]) == 0
+    assert (
+        serval_main(
+            [
+                "bench",
+                "latency",
+                "--model",
+                tiny_checkpoint("llama"),
+                *ENGINE_FLAGS,
+                "--batch-size",
+                "3",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--num-iters-warmup",
+                "1",
+                "--num-iters",
+                "2",
+                "--output-json",
+                str(output_json),
+                "--plot",
+            ]
+        )
+        == 0
+    )
 
     result = json.loads(output_json.read_text())
     latencies = result["latencies"]

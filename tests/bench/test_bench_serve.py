@@ -44,10 +44,28 @@ def engine_left_idle(engine):
 
 
 def bench_argv(base_url: str, model_path: str, result_dir, *extra: str) -> list[str]:
-    return ["bench", "serve", "--url", base_url, "--model", MODEL, "--tokenizer", model_path,
-            "--result-dir", str(result_dir), "--result-filename", "run.json", "--disable-tqdm",
-            "--num-prompts", str(NUM_PROMPTS), "--random-input-len", str(INPUT_LEN),
-            "--random-output-len", str(OUTPUT_LEN), *extra]
+    return [
+        "bench",
+        "serve",
+        "--url",
+        base_url,
+        "--model",
+        MODEL,
+        "--tokenizer",
+        model_path,
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        "run.json",
+        "--disable-tqdm",
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--random-input-len",
+        str(INPUT_LEN),
+        "--random-output-len",
+        str(OUTPUT_LEN),
+        *extra,
+    ]
 
 
 def bench_args(base_url: str, model_path: str, *extra: str) -> argparse.Namespace:
@@ -67,8 +85,9 @@ def assert_all_completed(report: dict, num_requests: int, output_len: int) -> No
 
 
 def test_random_run_writes_json_and_plots(base_url, model_path, tmp_path, capsys):
-    argv = bench_argv(base_url, model_path, tmp_path, "--request-rate", "20", "--max-concurrency", "4",
-                      "--num-warmups", "2")
+    argv = bench_argv(
+        base_url, model_path, tmp_path, "--request-rate", "20", "--max-concurrency", "4", "--num-warmups", "2"
+    )
     assert cli.main(argv) == 0
     report = json.loads((tmp_path / "run.json").read_text())
     assert_all_completed(report, NUM_PROMPTS, OUTPUT_LEN)  # the warm-ups are not counted
@@ -88,10 +107,27 @@ def test_random_run_writes_json_and_plots(base_url, model_path, tmp_path, capsys
 
 
 def test_bursty_prefix_repetition_run(base_url, model_path, tmp_path):
-    argv = bench_argv(base_url, model_path, tmp_path, "--dataset-name", "prefix-repetition",
-                      "--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "8",
-                      "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "4",
-                      "--request-rate", "40", "--burstiness", "0.5", "--seed", "3")
+    argv = bench_argv(
+        base_url,
+        model_path,
+        tmp_path,
+        "--dataset-name",
+        "prefix-repetition",
+        "--prefix-repetition-prefix-len",
+        "48",
+        "--prefix-repetition-suffix-len",
+        "8",
+        "--prefix-repetition-num-prefixes",
+        "2",
+        "--prefix-repetition-output-len",
+        "4",
+        "--request-rate",
+        "40",
+        "--burstiness",
+        "0.5",
+        "--seed",
+        "3",
+    )
     assert cli.main(argv) == 0
     report = json.loads((tmp_path / "run.json").read_text())
     assert_all_completed(report, NUM_PROMPTS, 4)
@@ -120,8 +156,11 @@ def test_wrong_model_fails_every_request_without_raising(base_url, model_path, t
     assert cli.main(argv) == 1
     report = json.loads((tmp_path / "run.json").read_text())
     assert (report["completed"], report["failed"]) == (0, NUM_PROMPTS)
-    assert len(report["errors"]) == 1 and report["errors"][0].startswith("HTTP 404") \
+    assert (
+        len(report["errors"]) == 1
+        and report["errors"][0].startswith("HTTP 404")
         and "no-such-model" in report["errors"][0]
+    )
     assert report["request_errors"] == report["errors"] * NUM_PROMPTS
     assert report["total_output_tokens"] == 0 and report["mean_ttft_ms"] == 0.0
     assert (tmp_path / "run-latency-cdf.png").stat().st_size > 0
@@ -135,11 +174,22 @@ def test_unreachable_server_is_a_failed_run(model_path, tmp_path):
 
 
 def test_goodput_under_slos(base_url, model_path):
-    impossible = serve.benchmark(bench_args(base_url, model_path, "--num-prompts", "6", "--max-concurrency", "3",
-                                            "--slo", "ttft=0.001"))
+    impossible = serve.benchmark(
+        bench_args(base_url, model_path, "--num-prompts", "6", "--max-concurrency", "3", "--slo", "ttft=0.001")
+    )
     assert impossible["completed"] == 6
     assert (impossible["goodput"], impossible["goodput_fraction"]) == (0.0, 0.0)
-    generous = serve.benchmark(bench_args(base_url, model_path, "--num-prompts", "6", "--max-concurrency", "3",
-                                          "--slo", "ttft=600000,tpot=600000,e2el=600000"))
+    generous = serve.benchmark(
+        bench_args(
+            base_url,
+            model_path,
+            "--num-prompts",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--slo",
+            "ttft=600000,tpot=600000,e2el=600000",
+        )
+    )
     assert generous["goodput"] == generous["request_throughput"] and generous["goodput_fraction"] == 1.0
     assert generous["slo"] == {"ttft": 600000.0, "tpot": 600000.0, "e2el": 600000.0}

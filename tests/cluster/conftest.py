@@ -14,8 +14,15 @@ def local_ray():
 
     # address="local": always a new cluster, even where /tmp/ray/ray_current_cluster names one (a head
     # another test stopped by process id leaves that file behind, and ray.init would try to join it).
-    ray.init(address="local", _node_ip_address=LOOPBACK, num_cpus=2, object_store_memory=OBJECT_STORE_BYTES,
-             include_dashboard=False, logging_level="warning", log_to_driver=False)
+    ray.init(
+        address="local",
+        _node_ip_address=LOOPBACK,
+        num_cpus=2,
+        object_store_memory=OBJECT_STORE_BYTES,
+        include_dashboard=False,
+        logging_level="warning",
+        log_to_driver=False,
+    )
     try:
         yield ray
     finally:

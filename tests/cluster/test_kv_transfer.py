@@ -31,8 +31,13 @@ class _Engine:
     def __init__(self, model: str, role: str | None, connector: str = "object_store") -> None:
         kv_config = None if role is None else KVTransferConfig(kv_role=role, kv_connector=connector)
         backend = "ray" if connector == "ray_direct" else None  # ray_direct moves blocks between worker actors
-        args = EngineArgs(model=model, kv_transfer_config=kv_config, distributed_executor_backend=backend,
-                          num_cpus_per_worker=0.5, **ENGINE_KWARGS)
+        args = EngineArgs(
+            model=model,
+            kv_transfer_config=kv_config,
+            distributed_executor_backend=backend,
+            num_cpus_per_worker=0.5,
+            **ENGINE_KWARGS,
+        )
         self.llm_engine = LLMEngine(args.create_engine_config())
 
     @property
@@ -54,8 +59,9 @@ class _Engine:
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                          output_kind=RequestOutputKind.FINAL_ONLY)
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
 
 
 def _prefill(prefill: _Engine, prompts: dict[str, list[int]]) -> dict[str, dict]:
@@ -169,8 +175,11 @@ def test_ray_direct_moves_blocks_worker_to_worker_over_gloo(local_ray, model, pr
     assert all(isinstance(params["remote_kv"].data, DirectKVRef) for params in kv_params.values())
     assert _decode(decode, prompts, kv_params) == colocated_tokens
     coordinator = ray.get_actor(COORDINATOR_NAME, namespace=COORDINATOR_NAMESPACE)
-    assert ray.get(coordinator.stats.remote()) == {"num_registered": 2, "group_size": 2,
-                                                    "num_transfers": {"direct": len(prompts) - 1, "object_store": 0}}
+    assert ray.get(coordinator.stats.remote()) == {
+        "num_registered": 2,
+        "group_size": 2,
+        "num_transfers": {"direct": len(prompts) - 1, "object_store": 0},
+    }
     stats = decode.connector.stats
     assert stats.num_loads == len(prompts) - 1 and stats.num_failed_loads == 0
     assert_pool_clean(prefill)

@@ -43,8 +43,13 @@ def test_pipeline_stages_on_two_nodes_match_single_device(three_node_cluster, ti
     finally:
         single.shutdown()
     assert len(ray.nodes()) == 3
-    llm = LLM(tiny_checkpoint("llama"), pipeline_parallel_size=2, distributed_executor_backend="ray",
-              num_cpus_per_worker=1, **ENGINE_KWARGS)
+    llm = LLM(
+        tiny_checkpoint("llama"),
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+        num_cpus_per_worker=1,
+        **ENGINE_KWARGS,
+    )
     try:
         workers = llm.llm_engine.engine_core.executor.workers
         node_ids = ray.get([worker.node_id.remote() for worker in workers])

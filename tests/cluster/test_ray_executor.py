@@ -25,8 +25,7 @@ from tests.serve.cluster import is_loopback, listening_addresses
 
 PROMPT_LENGTHS = (3, 17, 40, 66, 97)
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
-ENGINE_KWARGS = engine_kwargs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48,
-                              num_gpu_blocks_override=64)
+ENGINE_KWARGS = engine_kwargs(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=48, num_gpu_blocks_override=64)
 
 
 def _prompts() -> list[dict]:
@@ -46,21 +45,32 @@ def single_device_tokens(tiny_checkpoint):
             return _greedy_token_ids(llm)
         finally:
             llm.shutdown()
+
     return get
 
 
 CONTROL_PATHS = [pytest.param(False, id="tasks"), pytest.param(True, id="graph")]
 
 
-@pytest.mark.parametrize("arch,compiled_graph", [("llama", False), ("qwen3", False), ("llama", True)],
-                         ids=["llama-tasks", "qwen3-tasks", "llama-graph"])
+@pytest.mark.parametrize(
+    "arch,compiled_graph",
+    [("llama", False), ("qwen3", False), ("llama", True)],
+    ids=["llama-tasks", "qwen3-tasks", "llama-graph"],
+)
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
-def test_greedy_tokens_equal_single_device(local_ray, tiny_checkpoint, single_device_tokens, arch, compiled_graph,
-                                           tp, pp):
+def test_greedy_tokens_equal_single_device(
+    local_ray, tiny_checkpoint, single_device_tokens, arch, compiled_graph, tp, pp
+):
     listeners_before = listening_addresses()
-    llm = LLM(tiny_checkpoint(arch), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              distributed_executor_backend="ray", num_cpus_per_worker=0.4, ray_compiled_graph=compiled_graph,
-              **ENGINE_KWARGS)
+    llm = LLM(
+        tiny_checkpoint(arch),
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="ray",
+        num_cpus_per_worker=0.4,
+        ray_compiled_graph=compiled_graph,
+        **ENGINE_KWARGS,
+    )
     try:
         new_listeners = listening_addresses() - listeners_before
         assert all(is_loopback(address) for address, _ in new_listeners), new_listeners
@@ -72,8 +82,14 @@ def test_greedy_tokens_equal_single_device(local_ray, tiny_checkpoint, single_de
 
 @pytest.mark.parametrize("compiled_graph", CONTROL_PATHS)
 def test_pipeline_keeps_two_micro_batches_in_flight(local_ray, tiny_checkpoint, single_device_tokens, compiled_graph):
-    llm = LLM(tiny_checkpoint("llama"), pipeline_parallel_size=2, distributed_executor_backend="ray",
-              num_cpus_per_worker=0.4, ray_compiled_graph=compiled_graph, **ENGINE_KWARGS)
+    llm = LLM(
+        tiny_checkpoint("llama"),
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+        num_cpus_per_worker=0.4,
+        ray_compiled_graph=compiled_graph,
+        **ENGINE_KWARGS,
+    )
     core = llm.llm_engine.engine_core
     executor = core.executor
     num_in_flight_at_submit: list[int] = []
@@ -103,9 +119,14 @@ def _worker_pids(engine: AsyncLLM) -> list[int]:
 
 @pytest.mark.parametrize("compiled_graph", CONTROL_PATHS)
 def test_a_killed_worker_fails_streams_and_health(local_ray, tiny_checkpoint, compiled_graph):
-    args = EngineArgs(model=tiny_checkpoint("llama"), tensor_parallel_size=2, distributed_executor_backend="ray",
-                      num_cpus_per_worker=0.4, ray_compiled_graph=compiled_graph,
-                      **{**ENGINE_KWARGS, "max_model_len": 512})
+    args = EngineArgs(
+        model=tiny_checkpoint("llama"),
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        num_cpus_per_worker=0.4,
+        ray_compiled_graph=compiled_graph,
+        **{**ENGINE_KWARGS, "max_model_len": 512},
+    )
     engine = AsyncLLM.from_engine_args(args)
 
     async def scenario() -> None:

@@ -67,16 +67,17 @@ class SimulatedWorker:
             num_hit_blocks = new.num_computed_tokens // self.block_size
             assert new.num_computed_tokens % self.block_size == 0, "prefix hits are whole blocks"
             self.hit_blocks[new.req_id] = new.block_ids[:num_hit_blocks]
-            self.requests[new.req_id] = _ReqState(list(new.prompt_token_ids) + list(new.output_token_ids),
-                                                  list(new.block_ids), new.num_computed_tokens)
+            self.requests[new.req_id] = _ReqState(
+                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids), new.num_computed_tokens
+            )
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens[i], "worker and scheduler disagree"
             start = cached.num_computed_tokens[i]
             new_token_ids = cached.new_token_ids[i]
-            assert state.token_ids[start:start + len(new_token_ids)] == new_token_ids[:len(state.token_ids) - start]
-            state.token_ids[start:start + len(new_token_ids)] = new_token_ids
+            assert state.token_ids[start : start + len(new_token_ids)] == new_token_ids[: len(state.token_ids) - start]
+            state.token_ids[start : start + len(new_token_ids)] = new_token_ids
             state.block_ids.extend(cached.new_block_ids[i])
 
     def _write_kv(self, state: _ReqState, req_id: str, num_tokens: int) -> None:
@@ -93,4 +94,5 @@ class SimulatedWorker:
         for position in range(end):
             slot = state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
             assert self.kv_slots[slot] == state.prefix_key(position), (
-                f"{req_id}: stale or foreign KV at position {position}")
+                f"{req_id}: stale or foreign KV at position {position}"
+            )

@@ -8,8 +8,11 @@ from engine.sampling_params import SamplingParams
 
 
 def make_manager(num_blocks=16, block_size=4, caching=True, algo="sha256"):
-    return KVCacheManager(CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching,
-                                      prefix_caching_hash_algo=algo))
+    return KVCacheManager(
+        CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching, prefix_caching_hash_algo=algo
+        )
+    )
 
 
 def make_request(request_id, tokens, salt=None, **params):

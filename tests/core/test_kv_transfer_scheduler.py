@@ -12,27 +12,43 @@ BLOCK = 16
 
 
 def make_scheduler(role: str, budget: int = 512, num_blocks: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256),
-                     CacheConfig(block_size=BLOCK, num_blocks=num_blocks), KVTransferConfig(kv_role=role))
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=256),
+        CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+        KVTransferConfig(kv_role=role),
+    )
 
 
-def make_request(request_id: str, num_tokens: int, kv_transfer_params=None, first_token: int = 100,
-                 **params) -> Request:
-    return Request(request_id, list(range(first_token, first_token + num_tokens)), SamplingParams(**params), EOS,
-                   kv_transfer_params=kv_transfer_params)
+def make_request(
+    request_id: str, num_tokens: int, kv_transfer_params=None, first_token: int = 100, **params
+) -> Request:
+    return Request(
+        request_id,
+        list(range(first_token, first_token + num_tokens)),
+        SamplingParams(**params),
+        EOS,
+        kv_transfer_params=kv_transfer_params,
+    )
 
 
 def handle_for(num_tokens: int, block_size: int = BLOCK) -> KVHandle:
     num_blocks = -(-num_tokens // block_size)
-    return KVHandle(data=f"blocks-of-{num_tokens}", num_tokens=num_tokens, num_blocks=num_blocks,
-                    block_size=block_size, num_bytes=num_blocks * 100)
+    return KVHandle(
+        data=f"blocks-of-{num_tokens}",
+        num_tokens=num_tokens,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_bytes=num_blocks * 100,
+    )
 
 
 def step(scheduler: Scheduler, kv_output: KVTransferOutput | None = None, token: int = 7):
     output = scheduler.schedule()
     req_ids = list(output.num_scheduled_tokens)
-    sampled = [[token] if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens else []
-               for r in req_ids]
+    sampled = [
+        [token] if scheduler.requests[r].num_computed_tokens == scheduler.requests[r].num_tokens else []
+        for r in req_ids
+    ]
     results = scheduler.update_from_output(output, ModelRunnerOutput(req_ids, sampled, kv_transfer_output=kv_output))
     scheduler.kv_cache_manager.check_integrity()
     return output, {result.request_id: result for result in results}
@@ -70,8 +86,9 @@ def test_blocks_in_the_local_prefix_cache_are_not_loaded():
 def test_requests_without_a_usable_handle_are_computed_locally():
     scheduler = make_scheduler("kv_consumer")
     scheduler.add_request(make_request("other-block-size", 40, {"remote_kv": handle_for(40, block_size=8)}))
-    scheduler.add_request(make_request("logprobs", 40, {"remote_kv": handle_for(40)}, first_token=900,
-                                       prompt_logprobs=1))
+    scheduler.add_request(
+        make_request("logprobs", 40, {"remote_kv": handle_for(40)}, first_token=900, prompt_logprobs=1)
+    )
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"other-block-size": 40, "logprobs": 40}
     assert not output.kv_connector_metadata
@@ -103,8 +120,9 @@ def test_the_prefill_side_saves_when_the_prompt_completes_and_returns_the_handle
     assert save.num_tokens == 70
     assert save.block_ids == scheduler.kv_cache_manager.get_block_ids("p") and len(save.block_ids) == 5
     handle = handle_for(70)
-    results = scheduler.update_from_output(output, ModelRunnerOutput(
-        ["p"], [[7]], kv_transfer_output=KVTransferOutput(saved={"p": handle})))
+    results = scheduler.update_from_output(
+        output, ModelRunnerOutput(["p"], [[7]], kv_transfer_output=KVTransferOutput(saved={"p": handle}))
+    )
     assert results[0].finish_reason == "length" and results[0].kv_transfer_params == {"remote_kv": handle}
     assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 63  # freed at once: the KV was copied out
     assert scheduler.kv_connector.stats.num_saved_bytes == handle.num_bytes
@@ -126,6 +144,7 @@ def test_a_handle_saved_for_a_request_aborted_during_the_step_is_dropped():
     output = scheduler.schedule()
     assert output.kv_connector_metadata.saves
     scheduler.abort_requests(["p"])  # while the step runs
-    results = scheduler.update_from_output(output, ModelRunnerOutput(
-        ["p"], [[7]], kv_transfer_output=KVTransferOutput(saved={"p": handle_for(40)})))
+    results = scheduler.update_from_output(
+        output, ModelRunnerOutput(["p"], [[7]], kv_transfer_output=KVTransferOutput(saved={"p": handle_for(40)}))
+    )
     assert results == [] and not scheduler.kv_connector._handles

@@ -15,18 +15,40 @@ EOS = 2
 _first_tokens = itertools.count(100, 1000)
 
 
-def make_scheduler(budget=512, max_num_seqs=64, max_model_len=256, policy="fcfs", chunked=True, threshold=0,
-                   block_size=16, num_blocks=256, caching=True):
+def make_scheduler(
+    budget=512,
+    max_num_seqs=64,
+    max_model_len=256,
+    policy="fcfs",
+    chunked=True,
+    threshold=0,
+    block_size=16,
+    num_blocks=256,
+    caching=True,
+):
     return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                        policy=policy, enable_chunked_prefill=chunked, long_prefill_token_threshold=threshold),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching))
+        SchedulerConfig(
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            policy=policy,
+            enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=threshold,
+        ),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
+    )
 
 
 def add(scheduler, request_id, num_prompt_tokens, priority=0, arrival=None, first_token=None, **params):
     first_token = next(_first_tokens) if first_token is None else first_token
-    request = Request(request_id, list(range(first_token, first_token + num_prompt_tokens)),
-                      SamplingParams(**params), EOS, priority=priority, arrival_time=arrival)
+    request = Request(
+        request_id,
+        list(range(first_token, first_token + num_prompt_tokens)),
+        SamplingParams(**params),
+        EOS,
+        priority=priority,
+        arrival_time=arrival,
+    )
     scheduler.add_request(request)
     return request
 

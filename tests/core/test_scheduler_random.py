@@ -48,28 +48,47 @@ def workloads(draw):
     min_blocks = -(-max_model_len // block_size) + 1
     num_blocks = draw(st.integers(min_blocks, min_blocks * 4))
     scheduler_config = SchedulerConfig(
-        max_num_batched_tokens=budget, max_num_seqs=draw(st.integers(1, 8)), max_model_len=max_model_len,
-        policy=draw(st.sampled_from(["fcfs", "priority"])), enable_chunked_prefill=chunked,
-        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 17])))
-    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                               enable_prefix_caching=draw(st.booleans()))
+        max_num_batched_tokens=budget,
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_model_len=max_model_len,
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 17])),
+    )
+    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()))
     prefixes = [draw(st.lists(st.integers(1, VOCAB_SIZE - 1), min_size=0, max_size=40)) for _ in range(2)]
     requests = []
     for i in range(draw(st.integers(1, 10))):
         prefix = draw(st.sampled_from(prefixes))
         # Identical prompts (an empty suffix) make full-prompt cache hits likely.
-        suffix = draw(st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=0 if prefix else 1, max_size=30)
-                      if draw(st.booleans()) else st.just([] if prefix else [1]))
+        suffix = draw(
+            st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=0 if prefix else 1, max_size=30)
+            if draw(st.booleans())
+            else st.just([] if prefix else [1])
+        )
         prompt = (prefix + suffix)[: max_model_len - 1]
         max_tokens = draw(st.sampled_from([None, 1, 3, 12, 40]))
-        params = SamplingParams(max_tokens=max_tokens,
-                                min_tokens=min(draw(st.sampled_from([0, 0, 2])), max_tokens or 2), ignore_eos=draw(st.booleans()),
-                                stop_token_ids=draw(st.sampled_from([[], [5], [7, 11]])))
-        requests.append(dict(
-            request=Request(f"r{i}", prompt, params, EOS_TOKEN_ID, priority=draw(st.integers(0, 2)),
-                            arrival_time=float(i), cache_salt=draw(st.sampled_from([None, None, "a", "b"]))),
-            arrive_at=draw(st.integers(0, 6)),
-            abort_at=draw(st.sampled_from([None, None, None, 1, 4, 9]))))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=min(draw(st.sampled_from([0, 0, 2])), max_tokens or 2),
+            ignore_eos=draw(st.booleans()),
+            stop_token_ids=draw(st.sampled_from([[], [5], [7, 11]])),
+        )
+        requests.append(
+            dict(
+                request=Request(
+                    f"r{i}",
+                    prompt,
+                    params,
+                    EOS_TOKEN_ID,
+                    priority=draw(st.integers(0, 2)),
+                    arrival_time=float(i),
+                    cache_salt=draw(st.sampled_from([None, None, "a", "b"])),
+                ),
+                arrive_at=draw(st.integers(0, 6)),
+                abort_at=draw(st.sampled_from([None, None, None, 1, 4, 9])),
+            )
+        )
     return scheduler_config, cache_config, requests
 
 

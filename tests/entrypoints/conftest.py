@@ -37,8 +37,9 @@ class ServerThread:
         self.base_url = f"http://{LOOPBACK}:{self._socket.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True,
-                                       name="uvicorn-test-server")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True, name="uvicorn-test-server"
+        )
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
@@ -74,8 +75,10 @@ def wait_until_idle(engine, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = engine.get_stats()
-        if (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0) \
-                and stats.num_free_blocks == stats.num_total_blocks:
+        if (stats.num_running_reqs, stats.num_waiting_reqs) == (
+            0,
+            0,
+        ) and stats.num_free_blocks == stats.num_total_blocks:
             return
         assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
         time.sleep(0.02)

@@ -20,12 +20,14 @@ from engine.entrypoints.openai.protocol import CompletionRequest
 
 OPENAI_LAYER = Path(__file__).resolve().parents[2] / "engine" / "entrypoints" / "openai"
 # The protocol's members: its methods and properties, and its plain attributes (annotations).
-PROTOCOL_MEMBERS = sorted({name for name in vars(EngineClient) if not name.startswith("_")}
-                          | set(EngineClient.__annotations__))
+PROTOCOL_MEMBERS = sorted(
+    {name for name in vars(EngineClient) if not name.startswith("_")} | set(EngineClient.__annotations__)
+)
 
 
 def members_not_defined_by(client) -> list[str]:
     """The protocol members ``client`` has only through the protocol's own stubs (or not at all)."""
+
     def is_own(name: str) -> bool:
         if name in vars(client):
             return True
@@ -56,8 +58,9 @@ class _NoMetrics:
 
 
 def test_the_protocol_lists_what_servers_call():
-    assert PROTOCOL_MEMBERS == sorted(["abort", "check_health", "generate", "get_stats", "max_model_len",
-                                       "model_config", "tokenizer", "vocab_size"])
+    assert PROTOCOL_MEMBERS == sorted(
+        ["abort", "check_health", "generate", "get_stats", "max_model_len", "model_config", "tokenizer", "vocab_size"]
+    )
 
 
 def test_async_llm_implements_engine_client(engine):
@@ -94,8 +97,9 @@ def test_the_openai_layer_imports_no_concrete_engine():
             else:
                 continue
             for module in modules:
-                assert module not in ("engine.async_llm", "engine.llm_engine", "engine.llm"), \
+                assert module not in ("engine.async_llm", "engine.llm_engine", "engine.llm"), (
                     f"{path.name} imports {module}"
+                )
 
 
 async def _items(iterator) -> list:

@@ -13,10 +13,12 @@ import pytest
 from engine import SamplingParams
 from tests.entrypoints.conftest import ENGINE_KWARGS, MODEL, wait_until_idle
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name three colours."},
-            {"role": "assistant", "content": "Red."},
-            {"role": "user", "content": "More?"}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours."},
+    {"role": "assistant", "content": "Red."},
+    {"role": "user", "content": "More?"},
+]
 IGNORE_EOS = {"ignore_eos": True}
 
 
@@ -33,8 +35,9 @@ def offline_chat(offline, messages, max_tokens: int, **params):
 
 def greedy_chat(client, max_tokens: int = 16, messages=MESSAGES, **kwargs):
     extra_body = {**IGNORE_EOS, **kwargs.pop("extra_body", {})}
-    return client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=max_tokens,
-                                          temperature=0, extra_body=extra_body, **kwargs)
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=max_tokens, temperature=0, extra_body=extra_body, **kwargs
+    )
 
 
 def test_greedy_chat_equals_the_offline_engine(client, offline):
@@ -46,8 +49,11 @@ def test_greedy_chat_equals_the_offline_engine(client, offline):
     assert (choice.message.role, choice.message.content) == ("assistant", reference.outputs[0].text)
     assert (choice.index, choice.finish_reason, choice.logprobs) == (0, "length", None)
     usage = response.usage
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
-        (len(reference.prompt_token_ids), 20, len(reference.prompt_token_ids) + 20)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        len(reference.prompt_token_ids),
+        20,
+        len(reference.prompt_token_ids) + 20,
+    )
 
 
 def test_the_prompt_is_the_chat_template_with_a_generation_prompt(base_url, client, tokenizer):
@@ -60,11 +66,14 @@ def test_the_prompt_is_the_chat_template_with_a_generation_prompt(base_url, clie
 
 
 def test_text_parts_equal_the_joined_string(client):
-    parts = [{"role": "user",
-              "content": [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Name three"}, {"type": "text", "text": "colours."}]}
+    ]
     joined = [{"role": "user", "content": "Name three\ncolours."}]
-    assert greedy_chat(client, 12, parts).choices[0].message.content == \
-        greedy_chat(client, 12, joined).choices[0].message.content
+    assert (
+        greedy_chat(client, 12, parts).choices[0].message.content
+        == greedy_chat(client, 12, joined).choices[0].message.content
+    )
 
 
 def test_streamed_chat_equals_the_unstreamed_one(client):
@@ -77,8 +86,9 @@ def test_streamed_chat_equals_the_unstreamed_one(client):
     assert text == expected.choices[0].message.content
     assert [chunk.choices[0].finish_reason for chunk in content_chunks][-1] == "length"
     assert all(chunk.choices[0].delta.role is None for chunk in content_chunks)
-    assert usage_chunk.choices == [] and usage_chunk.usage.model_dump(include={"prompt_tokens", "completion_tokens"}) \
-        == expected.usage.model_dump(include={"prompt_tokens", "completion_tokens"})
+    assert usage_chunk.choices == [] and usage_chunk.usage.model_dump(
+        include={"prompt_tokens", "completion_tokens"}
+    ) == expected.usage.model_dump(include={"prompt_tokens", "completion_tokens"})
 
 
 def test_streamed_chat_with_n(client):
@@ -96,8 +106,9 @@ def test_streamed_chat_with_n(client):
 @pytest.mark.slow  # generates up to the 2048-token context: 8-16 s
 def test_token_limits(client, offline):
     assert greedy_chat(client, 5).usage.completion_tokens == 5
-    deprecated = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7, temperature=0,
-                                                extra_body=IGNORE_EOS)
+    deprecated = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=7, temperature=0, extra_body=IGNORE_EOS
+    )
     assert deprecated.usage.completion_tokens == 7
     unset = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, extra_body=IGNORE_EOS)
     assert unset.usage.total_tokens == ENGINE_KWARGS["max_model_len"]  # up to the context length
@@ -108,11 +119,18 @@ def test_stop_and_seeded_n(client, offline):
     full_text = offline_chat(offline, MESSAGES, 30).outputs[0].text
     stop = full_text[5:8]
     [choice] = greedy_chat(client, 30, stop=stop).choices
-    assert (choice.message.content, choice.finish_reason) == (full_text[:full_text.index(stop)], "stop")
+    assert (choice.message.content, choice.finish_reason) == (full_text[: full_text.index(stop)], "stop")
 
     def sample():
-        response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=12, n=2,
-                                                  temperature=1.0, seed=99, extra_body=IGNORE_EOS)
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_completion_tokens=12,
+            n=2,
+            temperature=1.0,
+            seed=99,
+            extra_body=IGNORE_EOS,
+        )
         return [choice.message.content for choice in response.choices]
 
     first = sample()
@@ -133,8 +151,9 @@ def test_logprobs_with_top_logprobs(client, offline):
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert tops[0] == pytest.approx(entry.logprob, abs=1e-6)  # greedy picks the most likely token
     streamed = list(greedy_chat(client, 8, logprobs=True, top_logprobs=3, stream=True))
-    streamed_content = [entry for chunk in streamed for choice in chunk.choices if choice.logprobs
-                        for entry in choice.logprobs.content]
+    streamed_content = [
+        entry for chunk in streamed for choice in chunk.choices if choice.logprobs for entry in choice.logprobs.content
+    ]
     assert [entry.token for entry in streamed_content] == [entry.token for entry in content]
     no_top = greedy_chat(client, 4, logprobs=True).choices[0].logprobs.content
     assert len(no_top) == 4 and all(entry.top_logprobs == [] for entry in no_top)

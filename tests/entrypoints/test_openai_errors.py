@@ -35,8 +35,14 @@ def post(base_url: str, path: str, **kwargs) -> httpx.Response:
 
 
 def long_stream_body(model: str = MODEL, max_tokens: int = MAX_MODEL_LEN - 100) -> dict:
-    return {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    return {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 def sse_payloads(lines) -> list[str]:
@@ -57,13 +63,21 @@ def test_malformed_bodies_are_400(base_url, path, content):
     assert error_body(response)["type"] == "BadRequestError"
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"), ({"n": 0}, "n"),
-    ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 30}, "logprobs"), ({"suffix": "x"}, "suffix"),
-    ({"extra_body": {"top_k": -5}}, "top_k"), ({"extra_body": {"min_tokens": 9, "max_tokens": 3}}, "min_tokens"),
-    ({"extra_body": {"logit_bias": {"abc": 1}}}, "logit_bias"),
-    ({"extra_body": {"stop_token_ids": [100000]}}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 2}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"logprobs": 30}, "logprobs"),
+        ({"suffix": "x"}, "suffix"),
+        ({"extra_body": {"top_k": -5}}, "top_k"),
+        ({"extra_body": {"min_tokens": 9, "max_tokens": 3}}, "min_tokens"),
+        ({"extra_body": {"logit_bias": {"abc": 1}}}, "logit_bias"),
+        ({"extra_body": {"stop_token_ids": [100000]}}, "stop_token_ids"),
+    ],
+)
 def test_invalid_parameters_are_400(client, params, message):
     params = {"max_tokens": 4, **params}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -79,20 +93,23 @@ def test_a_prompt_beyond_the_context_is_400_with_vllms_message(client, base_url)
     assert error_body(caught.value.response)["message"] == (
         f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
         f"{MAX_MODEL_LEN + 92} tokens ({MAX_MODEL_LEN - 8} in the messages, 100 in the completion). "
-        "Please reduce the length of the messages or completion.")
+        "Please reduce the length of the messages or completion."
+    )
     whole_context = post(base_url, "/v1/completions", json={"model": MODEL, "prompt": prompt * 2, "max_tokens": None})
     assert whole_context.status_code == 400
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error_body(whole_context)["message"]
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.chat.completions.create(model=MODEL, max_tokens=MAX_MODEL_LEN,
-                                       messages=[{"role": "user", "content": "Hi"}])
+        client.chat.completions.create(
+            model=MODEL, max_tokens=MAX_MODEL_LEN, messages=[{"role": "user", "content": "Hi"}]
+        )
 
 
 def test_a_bad_prompt_in_a_batch_fails_the_whole_request(client, engine):
     aborted_before = engine.get_stats().num_aborted_reqs_total
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
-        client.completions.create(model=MODEL, prompt=[[5, 6, 7], [5, 999999]], max_tokens=50,
-                                  extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=MODEL, prompt=[[5, 6, 7], [5, 999999]], max_tokens=50, extra_body={"ignore_eos": True}
+        )
     wait_until_idle(engine)
     assert engine.get_stats().num_aborted_reqs_total <= aborted_before + 1  # the good prompt, if it got in
 
@@ -106,10 +123,16 @@ def test_an_unknown_model_is_404(client):
 
 
 def test_bad_requests_do_not_disturb_a_running_stream(base_url, client):
-    expected = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=long_stream_body(max_tokens=200),
-                      timeout=60) as stream:
+    expected = (
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    with httpx.stream(
+        "POST", f"{base_url}/v1/completions", json=long_stream_body(max_tokens=200), timeout=60
+    ) as stream:
         lines = stream.iter_lines()
         head = [next(lines)]
         bad_requests = [
@@ -154,8 +177,10 @@ def test_a_non_streamed_request_whose_client_left_is_aborted(base_url, engine):
 
 @pytest.fixture(scope="module")
 def side_engines(model_path):
-    engines = {SMALL: make_async_llm(model_path, max_num_seqs=1, max_num_queued_reqs=1),
-               DOOMED: make_async_llm(model_path)}
+    engines = {
+        SMALL: make_async_llm(model_path, max_num_seqs=1, max_num_queued_reqs=1),
+        DOOMED: make_async_llm(model_path),
+    }
     yield engines
     for engine in engines.values():
         engine.shutdown()
@@ -183,15 +208,17 @@ def test_a_full_queue_is_503_with_retry_after(side_url, side_engines):
             assert running.status_code == 200
             running_lines = running.iter_lines()  # (kept: dropping an httpx line iterator closes the connection)
             next(running_lines)  # the one running request
-            queued = pool.submit(post, side_url, "/v1/completions",
-                                 json={"model": SMALL, "prompt": PROMPT, "max_tokens": 3})
+            queued = pool.submit(
+                post, side_url, "/v1/completions", json={"model": SMALL, "prompt": PROMPT, "max_tokens": 3}
+            )
             wait_for_waiting_requests(small, 1)
             refused = post(side_url, "/v1/completions", json={"model": SMALL, "prompt": PROMPT, "max_tokens": 3})
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
             assert error_body(refused)["type"] == "ServiceUnavailableError"
             with pytest.raises(openai.InternalServerError) as caught:  # the client's class for 5xx
-                make_client(side_url).chat.completions.create(model=SMALL, max_tokens=2,
-                                                              messages=[{"role": "user", "content": "Hi"}])
+                make_client(side_url).chat.completions.create(
+                    model=SMALL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+                )
             assert caught.value.status_code == 503
         assert queued.result().status_code == 200  # it ran once the stream was closed (and aborted)
     wait_until_idle(small)
@@ -210,7 +237,10 @@ def test_a_dead_engine_ends_streams_with_an_error_event_then_answers_500(side_ur
     with pytest.raises(openai.InternalServerError) as caught:
         make_client(side_url).completions.create(model=DOOMED, prompt=PROMPT, max_tokens=2)
     assert caught.value.status_code == 500 and "The engine is dead" in error_body(caught.value.response)["message"]
-    streamed = post(side_url, "/v1/chat/completions", json={"model": DOOMED, "stream": True,
-                                                             "messages": [{"role": "user", "content": "Hi"}]})
+    streamed = post(
+        side_url,
+        "/v1/chat/completions",
+        json={"model": DOOMED, "stream": True, "messages": [{"role": "user", "content": "Hi"}]},
+    )
     assert streamed.status_code == 500  # nothing was sent yet: a plain error response, not a stream
     assert httpx.get(f"{side_url}/health").status_code == 503

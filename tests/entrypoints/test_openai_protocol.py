@@ -35,14 +35,39 @@ def error_of(body: dict, model=CompletionRequest) -> ErrorResponse:
 
 
 def test_completion_request_maps_openai_and_vllm_fields_onto_sampling_params():
-    request = CompletionRequest.model_validate(dict(
-        prompt="x", n=2, temperature=0.5, top_p=0.9, max_tokens=7, stop="\n", seed=3, presence_penalty=0.1,
-        frequency_penalty=0.2, logit_bias={"17": 5.0}, top_k=4, min_p=0.05, repetition_penalty=1.1, min_tokens=2,
-        ignore_eos=True, stop_token_ids=[9], include_stop_str_in_output=True, skip_special_tokens=False,
-        logprobs=3, echo=True))
+    request = CompletionRequest.model_validate(
+        dict(
+            prompt="x",
+            n=2,
+            temperature=0.5,
+            top_p=0.9,
+            max_tokens=7,
+            stop="\n",
+            seed=3,
+            presence_penalty=0.1,
+            frequency_penalty=0.2,
+            logit_bias={"17": 5.0},
+            top_k=4,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            min_tokens=2,
+            ignore_eos=True,
+            stop_token_ids=[9],
+            include_stop_str_in_output=True,
+            skip_special_tokens=False,
+            logprobs=3,
+            echo=True,
+        )
+    )
     params = request.to_sampling_params(request.max_tokens, request.logprobs)
-    assert (params.n, params.temperature, params.top_p, params.max_tokens, params.stop, params.seed) == \
-        (2, 0.5, 0.9, 7, ["\n"], 3)
+    assert (params.n, params.temperature, params.top_p, params.max_tokens, params.stop, params.seed) == (
+        2,
+        0.5,
+        0.9,
+        7,
+        ["\n"],
+        3,
+    )
     assert (params.presence_penalty, params.frequency_penalty, params.logit_bias) == (0.1, 0.2, {17: 5.0})
     assert (params.top_k, params.min_p, params.repetition_penalty, params.min_tokens) == (4, 0.05, 1.1, 2)
     assert params.ignore_eos and params.include_stop_str_in_output and not params.skip_special_tokens
@@ -59,26 +84,40 @@ def test_defaults_follow_openai_and_streaming_asks_for_deltas():
     assert chat.requested_max_tokens is None  # chat: up to the context length
 
 
-@pytest.mark.parametrize("prompt, expected", [
-    ("text", ["text"]), (["a", "b"], ["a", "b"]), ([5, 6], [[5, 6]]), ([[5], [6, 7]], [[5], [6, 7]])])
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [("text", ["text"]), (["a", "b"], ["a", "b"]), ([5, 6], [[5, 6]]), ([[5], [6, 7]], [[5], [6, 7]])],
+)
 def test_completion_prompt_shapes(prompt, expected):
     assert CompletionRequest.model_validate({"prompt": prompt}).prompts() == expected
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [True]}, "prompt"), ({"prompt": 3}, "prompt"),
-    ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature"), ({}, "prompt")])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [True]}, "prompt"),
+        ({"prompt": 3}, "prompt"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({}, "prompt"),
+    ],
+)
 def test_invalid_completion_fields_are_400_naming_the_field(body, field):
     error = error_of(body)
     assert error.status_code == 400 and error.error.type == "BadRequestError"
     assert error.error.param == field and field in error.error.message
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options can only be set"),
-    ({"prompt": "x", "best_of": 3}, "best_of is not supported")])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"prompt": "x", "suffix": "y"}, "suffix is not supported"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options can only be set"),
+        ({"prompt": "x", "best_of": 3}, "best_of is not supported"),
+    ],
+)
 def test_unsupported_completion_options_are_400(body, message):
     assert message in error_of(body).error.message
 
@@ -96,29 +135,44 @@ def test_unknown_fields_are_ignored_with_a_debug_log(caplog):
 
 
 def test_chat_request_contents_roles_and_token_limits():
-    request = ChatCompletionRequest.model_validate({
-        "messages": [{"role": "system", "content": "Be brief."},
-                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                     {"role": "assistant", "content": "ok"}],
-        "max_tokens": 9, "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2})
-    assert request.conversation() == [{"role": "system", "content": "Be brief."},
-                                      {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "ok"}]
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "ok"},
+            ],
+            "max_tokens": 9,
+            "max_completion_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+    )
+    assert request.conversation() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "ok"},
+    ]
     assert request.requested_max_tokens == 5  # max_completion_tokens wins over the deprecated max_tokens
     assert request.num_logprobs == 2
     assert ChatCompletionRequest.model_validate({"messages": USER, "logprobs": True}).num_logprobs == 0
     assert ChatCompletionRequest.model_validate({"messages": USER}).num_logprobs is None
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "'image_url' are not"),
-    ({"messages": [{"role": "user", "content": 7}]}, "content must be a string"),
-    ({"messages": []}, "messages"),
-    ({"messages": USER, "top_logprobs": 2}, "top_logprobs needs logprobs"),
-    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "json_object"),
-    ({"messages": USER, "continue_final_message": True}, "cannot both be true")])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "'image_url' are not"),
+        ({"messages": [{"role": "user", "content": 7}]}, "content must be a string"),
+        ({"messages": []}, "messages"),
+        ({"messages": USER, "top_logprobs": 2}, "top_logprobs needs logprobs"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": USER, "response_format": {"type": "json_object"}}, "json_object"),
+        ({"messages": USER, "continue_final_message": True}, "cannot both be true"),
+    ],
+)
 def test_invalid_chat_requests_are_400(body, message):
     error = error_of(body, ChatCompletionRequest)
     assert error.status_code == 400 and message in error.error.message
@@ -127,11 +181,15 @@ def test_invalid_chat_requests_are_400(body, message):
 # ------------------------------------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize("exc, status, error_type", [
-    (ValueError("bad prompt"), 400, "BadRequestError"),
-    (EngineOverloadedError("full"), 503, "ServiceUnavailableError"),
-    (EngineDeadError("gone"), 500, "InternalServerError"),
-    (RuntimeError("bug"), 500, "InternalServerError")])
+@pytest.mark.parametrize(
+    "exc, status, error_type",
+    [
+        (ValueError("bad prompt"), 400, "BadRequestError"),
+        (EngineOverloadedError("full"), 503, "ServiceUnavailableError"),
+        (EngineDeadError("gone"), 500, "InternalServerError"),
+        (RuntimeError("bug"), 500, "InternalServerError"),
+    ],
+)
 def test_exceptions_map_to_openai_errors(exc, status, error_type):
     error = from_exception(exc)
     assert (error.status_code, error.error.type, error.error.code) == (status, error_type, status)
@@ -141,8 +199,9 @@ def test_exceptions_map_to_openai_errors(exc, status, error_type):
 
 def test_error_body_is_openais_shape_and_pickles():
     error = model_not_found("nope")
-    assert error.body() == {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
-                                      "param": "model", "code": 404}}
+    assert error.body() == {
+        "error": {"message": "The model `nope` does not exist.", "type": "NotFoundError", "param": "model", "code": 404}
+    }
     copy = pickle.loads(pickle.dumps(error))
     assert copy == error and copy.status_code == 404
 
@@ -165,8 +224,11 @@ class CharTokenizer:
 
 def test_completion_logprobs_format():
     a, b, c = ord("a"), ord("b"), ord("c")
-    positions = [None, {b: Logprob(-0.5, 2, "b"), a: Logprob(-0.2, 1, "a")},
-                 {c: Logprob(-math.inf, 9, None), a: Logprob(-0.1, 1, "a")}]
+    positions = [
+        None,
+        {b: Logprob(-0.5, 2, "b"), a: Logprob(-0.2, 1, "a")},
+        {c: Logprob(-math.inf, 9, None), a: Logprob(-0.1, 1, "a")},
+    ]
     result = completion_logprobs([a, b, c], positions, CharTokenizer(), initial_text_offset=10)
     assert result.tokens == ["a", "b", "c"]
     assert result.text_offset == [10, 11, 12]
@@ -176,8 +238,7 @@ def test_completion_logprobs_format():
 
 def test_chat_logprobs_top_alternatives_by_rank():
     a, b, c, d = map(ord, "abcd")
-    position = {c: Logprob(-3.0, 4, "c"), a: Logprob(-0.1, 1, "a"), b: Logprob(-1.0, 2, "b"),
-                d: Logprob(-2.0, 3, "d")}
+    position = {c: Logprob(-3.0, 4, "c"), a: Logprob(-0.1, 1, "a"), b: Logprob(-1.0, 2, "b"), d: Logprob(-2.0, 3, "d")}
     [content] = chat_logprobs([c], [position], 2, CharTokenizer()).content
     assert (content.token, content.logprob, content.bytes) == ("c", -3.0, [ord("c")])
     assert [(top.token, top.logprob) for top in content.top_logprobs] == [("a", -0.1), ("b", -1.0)]
@@ -190,15 +251,22 @@ def test_chat_logprobs_top_alternatives_by_rank():
 
 def output(request_id: str, text: str, finished: bool = False) -> RequestOutput:
     completion = CompletionOutput(index=0, text=text, token_ids=[1], finish_reason="stop" if finished else None)
-    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[1], outputs=[completion],
-                         finished=finished)
+    return RequestOutput(
+        request_id=request_id, prompt=None, prompt_token_ids=[1], outputs=[completion], finished=finished
+    )
 
 
 class EngineStream:
     """An async generator shaped like AsyncLLM.generate's, recording whether it was closed early."""
 
-    def __init__(self, name: str, texts: list[str], start_error: Exception | None = None,
-                 gate: asyncio.Event | None = None, delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        texts: list[str],
+        start_error: Exception | None = None,
+        gate: asyncio.Event | None = None,
+        delay_s: float = 0.0,
+    ) -> None:
         self.name, self.texts, self.start_error, self.gate, self.delay_s = name, texts, start_error, gate, delay_s
         self.is_closed_early = False
 

@@ -46,12 +46,15 @@ def test_tokenize_and_detokenize_round_trip(base_url, tokenizer):
     assert httpx.post(f"{base_url}/detokenize", json={"tokens": plain["tokens"]}).json()["prompt"] == TEXT
 
 
-@pytest.mark.parametrize("path, body, message", [
-    ("/detokenize", {"tokens": [5, 100000]}, "outside the vocabulary"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "role"),
-])
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/detokenize", {"tokens": [5, 100000]}, "outside the vocabulary"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ],
+)
 def test_tokenizer_routes_refuse_bad_input(base_url, path, body, message):
     response = httpx.post(f"{base_url}{path}", json=body)
     assert response.status_code == 400
@@ -71,8 +74,9 @@ def test_two_models_are_routed_by_name_and_model_is_then_required(serving, engin
         client = make_client(server.base_url)
         assert sorted(card.id for card in client.models.list().data) == sorted([MODEL, "alias"])
         assert client.completions.create(model="alias", prompt="Hi", max_tokens=2).model == "alias"
-        response = httpx.post(f"{server.base_url}/v1/chat/completions",
-                              json={"messages": [{"role": "user", "content": "Hi"}]})
+        response = httpx.post(
+            f"{server.base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}
+        )
         assert response.status_code == 400 and response.json()["error"]["param"] == "model"
 
 
@@ -92,7 +96,7 @@ class FailingRouter:
     async def call(self, model_id, method_name, request):
         if model_id == "broken":
             raise ConnectionError("the replica is gone")
-        yield "data: {\"partial\": true}\n\n"
+        yield 'data: {"partial": true}\n\n'
         raise ConnectionError("the replica died mid-stream")
 
     async def model_card(self, model_id):

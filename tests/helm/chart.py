@@ -66,8 +66,12 @@ def _strict(schema):
     if not isinstance(schema, dict):
         return schema
     strict = {key: _strict(value) for key, value in schema.items()}
-    if (strict.get("type") == "object" and isinstance(strict.get("properties"), dict)
-            and "additionalProperties" not in strict and not strict.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        strict.get("type") == "object"
+        and isinstance(strict.get("properties"), dict)
+        and "additionalProperties" not in strict
+        and not strict.get("x-kubernetes-preserve-unknown-fields")
+    ):
         strict["additionalProperties"] = False
     return strict
 
@@ -82,8 +86,10 @@ def kuberay_validator():
 
 def kuberay_errors(service: dict) -> list[str]:
     """Every way ``service`` breaks the strict RayService schema, as 'path: message' lines."""
-    return [f"{'/'.join(map(str, error.absolute_path))}: {error.message}"
-            for error in kuberay_validator().iter_errors(service)]
+    return [
+        f"{'/'.join(map(str, error.absolute_path))}: {error.message}"
+        for error in kuberay_validator().iter_errors(service)
+    ]
 
 
 def serve_config_errors(config: dict) -> list[str]:

@@ -21,8 +21,13 @@ STOP_GRACE_S = 10.0
 
 def start_head(num_cpus: int = 2) -> RayHead:
     head = RayHead(free_port(), free_port(), free_port(), free_port(), listening_addresses())
-    launcher.start_ray_head(head.gcs_port, head.dashboard_port, num_cpus=num_cpus,
-                            object_store_bytes=OBJECT_STORE_BYTES, metrics_export_port=head.metrics_port)
+    launcher.start_ray_head(
+        head.gcs_port,
+        head.dashboard_port,
+        num_cpus=num_cpus,
+        object_store_bytes=OBJECT_STORE_BYTES,
+        metrics_export_port=head.metrics_port,
+    )
     deadline = time.monotonic() + DASHBOARD_START_TIMEOUT_S
     while not launcher.is_dashboard_up(head.dashboard_port):
         if time.monotonic() > deadline:
@@ -51,8 +56,13 @@ def head_processes(gcs_port: int) -> set[int]:
     """The head's processes: its GCS, whatever names its session or GCS address, and their descendants
     (the raylet's workers: Serve's controller, proxy and replicas; HAProxy)."""
     processes = _command_lines()
-    sessions = {word.split("=", 1)[1] for _, command in processes.values() if f"--gcs_server_port={gcs_port} " in command
-                for word in command.split() if word.startswith("--session-name=")}
+    sessions = {
+        word.split("=", 1)[1]
+        for _, command in processes.values()
+        if f"--gcs_server_port={gcs_port} " in command
+        for word in command.split()
+        if word.startswith("--session-name=")
+    }
     markers = {f"127.0.0.1:{gcs_port} ", f"serval-haproxy-{gcs_port}/", *sessions}
     members = {pid for pid, (_, command) in processes.items() if any(m in command + " " for m in markers)}
     members.discard(os.getpid())

@@ -32,8 +32,11 @@ def chart_config(head, tiny_checkpoint, tmp_path_factory):
     local checkpoint under the example's name (models/tiny-llama -> <mount>/tiny-llama)."""
     mount = tmp_path_factory.mktemp("models")
     (mount / "tiny-llama").symlink_to(tiny_checkpoint("llama"))
-    values = {**load_yaml(CHART_DIR / "examples" / "cpu-tiny.yaml"),
-              "serve": {"host": LOOPBACK, "port": head.http_port}, "models": {"mountPath": str(mount)}}
+    values = {
+        **load_yaml(CHART_DIR / "examples" / "cpu-tiny.yaml"),
+        "serve": {"host": LOOPBACK, "port": head.http_port},
+        "models": {"mountPath": str(mount)},
+    }
     with helm_python.Chart.load(CHART_DIR) as chart:
         config = serve_config_of(rayservice(chart, values))
     (llm_config,) = config["applications"][0]["args"]["llm_configs"]
@@ -45,8 +48,9 @@ def test_the_cpu_examples_serve_config_deploys_and_answers_a_completion(head, ch
     deploy_and_wait(head, chart_config)
     client = openai.OpenAI(base_url=f"{head.base_url}/v1", api_key="none", max_retries=0, timeout=120)
     assert [model.id for model in client.models.list()] == ["tiny-llama"]
-    response = client.completions.create(model="tiny-llama", prompt="Once upon a time", max_tokens=8,
-                                         temperature=0, extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model="tiny-llama", prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 8
     assert response.choices[0].text
     exposed = {(a, p) for a, p in listening_addresses() - head.listeners_before if not is_loopback(a)}
@@ -58,14 +62,37 @@ def test_serval_serve_deploys_its_config_the_way_make_serve_does(head, tiny_chec
     from serval.cli import main
 
     config_path = tmp_path / "served.yaml"
-    assert main(["serve", tiny_checkpoint("llama"), "--model-id", "served-by-cli", "--max-model-len", "512",
-                 "--num-cpus-per-replica", "0.5", "--port", str(head.http_port), "--dashboard-port",
-                 str(head.dashboard_port), "--gcs-port", str(head.gcs_port), "--timeout-s", "300",
-                 "--output", str(config_path)]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                tiny_checkpoint("llama"),
+                "--model-id",
+                "served-by-cli",
+                "--max-model-len",
+                "512",
+                "--num-cpus-per-replica",
+                "0.5",
+                "--port",
+                str(head.http_port),
+                "--dashboard-port",
+                str(head.dashboard_port),
+                "--gcs-port",
+                str(head.gcs_port),
+                "--timeout-s",
+                "300",
+                "--output",
+                str(config_path),
+            ]
+        )
+        == 0
+    )
     assert load_yaml(config_path)["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"] == {
-        "max_model_len": 512}
+        "max_model_len": 512
+    }
     client = openai.OpenAI(base_url=f"{head.base_url}/v1", api_key="none", max_retries=0, timeout=120)
     assert [model.id for model in client.models.list()] == ["served-by-cli"]
-    response = client.completions.create(model="served-by-cli", prompt="Hello", max_tokens=4, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model="served-by-cli", prompt="Hello", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert response.usage.completion_tokens == 4

@@ -27,8 +27,12 @@ from tests.helm.chart import (
 )
 
 # Examples -> the shipped Serve config each one carries unchanged.
-EXAMPLE_SERVE_CONFIGS = {"cpu-tiny.yaml": "default.yaml", "gpu-llama-8b-tp2.yaml": "gpu-llama-8b-tp2.yaml",
-                         "pd.yaml": "pd.yaml", "gpu-two-models.yaml": "gpu-two-models.yaml"}
+EXAMPLE_SERVE_CONFIGS = {
+    "cpu-tiny.yaml": "default.yaml",
+    "gpu-llama-8b-tp2.yaml": "gpu-llama-8b-tp2.yaml",
+    "pd.yaml": "pd.yaml",
+    "gpu-two-models.yaml": "gpu-two-models.yaml",
+}
 VALUE_SETS = [pytest.param(None, id="defaults"), *(pytest.param(p, id=p.stem) for p in EXAMPLES)]
 
 
@@ -55,8 +59,10 @@ def test_chart_metadata_is_servals(chart):
         version = tomllib.load(f)["project"]["version"]
     assert chart.metadata["apiVersion"] == "v2"
     assert chart.metadata["appVersion"] == version
-    assert rayservice(chart)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0][
-        "image"] == f"serval:{version}"
+    assert (
+        rayservice(chart)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+        == f"serval:{version}"
+    )
 
 
 def test_every_example_is_listed_with_its_serve_config():
@@ -66,7 +72,9 @@ def test_every_example_is_listed_with_its_serve_config():
 @pytest.mark.parametrize("example, config", EXAMPLE_SERVE_CONFIGS.items())
 def test_examples_carry_the_shipped_serve_configs_unchanged(example, config):
     """One file runs locally (make serve, serve deploy) and on a cluster (helm install)."""
-    assert load_yaml(CHART_DIR / "examples" / example)["serveConfig"] == load_yaml(SERVAL_ROOT / "configs/serve" / config)
+    assert load_yaml(CHART_DIR / "examples" / example)["serveConfig"] == load_yaml(
+        SERVAL_ROOT / "configs/serve" / config
+    )
 
 
 @pytest.mark.parametrize("path", VALUE_SETS)
@@ -118,8 +126,9 @@ def test_gpu_examples_request_the_gpus_their_engines_need(chart, path):
     service = rayservice(chart, values_of(path))
     at_start, at_most, per_replica = gpus_needed(serve_config_of(service))
     groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    gpus_per_pod = [int(g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
-                    for g in groups]
+    gpus_per_pod = [
+        int(g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)) for g in groups
+    ]
     assert per_replica >= 1
     # A replica's tensor-parallel group shares one pod (STRICT_PACK), so some pod holds a whole replica.
     assert max(gpus_per_pod) >= per_replica
@@ -143,7 +152,8 @@ def test_serve_config_file_renders_as_the_same_map(chart):
     from_file = rayservice(chart, {"serveConfigFile": path.read_text()})
     assert from_file == rayservice(chart, {"serveConfig": load_yaml(path)})
     assert yaml.safe_load(from_file["spec"]["serveConfigV2"])["applications"][0]["import_path"] == (
-        "deployments.app:build_pd_openai_app")
+        "deployments.app:build_pd_openai_app"
+    )
 
 
 def test_packaged_chart_renders_the_same(chart, tmp_path):

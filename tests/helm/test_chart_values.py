@@ -76,11 +76,16 @@ def test_every_pod_gets_the_env_make_serve_sets_and_token_auth(chart):
     assert kuberay_errors(plain) == []
 
 
-@pytest.mark.parametrize("models, volume", [
-    ({"persistentVolumeClaim": {"claimName": "llm-models"}}, {"persistentVolumeClaim": {"claimName": "llm-models",
-                                                                                       "readOnly": True}}),
-    ({"hostPath": {"path": "/mnt/models"}}, {"hostPath": {"path": "/mnt/models", "type": "Directory"}}),
-])
+@pytest.mark.parametrize(
+    "models, volume",
+    [
+        (
+            {"persistentVolumeClaim": {"claimName": "llm-models"}},
+            {"persistentVolumeClaim": {"claimName": "llm-models", "readOnly": True}},
+        ),
+        ({"hostPath": {"path": "/mnt/models"}}, {"hostPath": {"path": "/mnt/models", "type": "Directory"}}),
+    ],
+)
 def test_models_volume_is_mounted_read_only_on_every_pod(chart, models, volume):
     service = rayservice(chart, {"models": models})
     assert kuberay_errors(service) == []
@@ -97,22 +102,32 @@ def test_no_models_volume_unless_one_is_given(chart):
 
 
 def test_relative_model_sources_move_under_the_mount_and_absolute_ones_stay(chart):
-    llm_configs = [{"model_loading_config": {"model_id": "a", "model_source": "models/a"}},
-                   {"model_loading_config": {"model_id": "b"}},
-                   {"model_loading_config": {"model_id": "c", "model_source": "/data/c"}},
-                   {"model_loading_config": {"model_id": "d", "model_source": "ckpt/d"}}]
-    config = {"applications": [{"name": "llm", "import_path": "deployments.app:build_openai_app",
-                                "args": {"llm_configs": llm_configs}}]}
+    llm_configs = [
+        {"model_loading_config": {"model_id": "a", "model_source": "models/a"}},
+        {"model_loading_config": {"model_id": "b"}},
+        {"model_loading_config": {"model_id": "c", "model_source": "/data/c"}},
+        {"model_loading_config": {"model_id": "d", "model_source": "ckpt/d"}},
+    ]
+    config = {
+        "applications": [
+            {"name": "llm", "import_path": "deployments.app:build_openai_app", "args": {"llm_configs": llm_configs}}
+        ]
+    }
     values = {"serveConfig": config, "models": {"mountPath": "/weights"}}
     rendered = serve_config_of(rayservice(chart, values))["applications"][0]["args"]["llm_configs"]
     assert [c["model_loading_config"]["model_source"] for c in rendered] == [
-        "/weights/a", "/weights/b", "/data/c", "/weights/ckpt/d"]
+        "/weights/a",
+        "/weights/b",
+        "/data/c",
+        "/weights/ckpt/d",
+    ]
     kept = serve_config_of(rayservice(chart, {**values, "models": {"rewriteRelativeSources": False}}))
     assert kept["applications"][0]["args"]["llm_configs"] == llm_configs
     pd = serve_config_of(rayservice(chart, {"serveConfig": load_yaml(SERVAL_ROOT / "configs/serve/pd.yaml")}))
     args = pd["applications"][0]["args"]
     assert {args[k]["model_loading_config"]["model_source"] for k in ("prefill_config", "decode_config")} == {
-        "/models/tiny-llama"}
+        "/models/tiny-llama"
+    }
 
 
 def test_pod_monitor_scrapes_the_metrics_port_of_the_charts_pods(chart):
@@ -147,21 +162,33 @@ def test_notes_say_how_to_reach_the_endpoint(chart):
     assert '"model": "tiny-llama"' in notes
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"replicas": 2}, "additional properties 'replicas' not allowed"),
-    ({"image": {"tag": 1}}, "/image/tag"),
-    ({"workerGroups": [{"name": "g", "replicas": "two", "minReplicas": 0, "maxReplicas": 1}]}, "/workerGroups/0/replicas"),
-    ({"workerGroups": [{"name": "g", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "gpu": 1}]}, "'gpu' not allowed"),
-    ({"workerGroups": [{"name": "g", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "gpus": -1}]}, "/gpus"),
-    ({"workerGroups": [{"name": "g", "replicas": 3, "minReplicas": 0, "maxReplicas": 2}]}, "minReplicas <= replicas"),
-    ({"workerGroups": []}, "/workerGroups"),
-    ({"ray": {"auth": "password"}}, "/ray/auth"),
-    ({"head": {"rayStartParams": {"num-cpus": 0}}}, "/head/rayStartParams/num-cpus"),
-    ({"serveConfig": {"applications": []}}, "/serveConfig/applications"),
-    ({"serveConfig": {"proxy_location": "HeadOnly"}}, "needs an applications list"),
-    ({"serveConfigFile": "applications: [1"}, "serveConfigFile is not a YAML map"),
-    ({"models": {"mountPath": "models"}}, "/models/mountPath"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"replicas": 2}, "additional properties 'replicas' not allowed"),
+        ({"image": {"tag": 1}}, "/image/tag"),
+        (
+            {"workerGroups": [{"name": "g", "replicas": "two", "minReplicas": 0, "maxReplicas": 1}]},
+            "/workerGroups/0/replicas",
+        ),
+        (
+            {"workerGroups": [{"name": "g", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "gpu": 1}]},
+            "'gpu' not allowed",
+        ),
+        ({"workerGroups": [{"name": "g", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "gpus": -1}]}, "/gpus"),
+        (
+            {"workerGroups": [{"name": "g", "replicas": 3, "minReplicas": 0, "maxReplicas": 2}]},
+            "minReplicas <= replicas",
+        ),
+        ({"workerGroups": []}, "/workerGroups"),
+        ({"ray": {"auth": "password"}}, "/ray/auth"),
+        ({"head": {"rayStartParams": {"num-cpus": 0}}}, "/head/rayStartParams/num-cpus"),
+        ({"serveConfig": {"applications": []}}, "/serveConfig/applications"),
+        ({"serveConfig": {"proxy_location": "HeadOnly"}}, "needs an applications list"),
+        ({"serveConfigFile": "applications: [1"}, "serveConfigFile is not a YAML map"),
+        ({"models": {"mountPath": "models"}}, "/models/mountPath"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_key(chart, values, message):
     with pytest.raises(helm_python.HelmError, match=message.replace("(", r"\(")) as caught:
         chart.render(values=values, name="serval")

@@ -26,13 +26,16 @@ def cli_output(capsys, *argv: str) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("config, example", [
-    ("default.yaml", None),
-    ("default.yaml", "cpu-tiny.yaml"),
-    ("gpu-llama-8b-tp2.yaml", "gpu-llama-8b-tp2.yaml"),
-    ("pd.yaml", "pd.yaml"),
-    ("gpu-two-models.yaml", "gpu-two-models.yaml"),
-])
+@pytest.mark.parametrize(
+    "config, example",
+    [
+        ("default.yaml", None),
+        ("default.yaml", "cpu-tiny.yaml"),
+        ("gpu-llama-8b-tp2.yaml", "gpu-llama-8b-tp2.yaml"),
+        ("pd.yaml", "pd.yaml"),
+        ("gpu-two-models.yaml", "gpu-two-models.yaml"),
+    ],
+)
 def test_render_rayservice_equals_the_charts_render(chart, capsys, config, example):
     config_path = SERVAL_ROOT / "configs/serve" / config
     argv = ["render-rayservice", str(config_path)]
@@ -47,14 +50,34 @@ def test_render_rayservice_equals_the_charts_render(chart, capsys, config, examp
 def test_render_rayservice_applies_set_after_files(chart, capsys):
     config_path = SERVAL_ROOT / "configs/serve/default.yaml"
     example = CHART_DIR / "examples" / "cpu-tiny.yaml"
-    output = cli_output(capsys, "render-rayservice", str(config_path), "-f", str(example), "--set", "head.numCpus=1",
-                        "--set", "metrics.podMonitor.enabled=true", "--name", "demo", "--namespace", "llm", "--all")
-    values = {**load_yaml(example), "head": {"numCpus": 1}, "metrics": {"podMonitor": {"enabled": True}},
-              "serveConfigFile": config_path.read_text()}
+    output = cli_output(
+        capsys,
+        "render-rayservice",
+        str(config_path),
+        "-f",
+        str(example),
+        "--set",
+        "head.numCpus=1",
+        "--set",
+        "metrics.podMonitor.enabled=true",
+        "--name",
+        "demo",
+        "--namespace",
+        "llm",
+        "--all",
+    )
+    values = {
+        **load_yaml(example),
+        "head": {"numCpus": 1},
+        "metrics": {"podMonitor": {"enabled": True}},
+        "serveConfigFile": config_path.read_text(),
+    }
     expected = chart.render(values=values, name="demo", namespace="llm")
     documents = list(yaml.safe_load_all(output))
     assert [d["kind"] for d in documents] == ["PodMonitor", "RayService"]  # --all: every manifest, by path
-    assert documents == [yaml.safe_load(expected[f"serval/templates/{name}.yaml"]) for name in ("podmonitor", "rayservice")]
+    assert documents == [
+        yaml.safe_load(expected[f"serval/templates/{name}.yaml"]) for name in ("podmonitor", "rayservice")
+    ]
     assert documents[1]["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "1"
     assert kuberay_errors(documents[1]) == []
 
@@ -69,17 +92,37 @@ def test_render_rayservice_reports_bad_values(capsys, tmp_path):
 
 
 def test_serve_print_config_is_a_valid_serve_config(capsys, tmp_path):
-    output = cli_output(capsys, "serve", str(tmp_path), "--model-id", "my-model", "--tensor-parallel-size", "2",
-                        "--max-model-len", "1024", "--no-enable-prefix-caching", "--engine-kwargs", '{"block_size": 32}',
-                        "--num-replicas", "2", "--port", "8123", "--print-config")
+    output = cli_output(
+        capsys,
+        "serve",
+        str(tmp_path),
+        "--model-id",
+        "my-model",
+        "--tensor-parallel-size",
+        "2",
+        "--max-model-len",
+        "1024",
+        "--no-enable-prefix-caching",
+        "--engine-kwargs",
+        '{"block_size": 32}',
+        "--num-replicas",
+        "2",
+        "--port",
+        "8123",
+        "--print-config",
+    )
     config = yaml.safe_load(output)
     assert serve_config_errors(config) == []
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
     (llm_config,) = LLMServingArgs.model_validate(config["applications"][0]["args"]).llm_configs
     assert llm_config.model_id == "my-model"
     assert llm_config.model_loading_config.model_source == str(tmp_path)
-    assert llm_config.engine_kwargs == {"block_size": 32, "max_model_len": 1024, "enable_prefix_caching": False,
-                                        "tensor_parallel_size": 2}
+    assert llm_config.engine_kwargs == {
+        "block_size": 32,
+        "max_model_len": 1024,
+        "enable_prefix_caching": False,
+        "tensor_parallel_size": 2,
+    }
     assert llm_config.deployment_config.to_options()["num_replicas"] == 2
 
 
@@ -91,7 +134,8 @@ def test_serve_config_goes_to_the_chart_unchanged(chart, capsys, tmp_path):
     rendered = yaml.safe_load(service["spec"]["serveConfigV2"])
     # Inside the checkout the source is relative, so the chart moves it under the models mount.
     assert rendered["applications"][0]["args"]["llm_configs"][0]["model_loading_config"]["model_source"] == (
-        "/models/configs")
+        "/models/configs"
+    )
     assert serve_config_errors(rendered) == [] and kuberay_errors(service) == []
 
 

@@ -35,7 +35,7 @@ def _decode_address(address_hex: str, width: int) -> str:
     if width == 8:
         return socket.inet_ntop(socket.AF_INET, raw[::-1])
     # /proc/net/tcp6 stores four little-endian 32-bit words.
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
     return socket.inet_ntop(socket.AF_INET6, words)
 
 
@@ -64,8 +64,15 @@ def serve_config(http_port: int, llm_configs: list[dict], **app_fields) -> dict:
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": LOOPBACK, "port": http_port},
-        "applications": [{"name": "llm", "route_prefix": "/", "import_path": "deployments.app:build_openai_app",
-                          "args": {"llm_configs": llm_configs}, **app_fields}],
+        "applications": [
+            {
+                "name": "llm",
+                "route_prefix": "/",
+                "import_path": "deployments.app:build_openai_app",
+                "args": {"llm_configs": llm_configs},
+                **app_fields,
+            }
+        ],
     }
 
 
@@ -73,8 +80,12 @@ def llm_config(model_id: str, model_source: str, num_replicas: int = 1, **engine
     return {
         "model_loading_config": {"model_id": model_id, "model_source": model_source},
         "engine_kwargs": {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 64, **engine_kwargs},
-        "deployment_config": {"num_replicas": num_replicas, "max_ongoing_requests": 256,
-                              "ray_actor_options": {"num_cpus": 0.5}, "graceful_shutdown_timeout_s": 60},
+        "deployment_config": {
+            "num_replicas": num_replicas,
+            "max_ongoing_requests": 256,
+            "ray_actor_options": {"num_cpus": 0.5},
+            "graceful_shutdown_timeout_s": 60,
+        },
     }
 
 
@@ -88,5 +99,9 @@ def app_status(head: RayHead, app_name: str = "llm") -> dict:
 
 
 def serve_shutdown(head: RayHead) -> None:
-    subprocess.run([launcher.ray_bin("serve"), "shutdown", "-y", "--address", head.dashboard_url],
-                   env=launcher.ray_env(), check=True, capture_output=True)
+    subprocess.run(
+        [launcher.ray_bin("serve"), "shutdown", "-y", "--address", head.dashboard_url],
+        env=launcher.ray_env(),
+        check=True,
+        capture_output=True,
+    )

@@ -20,14 +20,20 @@ def ray_head():
     import ray
 
     head = RayHead(free_port(), free_port(), free_port(), free_port(), listening_addresses())
-    launcher.start_ray_head(head.gcs_port, head.dashboard_port, num_cpus=2, object_store_bytes=OBJECT_STORE_BYTES,
-                            metrics_export_port=head.metrics_port)
+    launcher.start_ray_head(
+        head.gcs_port,
+        head.dashboard_port,
+        num_cpus=2,
+        object_store_bytes=OBJECT_STORE_BYTES,
+        metrics_export_port=head.metrics_port,
+    )
     deadline = time.monotonic() + 60
     while not launcher.is_dashboard_up(head.dashboard_port):
         assert time.monotonic() < deadline, "the Ray dashboard did not come up"
         time.sleep(0.5)
-    ray.init(address=f"{LOOPBACK}:{head.gcs_port}", _node_ip_address=LOOPBACK, logging_level="warning",
-             log_to_driver=False)
+    ray.init(
+        address=f"{LOOPBACK}:{head.gcs_port}", _node_ip_address=LOOPBACK, logging_level="warning", log_to_driver=False
+    )
     try:
         yield head
     finally:

@@ -49,8 +49,12 @@ class PrometheusServer:
         self.url = f"http://{LOOPBACK}:{self.port}"
         config_path = work_dir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(test_config(app_port, scrape_interval)))
-        self.command = [prometheus_binary(), f"--config.file={config_path}",
-                        f"--storage.tsdb.path={work_dir / 'data'}", f"--web.listen-address={LOOPBACK}:{self.port}"]
+        self.command = [
+            prometheus_binary(),
+            f"--config.file={config_path}",
+            f"--storage.tsdb.path={work_dir / 'data'}",
+            f"--web.listen-address={LOOPBACK}:{self.port}",
+        ]
         self.log_path = work_dir / "prometheus.log"
         self.process: subprocess.Popen | None = None
 

@@ -27,10 +27,12 @@ PROMPTS = ["The quick brown fox", "Once upon a time", "def main():"]
 
 @pytest.fixture(scope="module")
 def client(ray_head, tiny_checkpoint):
-    config = llm_config(MODEL, tiny_checkpoint("llama"), tensor_parallel_size=2, pipeline_parallel_size=2,
-                        num_cpus_per_worker=0.25)
-    config["deployment_config"].update(ray_actor_options={"num_cpus": 0.25}, health_check_period_s=1,
-                                       health_check_timeout_s=10)
+    config = llm_config(
+        MODEL, tiny_checkpoint("llama"), tensor_parallel_size=2, pipeline_parallel_size=2, num_cpus_per_worker=0.25
+    )
+    config["deployment_config"].update(
+        ray_actor_options={"num_cpus": 0.25}, health_check_period_s=1, health_check_timeout_s=10
+    )
     deploy_and_wait(ray_head, serve_config(ray_head.http_port, [config]))
     return openai.OpenAI(base_url=f"{ray_head.base_url}/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -38,6 +40,7 @@ def client(ray_head, tiny_checkpoint):
 @pytest.fixture(scope="module")
 def offline_texts(tiny_checkpoint) -> list[str]:
     from engine import LLM, SamplingParams
+
     llm = LLM(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     texts = [output.outputs[0].text for output in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -46,13 +49,15 @@ def offline_texts(tiny_checkpoint) -> list[str]:
 
 
 def complete(client, prompt: str) -> str:
-    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     return response.choices[0].text
 
 
 def alive_actors(class_name: str) -> list:
     from ray.util.state import list_actors
+
     return list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")], detail=True)
 
 
@@ -81,8 +86,9 @@ def test_a_killed_worker_errors_the_stream_and_serve_replaces_the_replica(ray_he
     pids = worker_pids()
     assert len(pids) == WORLD_SIZE
     replicas_before = replica_ids(ray_head)
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = iter(stream)
     assert next(chunks).choices[0].text is not None
     os.kill(pids[1], signal.SIGKILL)

@@ -24,12 +24,15 @@ def test_default_yaml_validates_and_maps_to_engine_args():
     assert config.model_loading_config.resolved_source() == str(SERVAL_ROOT / "models/tiny-llama")
 
 
-@pytest.mark.parametrize("bad, key", [
-    ({**MINIMAL, "engine_kwarg": {}}, "engine_kwarg"),
-    ({**MINIMAL, "engine_kwargs": {"max_num_seq": 8}}, "max_num_seq"),
-    ({**MINIMAL, "deployment_config": {"num_replica": 2}}, "num_replica"),
-    ({"model_loading_config": {"model_id": "m", "source": "x"}}, "source"),
-])
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ({**MINIMAL, "engine_kwarg": {}}, "engine_kwarg"),
+        ({**MINIMAL, "engine_kwargs": {"max_num_seq": 8}}, "max_num_seq"),
+        ({**MINIMAL, "deployment_config": {"num_replica": 2}}, "num_replica"),
+        ({"model_loading_config": {"model_id": "m", "source": "x"}}, "source"),
+    ],
+)
 def test_unknown_keys_are_an_error_naming_the_key(bad, key):
     with pytest.raises(ValidationError, match=key):
         LLMServingArgs.model_validate({"llm_configs": [bad]})
@@ -43,8 +46,12 @@ def test_bad_values_and_duplicates_are_refused():
     with pytest.raises(ValidationError, match="Duplicate model_id"):
         LLMServingArgs.model_validate({"llm_configs": [MINIMAL, MINIMAL]})
     with pytest.raises(ValidationError, match="not both"):
-        LLMConfig.model_validate({**MINIMAL, "deployment_config": {
-            "num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}})
+        LLMConfig.model_validate(
+            {
+                **MINIMAL,
+                "deployment_config": {"num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}},
+            }
+        )
     with pytest.raises(ValidationError, match="llm_configs"):
         LLMServingArgs.model_validate({"llm_configs": []})
 
@@ -57,16 +64,25 @@ def test_model_ids_become_safe_deployment_names():
 
 def test_llm_configs_may_be_yaml_files(tmp_path):
     path = tmp_path / "model.yaml"
-    path.write_text(yaml.safe_dump({**MINIMAL, "deployment_config": {"autoscaling_config": {
-        "min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                **MINIMAL,
+                "deployment_config": {
+                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32}
+                },
+            }
+        )
+    )
     config = LLMServingArgs.model_validate({"llm_configs": [str(path)]}).llm_configs[0]
     options = config.deployment_config.to_options()
     assert "num_replicas" not in options
     assert options["autoscaling_config"]["max_replicas"] == 4
 
 
-SHIPPED_SERVE_CONFIGS = sorted([*(SERVAL_ROOT / "configs/serve").glob("*.yaml"),
-                                *(SERVAL_ROOT / "benchmarks/configs").glob("*.yaml")])
+SHIPPED_SERVE_CONFIGS = sorted(
+    [*(SERVAL_ROOT / "configs/serve").glob("*.yaml"), *(SERVAL_ROOT / "benchmarks/configs").glob("*.yaml")]
+)
 
 
 @pytest.mark.parametrize("path", SHIPPED_SERVE_CONFIGS, ids=lambda p: p.name)
@@ -79,6 +95,7 @@ def test_every_shipped_serve_config_is_valid(path):
     for app in config["applications"]:
         if app["import_path"] == "deployments.app:build_pd_openai_app":
             from deployments.pd_config import PDServingArgs
+
             PDServingArgs.model_validate(app["args"])  # what the PD builder checks
             continue
         args = LLMServingArgs.model_validate(app["args"])  # what the builder checks
@@ -102,15 +119,20 @@ def test_pd_yaml_validates_and_gives_each_pool_its_role():
     assert direct.with_role(direct.decode_config, "kv_consumer").engine_args().distributed_executor_backend == "ray"
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"decode_config": {"model_loading_config": {"model_id": "other"}}}, "same model_id"),
-    ({"decode_config": {**MINIMAL, "engine_kwargs": {"block_size": 32}}}, "same block_size"),
-    ({"prefill_config": {**MINIMAL, "engine_kwargs": {"tensor_parallel_size": 2}}}, "tensor_parallel_size=1"),
-    ({"prefill_config": {**MINIMAL, "engine_kwargs": {"kv_transfer_config": {"kv_role": "kv_both"}}}},
-     "set by the PD builder"),
-    ({"kv_transfer_config": {"kv_connector": "nixl"}}, "kv_connector"),
-    ({"prefill_timeout_s": 0}, "prefill_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"decode_config": {"model_loading_config": {"model_id": "other"}}}, "same model_id"),
+        ({"decode_config": {**MINIMAL, "engine_kwargs": {"block_size": 32}}}, "same block_size"),
+        ({"prefill_config": {**MINIMAL, "engine_kwargs": {"tensor_parallel_size": 2}}}, "tensor_parallel_size=1"),
+        (
+            {"prefill_config": {**MINIMAL, "engine_kwargs": {"kv_transfer_config": {"kv_role": "kv_both"}}}},
+            "set by the PD builder",
+        ),
+        ({"kv_transfer_config": {"kv_connector": "nixl"}}, "kv_connector"),
+        ({"prefill_timeout_s": 0}, "prefill_timeout_s"),
+    ],
+)
 def test_pd_args_refuse_what_cannot_work(change, message):
     from deployments.pd_config import PDServingArgs
 

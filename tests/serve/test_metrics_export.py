@@ -39,9 +39,13 @@ def samples_by_name(text: str) -> dict[str, list]:
 def test_nodes_pages_merge_into_serval_families_without_rays_prefix():
     text = render(serval_families([NODE_A, NODE_B])).decode()
     samples = samples_by_name(text)
-    assert set(samples) == {"serval_generation_tokens_total", "serval_e2e_request_latency_seconds_bucket",
-                            "serval_e2e_request_latency_seconds_count", "serval_e2e_request_latency_seconds_sum",
-                            "serval_num_requests_running"}
+    assert set(samples) == {
+        "serval_generation_tokens_total",
+        "serval_e2e_request_latency_seconds_bucket",
+        "serval_e2e_request_latency_seconds_count",
+        "serval_e2e_request_latency_seconds_sum",
+        "serval_num_requests_running",
+    }
     assert sorted(s.labels["replica"] for s in samples["serval_generation_tokens_total"]) == ["a", "b"]
     assert sum(s.value for s in samples["serval_generation_tokens_total"]) == 42.0
     assert [s.labels["le"] for s in samples["serval_e2e_request_latency_seconds_bucket"]] == ["1.0", "+Inf"]

@@ -36,8 +36,9 @@ RATE_WINDOW = "1m"
 @pytest.fixture(scope="module")
 def app(ray_head, tiny_checkpoint):
     # 40 blocks of 16 tokens: far fewer than 16 running requests of ~110 tokens need, so the engine preempts.
-    config = llm_config(LLAMA, tiny_checkpoint("llama"), max_num_seqs=16, num_gpu_blocks_override=40,
-                        enable_prefix_caching=True)
+    config = llm_config(
+        LLAMA, tiny_checkpoint("llama"), max_num_seqs=16, num_gpu_blocks_override=40, enable_prefix_caching=True
+    )
     deploy_and_wait(ray_head, serve_config(ray_head.http_port, [config]))
     return ray_head
 
@@ -50,12 +51,36 @@ def prometheus(app, tmp_path_factory):
 
 def bench_serve(app, checkpoint: str, result_dir, name: str, *load_flags: str) -> tuple[int, dict]:
     """(exit code, JSON record) of one `serval bench serve` run of the shared-prefix dataset."""
-    exit_code = serval_main([
-        "bench", "serve", "--url", app.base_url, "--model", LLAMA, "--tokenizer", checkpoint,
-        "--dataset-name", "prefix-repetition", "--prefix-repetition-prefix-len", "64",
-        "--prefix-repetition-suffix-len", "16", "--prefix-repetition-num-prefixes", "4",
-        "--prefix-repetition-output-len", str(OUTPUT_LEN), "--seed", "0", "--disable-tqdm",
-        "--result-dir", str(result_dir), "--result-filename", f"{name}.json", *load_flags])
+    exit_code = serval_main(
+        [
+            "bench",
+            "serve",
+            "--url",
+            app.base_url,
+            "--model",
+            LLAMA,
+            "--tokenizer",
+            checkpoint,
+            "--dataset-name",
+            "prefix-repetition",
+            "--prefix-repetition-prefix-len",
+            "64",
+            "--prefix-repetition-suffix-len",
+            "16",
+            "--prefix-repetition-num-prefixes",
+            "4",
+            "--prefix-repetition-output-len",
+            str(OUTPUT_LEN),
+            "--seed",
+            "0",
+            "--disable-tqdm",
+            "--result-dir",
+            str(result_dir),
+            "--result-filename",
+            f"{name}.json",
+            *load_flags,
+        ]
+    )
     return exit_code, json.loads((result_dir / f"{name}.json").read_text())
 
 
@@ -64,13 +89,24 @@ def bench_run(app, prometheus, tiny_checkpoint, tmp_path_factory):
     """A burst (16 at once: preemptions), then the measured run: a steady rate for about 20 s, so that
     it spans several of Ray's metric exports; a few bad requests (HTTP errors) during it."""
     result_dir = tmp_path_factory.mktemp("bench")
-    burst_exit_code, _ = bench_serve(app, tiny_checkpoint("llama"), result_dir, "burst",
-                                     "--num-prompts", "32", "--max-concurrency", "16")
+    burst_exit_code, _ = bench_serve(
+        app, tiny_checkpoint("llama"), result_dir, "burst", "--num-prompts", "32", "--max-concurrency", "16"
+    )
     assert burst_exit_code == 0
     with ThreadPoolExecutor(1) as pool:
         bad_requests = pool.submit(send_bad_requests, app.base_url)
-        measured = bench_serve(app, tiny_checkpoint("llama"), result_dir, "steady", "--num-prompts",
-                               str(NUM_PROMPTS), "--request-rate", str(REQUEST_RATE), "--max-concurrency", "16")
+        measured = bench_serve(
+            app,
+            tiny_checkpoint("llama"),
+            result_dir,
+            "steady",
+            "--num-prompts",
+            str(NUM_PROMPTS),
+            "--request-rate",
+            str(REQUEST_RATE),
+            "--max-concurrency",
+            "16",
+        )
         bad_requests.result()
     return measured
 
@@ -118,13 +154,20 @@ def has_finite_value(vector: list[dict]) -> bool:
 
 def test_every_dashboard_panel_query_returns_data(prometheus, bench_run):
     # The disaggregated-prefill row needs a PD app: tests/serve/test_pd_serve.py checks its series.
-    queries = [query for row, row_queries in panel_queries_by_row(load_dashboard()).items()
-               if row != "Disaggregated prefill" for query in row_queries]
+    queries = [
+        query
+        for row, row_queries in panel_queries_by_row(load_dashboard()).items()
+        if row != "Disaggregated prefill"
+        for query in row_queries
+    ]
     assert len(queries) >= 15
     deadline = time.monotonic() + 90  # Ray's agents export every few seconds; Prometheus scrapes every second
     while True:
-        empty = [(title, expr) for title, expr in queries
-                 if not has_finite_value(prometheus.query(substitute_variables(expr)))]
+        empty = [
+            (title, expr)
+            for title, expr in queries
+            if not has_finite_value(prometheus.query(substitute_variables(expr)))
+        ]
         if not empty:
             return
         assert time.monotonic() < deadline, f"panels without data: {empty}"
@@ -134,10 +177,18 @@ def test_every_dashboard_panel_query_returns_data(prometheus, bench_run):
 def test_app_metrics_endpoint_serves_every_replica_family(app, prometheus, bench_run):
     text = httpx.get(f"{app.base_url}/metrics", timeout=30).text
     families = set(re.findall(r"^# TYPE (\S+) ", text, flags=re.MULTILINE))
-    for name in ("serval_num_requests_running", "serval_kv_cache_usage_perc", "serval_generation_tokens_total",
-                 "serval_prompt_tokens_total", "serval_request_success_total", "serval_num_preemptions_total",
-                 "serval_prefix_cache_hits_total", "serval_time_to_first_token_seconds",
-                 "serval_e2e_request_latency_seconds", "serval_request_decode_time_seconds"):
+    for name in (
+        "serval_num_requests_running",
+        "serval_kv_cache_usage_perc",
+        "serval_generation_tokens_total",
+        "serval_prompt_tokens_total",
+        "serval_request_success_total",
+        "serval_num_preemptions_total",
+        "serval_prefix_cache_hits_total",
+        "serval_time_to_first_token_seconds",
+        "serval_e2e_request_latency_seconds",
+        "serval_request_decode_time_seconds",
+    ):
         assert name in families, f"{name} missing from the app's /metrics: {sorted(families)}"
     assert not [name for name in families if not name.startswith("serval_")]
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]

@@ -24,8 +24,10 @@ PROMPT = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def base_url(ray_head, tiny_checkpoint):
-    configs = [llm_config(LLAMA, tiny_checkpoint("llama")),
-               llm_config(QWEN, tiny_checkpoint("qwen2"), max_num_seqs=1, max_num_queued_reqs=1)]
+    configs = [
+        llm_config(LLAMA, tiny_checkpoint("llama")),
+        llm_config(QWEN, tiny_checkpoint("qwen2"), max_num_seqs=1, max_num_queued_reqs=1),
+    ]
     deploy_and_wait(ray_head, serve_config(ray_head.http_port, configs))
     return ray_head.base_url
 
@@ -38,11 +40,13 @@ def client(base_url):
 @pytest.fixture(scope="module")
 def offline_llama(tiny_checkpoint):
     from engine import LLM
+
     return LLM(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=512)
 
 
 def greedy_offline(llm, prompt: str, max_tokens: int) -> str:
     from engine import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
 
@@ -68,8 +72,9 @@ def test_models_health_and_version(client, base_url):
 
 
 def test_greedy_completion_equals_the_offline_engine(client, offline_llama):
-    response = client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=24, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=LLAMA, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
     choice = response.choices[0]
     assert choice.text == greedy_offline(offline_llama, PROMPT, 24)
     assert choice.finish_reason == "length"
@@ -94,13 +99,15 @@ def test_streamed_chat_equals_the_unstreamed_one_and_reports_usage(client):
 def test_stop_strings_n_and_logprobs(client, offline_llama):
     full = greedy_offline(offline_llama, PROMPT, 24)
     stop = full[5:8]
-    response = client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
-                                         extra_body={"ignore_eos": True})
-    assert response.choices[0].text == full[:full.index(stop)]
+    response = client.completions.create(
+        model=LLAMA, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    assert response.choices[0].text == full[: full.index(stop)]
     assert response.choices[0].finish_reason == "stop"
 
-    several = client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=7,
-                                        logprobs=2)
+    several = client.completions.create(
+        model=LLAMA, prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=7, logprobs=2
+    )
     assert sorted(c.index for c in several.choices) == [0, 1, 2]
     assert several.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in several.choices)
     for choice in several.choices:
@@ -109,8 +116,14 @@ def test_stop_strings_n_and_logprobs(client, offline_llama):
         for token, top in zip(choice.logprobs.tokens, choice.logprobs.top_logprobs):
             assert token in top and 1 <= len(top) <= 3
 
-    chat = client.chat.completions.create(model=LLAMA, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                          logprobs=True, top_logprobs=3, temperature=0)
+    chat = client.chat.completions.create(
+        model=LLAMA,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=0,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
@@ -131,8 +144,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, bas
         assert raised.value.body["message"], case
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=4)
-    malformed = httpx.post(f"{base_url}/v1/completions", content=b"{not json",
-                           headers={"Content-Type": "application/json"})
+    malformed = httpx.post(
+        f"{base_url}/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
     assert malformed.status_code == 400
     assert set(malformed.json()["error"]) >= {"message", "type", "param", "code"}
     # ... and a good request still works.
@@ -141,9 +155,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, bas
 
 def test_a_full_queue_answers_503_with_retry_after(base_url):
     """tiny-qwen runs one request and queues one: a burst beyond that is shed with 503, the rest complete."""
+
     async def one(http: httpx.AsyncClient) -> httpx.Response:
-        return await http.post(f"{base_url}/v1/completions", json={
-            "model": QWEN, "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True})
+        return await http.post(
+            f"{base_url}/v1/completions", json={"model": QWEN, "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+        )
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as http:
@@ -159,9 +175,14 @@ def test_a_full_queue_answers_503_with_retry_after(base_url):
 
 def test_64_concurrent_streams_all_complete(base_url):
     async def stream(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
-        chunks = await client.completions.create(model=LLAMA, prompt=f"{PROMPT} {i}", max_tokens=16, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
+        chunks = await client.completions.create(
+            model=LLAMA,
+            prompt=f"{PROMPT} {i}",
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, finish_reason, num_tokens = "", None, None
         async for chunk in chunks:
             if chunk.choices:
@@ -187,8 +208,11 @@ def test_a_client_disconnect_frees_its_kv_blocks(base_url):
     idle = llama_stats()
     assert idle["num_running_reqs"] == 0
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{base_url}/v1/completions", json={
-                "model": LLAMA, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}) as response:
+        with http.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            json={"model": LLAMA, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True},
+        ) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
             received = [line for _, line in zip(range(6), lines)]
@@ -214,13 +238,23 @@ def test_replica_metrics_reach_rays_prometheus_endpoint(ray_head, client):
     """Every LLM-server replica exports serval_* metrics through Ray's pipeline, tagged by model and replica."""
     client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     url = f"http://{LOOPBACK}:{ray_head.metrics_port}/metrics"
-    wanted = ["serval_time_to_first_token_seconds_bucket", "serval_inter_token_latency_seconds_bucket",
-              "serval_e2e_request_latency_seconds_count", "serval_generation_tokens", "serval_prompt_tokens",
-              "serval_request_success", "serval_num_requests_running", "serval_kv_cache_usage_perc"]
+    wanted = [
+        "serval_time_to_first_token_seconds_bucket",
+        "serval_inter_token_latency_seconds_bucket",
+        "serval_e2e_request_latency_seconds_count",
+        "serval_generation_tokens",
+        "serval_prompt_tokens",
+        "serval_request_success",
+        "serval_num_requests_running",
+        "serval_kv_cache_usage_perc",
+    ]
     deadline = time.monotonic() + 120  # Ray's agent exports every few seconds
     while True:
-        lines = [line for line in httpx.get(url, timeout=10).text.splitlines()
-                 if "serval_" in line and f'model_name="{LLAMA}"' in line]
+        lines = [
+            line
+            for line in httpx.get(url, timeout=10).text.splitlines()
+            if "serval_" in line and f'model_name="{LLAMA}"' in line
+        ]
         missing = [name for name in wanted if not any(name in line for line in lines)]
         if not missing:
             break

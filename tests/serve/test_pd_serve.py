@@ -30,23 +30,39 @@ MAX_TOKENS = 16
 def pd_app(name: str, route_prefix: str, model_source: str, fallback: bool, kv_connector: str = "object_store") -> dict:
     # ray_direct runs each engine's worker in its own actor: a small CPU share each.
     worker_kwargs = {"num_cpus_per_worker": 0.1} if kv_connector == "ray_direct" else {}
-    prefill = llm_config(MODEL, model_source, max_model_len=PREFILL_MAX_MODEL_LEN, num_gpu_blocks_override=64,
-                         **worker_kwargs)
+    prefill = llm_config(
+        MODEL, model_source, max_model_len=PREFILL_MAX_MODEL_LEN, num_gpu_blocks_override=64, **worker_kwargs
+    )
     decode = llm_config(MODEL, model_source, num_gpu_blocks_override=160, **worker_kwargs)
     for config in (prefill, decode):
         config["deployment_config"]["ray_actor_options"]["num_cpus"] = 0.2
-    return {"name": name, "route_prefix": route_prefix, "import_path": "deployments.app:build_pd_openai_app",
-            "args": {"prefill_config": prefill, "decode_config": decode, "fallback_to_local_prefill": fallback,
-                     "kv_transfer_config": {"kv_connector": kv_connector},
-                     "prefill_timeout_s": 30, "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.05}}}}
+    return {
+        "name": name,
+        "route_prefix": route_prefix,
+        "import_path": "deployments.app:build_pd_openai_app",
+        "args": {
+            "prefill_config": prefill,
+            "decode_config": decode,
+            "fallback_to_local_prefill": fallback,
+            "kv_transfer_config": {"kv_connector": kv_connector},
+            "prefill_timeout_s": 30,
+            "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.05}},
+        },
+    }
 
 
 @pytest.fixture(scope="module")
 def base_url(ray_head, tiny_checkpoint):
     source = tiny_checkpoint("llama")
-    config = {"proxy_location": "HeadOnly", "http_options": {"host": LOOPBACK, "port": ray_head.http_port},
-              "applications": [pd_app("llm", "/", source, fallback=False), pd_app("fb", "/fb", source, fallback=True),
-                               pd_app("rd", "/rd", source, fallback=False, kv_connector="ray_direct")]}
+    config = {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": LOOPBACK, "port": ray_head.http_port},
+        "applications": [
+            pd_app("llm", "/", source, fallback=False),
+            pd_app("fb", "/fb", source, fallback=True),
+            pd_app("rd", "/rd", source, fallback=False, kv_connector="ray_direct"),
+        ],
+    }
     deploy_and_wait(ray_head, config)
     yield ray_head.base_url
     for app in ("llm", "fb", "rd"):
@@ -60,18 +76,21 @@ def client_for(base_url: str, prefix: str = "") -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def offline(tiny_checkpoint):
     from engine import LLM
+
     return LLM(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=512)
 
 
 def offline_greedy(llm, token_ids: list[int], max_tokens: int = MAX_TOKENS) -> str:
     from engine import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0].outputs[0].text
 
 
 def completion_text(client: openai.OpenAI, token_ids: list[int]) -> str:
-    response = client.completions.create(model=MODEL, prompt=[token_ids], max_tokens=MAX_TOKENS, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt=[token_ids], max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert response.usage.completion_tokens == MAX_TOKENS
     return response.choices[0].text
 
@@ -85,8 +104,10 @@ def wait_all_blocks_free(app: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         pools = [stats(app, "LLMServer"), stats(app, "PrefillServer")]
-        if all(s["num_free_blocks"] == s["num_total_blocks"] and s["num_running_reqs"] == s["num_waiting_reqs"] == 0
-               for s in pools):
+        if all(
+            s["num_free_blocks"] == s["num_total_blocks"] and s["num_running_reqs"] == s["num_waiting_reqs"] == 0
+            for s in pools
+        ):
             return
         assert time.monotonic() < deadline, f"blocks still held: {pools}"
         time.sleep(0.5)
@@ -130,16 +151,24 @@ def test_ray_direct_transport_between_the_pools(base_url, offline):
     for token_ids in prompts:
         assert completion_text(client, token_ids) == offline_greedy(offline, token_ids)
     coordinator = ray.get_actor(COORDINATOR_NAME, namespace=COORDINATOR_NAMESPACE)
-    assert ray.get(coordinator.stats.remote()) == {"num_registered": 2, "group_size": 2,
-                                                    "num_transfers": {"direct": len(prompts), "object_store": 0}}
+    assert ray.get(coordinator.stats.remote()) == {
+        "num_registered": 2,
+        "group_size": 2,
+        "num_transfers": {"direct": len(prompts), "object_store": 0},
+    }
     assert stats("rd", "LLMServer")["kv_transfer"]["num_failed_loads"] == 0
     wait_all_blocks_free("rd")
 
 
 def test_streaming_equals_unstreamed_chat(base_url):
     client = client_for(base_url)
-    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about foxes."}], max_tokens=20,
-                  temperature=0, extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me about foxes."}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
@@ -147,9 +176,12 @@ def test_streaming_equals_unstreamed_chat(base_url):
 
 
 def test_an_aborted_stream_frees_blocks_on_both_sides(base_url):
-    with httpx.stream("POST", f"{base_url}/v1/completions", timeout=60,
-                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
-                            "ignore_eos": True}) as response:
+    with httpx.stream(
+        "POST",
+        f"{base_url}/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True, "ignore_eos": True},
+    ) as response:
         assert response.status_code == 200
         for index, _ in enumerate(response.iter_lines()):
             if index >= 3:

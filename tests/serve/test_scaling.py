@@ -46,9 +46,18 @@ def stream_completion(base_url: str, started: threading.Event) -> tuple[int, str
     """One streamed completion; sets ``started`` at its first token; returns (tokens, finish_reason)."""
     finish_reason, num_tokens = None, None
     with httpx.Client(timeout=300) as http:
-        with http.stream("POST", f"{base_url}/v1/completions", json={
-                "model": LLAMA, "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}) as response:
+        with http.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            json={
+                "model": LLAMA,
+                "prompt": "Once upon a time",
+                "max_tokens": STREAM_TOKENS,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 if not line.startswith("data: {"):
@@ -76,7 +85,8 @@ class InFlightStreams:
 
     def assert_all_complete(self) -> None:
         assert [future.result(timeout=300) for future in self.futures] == [(STREAM_TOKENS, "length")] * len(
-            self.futures)
+            self.futures
+        )
 
 
 def replica_stats(num_calls: int = 40) -> dict[str, dict]:
@@ -93,8 +103,11 @@ def assert_every_replica_serves(base_url: str, pool: ThreadPoolExecutor, num_rep
     before = {rid: s["num_finished_reqs_total"] for rid, s in replica_stats().items()}
 
     def complete(i: int) -> int:
-        response = httpx.post(f"{base_url}/v1/completions", timeout=120, json={
-            "model": LLAMA, "prompt": f"Request {i}", "max_tokens": 48, "ignore_eos": True})
+        response = httpx.post(
+            f"{base_url}/v1/completions",
+            timeout=120,
+            json={"model": LLAMA, "prompt": f"Request {i}", "max_tokens": 48, "ignore_eos": True},
+        )
         return response.status_code
 
     assert list(pool.map(complete, range(32))) == [200] * 32

@@ -183,13 +183,13 @@ def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitab
 
 
 def json_response(model: BaseModel, status_code: int = HTTPStatus.OK, headers: dict | None = None) -> Response:
-    return Response(model.model_dump_json(), status_code=status_code, headers=headers,
-                    media_type="application/json")
+    return Response(model.model_dump_json(), status_code=status_code, headers=headers, media_type="application/json")
 
 
 def error_response(error: ErrorResponse) -> Response:
-    return Response(json.dumps(error.body()), status_code=error.status_code, headers=error.headers(),
-                    media_type="application/json")
+    return Response(
+        json.dumps(error.body()), status_code=error.status_code, headers=error.headers(), media_type="application/json"
+    )
 
 
 class EventStreamResponse(StreamingResponse):
@@ -204,8 +204,9 @@ class EventStreamResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _handle_endpoint(router: ModelRouter, raw_request: Request, method_name: str,
-                           parse: Callable[[dict], BaseModel]) -> Response:
+async def _handle_endpoint(
+    router: ModelRouter, raw_request: Request, method_name: str, parse: Callable[[dict], BaseModel]
+) -> Response:
     try:
         request = parse(await _read_json_object(raw_request))
     except ValidationError as exc:

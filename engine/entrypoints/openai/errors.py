@@ -51,11 +51,15 @@ class ErrorResponse(BaseModel):
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
-def make_error(message: str, status: HTTPStatus, param: str | None = None,
-               retry_after: int | None = None) -> ErrorResponse:
+def make_error(
+    message: str, status: HTTPStatus, param: str | None = None, retry_after: int | None = None
+) -> ErrorResponse:
     error_type = _ERROR_TYPES.get(status, status.phrase.replace(" ", "") + "Error")
-    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=int(status)),
-                         status_code=int(status), retry_after=retry_after)
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=error_type, param=param, code=int(status)),
+        status_code=int(status),
+        retry_after=retry_after,
+    )
 
 
 def bad_request(message: str, param: str | None = None) -> ErrorResponse:
@@ -87,8 +91,11 @@ def from_exception(exc: BaseException) -> ErrorResponse:
     if isinstance(exc, ServiceUnavailableError):
         return make_error(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, retry_after=RETRY_AFTER_S)
     if isinstance(exc, EngineOverloadedError):
-        return make_error(str(exc) or "The engine is overloaded; retry later.", HTTPStatus.SERVICE_UNAVAILABLE,
-                          retry_after=RETRY_AFTER_S)
+        return make_error(
+            str(exc) or "The engine is overloaded; retry later.",
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            retry_after=RETRY_AFTER_S,
+        )
     if isinstance(exc, ValidationError):
         return from_validation_error(exc)
     if isinstance(exc, ValueError):

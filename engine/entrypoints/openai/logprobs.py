@@ -31,8 +31,9 @@ def _token_text(token_id: int, logprob: Logprob | None, tokenizer) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None], tokenizer,
-                        initial_text_offset: int = 0) -> CompletionLogProbs:
+def completion_logprobs(
+    token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None], tokenizer, initial_text_offset: int = 0
+) -> CompletionLogProbs:
     """The legacy format: per token its text, logprob, offset and ``{text: logprob}`` of the alternatives.
 
     ``text_offset`` counts characters from ``initial_text_offset`` by each
@@ -51,22 +52,29 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLo
             result.top_logprobs.append(None)
             continue
         result.token_logprobs.append(_finite(chosen.logprob) if chosen is not None else None)
-        result.top_logprobs.append({_token_text(alt_id, alt, tokenizer): _finite(alt.logprob)
-                                    for alt_id, alt in position.items()})
+        result.top_logprobs.append(
+            {_token_text(alt_id, alt, tokenizer): _finite(alt.logprob) for alt_id, alt in position.items()}
+        )
     return result
 
 
-def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], num_top_logprobs: int,
-                  tokenizer) -> ChatCompletionLogProbs:
+def chat_logprobs(
+    token_ids: Sequence[int], positions: Sequence[PositionLogprobs], num_top_logprobs: int, tokenizer
+) -> ChatCompletionLogProbs:
     """The chat format: per token its logprob and bytes plus the ``num_top_logprobs`` most likely tokens."""
     content = []
     for token_id, position in zip(token_ids, positions):
         chosen = position[token_id]
-        top = sorted((item for item in position.items() if item[1].rank is not None
-                      and item[1].rank <= num_top_logprobs), key=lambda item: item[1].rank)
-        content.append(ChatLogProbsContent(**_chat_logprob(token_id, chosen, tokenizer).model_dump(),
-                                           top_logprobs=[_chat_logprob(alt_id, alt, tokenizer)
-                                                         for alt_id, alt in top]))
+        top = sorted(
+            (item for item in position.items() if item[1].rank is not None and item[1].rank <= num_top_logprobs),
+            key=lambda item: item[1].rank,
+        )
+        content.append(
+            ChatLogProbsContent(
+                **_chat_logprob(token_id, chosen, tokenizer).model_dump(),
+                top_logprobs=[_chat_logprob(alt_id, alt, tokenizer) for alt_id, alt in top],
+            )
+        )
     return ChatCompletionLogProbs(content=content)
 
 

@@ -80,8 +80,9 @@ class SamplingRequest(OpenAIBaseModel):
     def is_usage_streamed(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's parameters; raises ValueError (-> 400) on a bad value."""
         logit_bias = None
         if self.logit_bias is not None:
@@ -90,18 +91,30 @@ class SamplingRequest(OpenAIBaseModel):
             except ValueError:
                 raise ValueError("logit_bias keys must be token ids (integers as strings).") from None
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty,
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            bad_words=self.bad_words or [], include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=logit_bias,
+            seed=self.seed,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            bad_words=self.bad_words or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=logit_bias,
             allowed_token_ids=self.allowed_token_ids,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
 
 
 PromptInput = list[int] | list[list[int]] | str | list[str]
@@ -124,13 +137,15 @@ class CompletionRequest(SamplingRequest):
         # One clear message instead of pydantic's error per union member.
         if isinstance(prompt, str):
             return prompt
-        if isinstance(prompt, list) and (all(isinstance(item, str) for item in prompt)
-                                         or all(_is_token_id(item) for item in prompt)
-                                         or all(isinstance(item, list) and all(map(_is_token_id, item))
-                                                for item in prompt)):
+        if isinstance(prompt, list) and (
+            all(isinstance(item, str) for item in prompt)
+            or all(_is_token_id(item) for item in prompt)
+            or all(isinstance(item, list) and all(map(_is_token_id, item)) for item in prompt)
+        ):
             return prompt
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) or a list "
-                         "of token-id lists.")
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids (integers) or a list of token-id lists."
+        )
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -176,8 +191,10 @@ class ChatMessage(OpenAIBaseModel):
             for part in content:
                 part_type = part.get("type") if isinstance(part, dict) else None
                 if part_type != "text":
-                    raise ValueError(f"content parts of type {part_type!r} are not supported; only "
-                                     "{'type': 'text', 'text': ...} parts are.")
+                    raise ValueError(
+                        f"content parts of type {part_type!r} are not supported; only "
+                        "{'type': 'text', 'text': ...} parts are."
+                    )
             return content
         raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts.")
 

@@ -25,8 +25,11 @@ class UsageInfo(BaseModel):
 
     @classmethod
     def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens)
+        return cls(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+        )
 
 
 # Completions

@@ -21,8 +21,17 @@ from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 # Keyword arguments of apply_chat_template the serving sets itself; a request's chat_template_kwargs can't.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt",
-                                       "continue_final_message", "chat_template", "tools", "documents"})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tools",
+        "documents",
+    }
+)
 
 
 def random_uuid() -> str:
@@ -52,36 +61,53 @@ class ServingBase:
                 raise ValueError(
                     f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
                     f"has {num_prompt_tokens} input tokens, which leaves no room for the completion. Please "
-                    "reduce the length of the messages.")
+                    "reduce the length of the messages."
+                )
             return
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion.")
+                "the completion). Please reduce the length of the messages or completion."
+            )
 
     def render_chat(self, request: ChatTemplateFields) -> tuple[str, list[int]]:
         """The conversation rendered by the tokenizer's chat template, and its token ids."""
-        template_kwargs = {key: value for key, value in (request.chat_template_kwargs or {}).items()
-                           if key not in _RESERVED_TEMPLATE_KWARGS}
+        template_kwargs = {
+            key: value
+            for key, value in (request.chat_template_kwargs or {}).items()
+            if key not in _RESERVED_TEMPLATE_KWARGS
+        }
         try:
             text = self.tokenizer.apply_chat_template(
-                request.conversation(), tokenize=False, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message, **template_kwargs)
+                request.conversation(),
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **template_kwargs,
+            )
         except Exception as exc:  # noqa: BLE001 - a template failing on this input (jinja raises its own types)
             raise ValueError(f"The chat template failed on these messages: {exc}") from exc
         return text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
-    def start_requests(self, request_id: str, prompts: Sequence[Mapping], params: SamplingParams,
-                       request: SamplingRequest) -> list[AsyncGenerator[RequestOutput, None]]:
+    def start_requests(
+        self, request_id: str, prompts: Sequence[Mapping], params: SamplingParams, request: SamplingRequest
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
         """One engine request per prompt, ids ``<request_id>-<i>``; nothing runs until iterated."""
-        return [self.engine.generate(prompt, params, f"{request_id}-{index}", priority=request.priority,
-                                     cache_salt=request.cache_salt)
-                for index, prompt in enumerate(prompts)]
+        return [
+            self.engine.generate(
+                prompt, params, f"{request_id}-{index}", priority=request.priority, cache_salt=request.cache_salt
+            )
+            for index, prompt in enumerate(prompts)
+        ]
 
-    async def respond(self, generators: list[AsyncGenerator[RequestOutput, None]], is_stream: bool,
-                      make_response: Callable[[list[RequestOutput]], Any],
-                      make_stream: Callable[[], Any]) -> AsyncIterator[Any]:
+    async def respond(
+        self,
+        generators: list[AsyncGenerator[RequestOutput, None]],
+        is_stream: bool,
+        make_response: Callable[[list[RequestOutput]], Any],
+        make_stream: Callable[[], Any],
+    ) -> AsyncIterator[Any]:
         """The items of started engine requests: not streamed, one response built from the final outputs
         (or one error); streamed, the SSE events of ``make_stream()``'s ``format_batch`` / ``format_end``."""
         if not is_stream:
@@ -93,7 +119,8 @@ class ServingBase:
             yield make_response(outputs)
             return
         stream = make_stream()
-        async with contextlib.aclosing(stream_events(merge_streams(generators), stream.format_batch,
-                                                     stream.format_end)) as items:
+        async with contextlib.aclosing(
+            stream_events(merge_streams(generators), stream.format_batch, stream.format_end)
+        ) as items:
             async for item in items:
                 yield item

@@ -31,8 +31,7 @@ from engine.request_output import CompletionOutput, RequestOutput
 
 
 class ChatServing(ServingBase):
-    async def chat(self, request: ChatCompletionRequest
-                   ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
+    async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
         """Not streamed: one ChatCompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
 
         Closing the iterator aborts the engine request.
@@ -45,39 +44,53 @@ class ChatServing(ServingBase):
             yield from_exception(exc)
             return
         request_id = f"chatcmpl-{random_uuid()}"
-        generators = self.start_requests(request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params,
-                                         request)
-        async with contextlib.aclosing(self.respond(
-                generators, request.stream, lambda outputs: self._response(request, request_id, outputs[0]),
-                lambda: _ChatStream(self, request, request_id, num_prompt_tokens=len(token_ids)))) as items:
+        generators = self.start_requests(request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params, request)
+        async with contextlib.aclosing(
+            self.respond(
+                generators,
+                request.stream,
+                lambda outputs: self._response(request, request_id, outputs[0]),
+                lambda: _ChatStream(self, request, request_id, num_prompt_tokens=len(token_ids)),
+            )
+        ) as items:
             async for item in items:
                 yield item
 
-    def make_logprobs(self, request: ChatCompletionRequest,
-                      completion: CompletionOutput) -> ChatCompletionLogProbs | None:
+    def make_logprobs(
+        self, request: ChatCompletionRequest, completion: CompletionOutput
+    ) -> ChatCompletionLogProbs | None:
         if not request.logprobs:
             return None
-        return chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs or 0,
-                             self.tokenizer)
+        return chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs or 0, self.tokenizer)
 
-    def _response(self, request: ChatCompletionRequest, request_id: str,
-                  output: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatCompletionResponseChoice(index=completion.index,
-                                                message=ChatResponseMessage(content=completion.text),
-                                                logprobs=self.make_logprobs(request, completion),
-                                                finish_reason=completion.finish_reason,
-                                                stop_reason=completion.stop_reason)
-                   for completion in output.outputs]
+    def _response(
+        self, request: ChatCompletionRequest, request_id: str, output: RequestOutput
+    ) -> ChatCompletionResponse:
+        choices = [
+            ChatCompletionResponseChoice(
+                index=completion.index,
+                message=ChatResponseMessage(content=completion.text),
+                logprobs=self.make_logprobs(request, completion),
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for completion in output.outputs
+        ]
         num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-        return ChatCompletionResponse(id=request_id, model=self.model_id, choices=choices,
-                                      usage=UsageInfo.of(len(output.prompt_token_ids), num_completion_tokens))
+        return ChatCompletionResponse(
+            id=request_id,
+            model=self.model_id,
+            choices=choices,
+            usage=UsageInfo.of(len(output.prompt_token_ids), num_completion_tokens),
+        )
 
 
 class _ChatStream:
     """Per-request state of a streamed chat completion."""
 
-    def __init__(self, serving: ChatServing, request: ChatCompletionRequest, request_id: str,
-                 num_prompt_tokens: int) -> None:
+    def __init__(
+        self, serving: ChatServing, request: ChatCompletionRequest, request_id: str, num_prompt_tokens: int
+    ) -> None:
         self.serving = serving
         self.request = request
         self.request_id = request_id
@@ -100,23 +113,30 @@ class _ChatStream:
     def _role_event(self) -> str:
         """One chunk per choice (as vLLM sends them): clients often read only ``choices[0]``."""
         return "".join(
-            sse_event(self._chunk([ChatCompletionStreamChoice(index=index,
-                                                              delta=DeltaMessage(role="assistant", content=""))]))
-            for index in range(self.request.n))
+            sse_event(
+                self._chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            )
+            for index in range(self.request.n)
+        )
 
     def _choice(self, completion: CompletionOutput) -> ChatCompletionStreamChoice:
         delta = DeltaMessage(content=completion.text if completion.text else None)
-        return ChatCompletionStreamChoice(index=completion.index, delta=delta,
-                                          logprobs=self.serving.make_logprobs(self.request, completion),
-                                          finish_reason=completion.finish_reason,
-                                          stop_reason=completion.stop_reason)
+        return ChatCompletionStreamChoice(
+            index=completion.index,
+            delta=delta,
+            logprobs=self.serving.make_logprobs(self.request, completion),
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
 
     def format_end(self) -> str:
         if not self.request.is_usage_streamed:
             return ""
         return sse_event(self._chunk([], UsageInfo.of(self.num_prompt_tokens, self.num_completion_tokens)))
 
-    def _chunk(self, choices: list[ChatCompletionStreamChoice],
-               usage: UsageInfo | None = None) -> ChatCompletionStreamResponse:
-        return ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.serving.model_id,
-                                            choices=choices, usage=usage)
+    def _chunk(
+        self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None
+    ) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.serving.model_id, choices=choices, usage=usage
+        )

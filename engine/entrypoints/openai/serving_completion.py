@@ -27,8 +27,7 @@ from engine.sampling_params import SamplingParams
 
 
 class CompletionServing(ServingBase):
-    async def completions(self, request: CompletionRequest
-                          ) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
+    async def completions(self, request: CompletionRequest) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
         """Not streamed: one CompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
 
         Closing the iterator aborts the engine requests.
@@ -41,9 +40,14 @@ class CompletionServing(ServingBase):
             return
         request_id = f"cmpl-{random_uuid()}"
         generators = self.start_requests(request_id, prompts, params, request)
-        async with contextlib.aclosing(self.respond(
-                generators, request.stream, lambda outputs: self._response(request, request_id, prompts, outputs),
-                lambda: _CompletionStream(self, request, request_id, prompts))) as items:
+        async with contextlib.aclosing(
+            self.respond(
+                generators,
+                request.stream,
+                lambda outputs: self._response(request, request_id, prompts, outputs),
+                lambda: _CompletionStream(self, request, request_id, prompts),
+            )
+        ) as items:
             async for item in items:
                 yield item
 
@@ -68,21 +72,34 @@ class CompletionServing(ServingBase):
     def prompt_text(self, output: RequestOutput) -> str:
         return output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
 
-    def _response(self, request: CompletionRequest, request_id: str, prompts: list[dict],
-                  outputs: list[RequestOutput]) -> CompletionResponse:
+    def _response(
+        self, request: CompletionRequest, request_id: str, prompts: list[dict], outputs: list[RequestOutput]
+    ) -> CompletionResponse:
         choices = []
         num_completion_tokens = 0
         for prompt_index, output in enumerate(outputs):
             for completion in output.outputs:
                 num_completion_tokens += len(completion.token_ids)
-                choices.append(self.make_choice(request, prompt_index, output, completion, echo=request.echo,
-                                            text_offset=0))
+                choices.append(
+                    self.make_choice(request, prompt_index, output, completion, echo=request.echo, text_offset=0)
+                )
         num_prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt in prompts)
-        return CompletionResponse(id=request_id, model=self.model_id, choices=choices,
-                                  usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens))
+        return CompletionResponse(
+            id=request_id,
+            model=self.model_id,
+            choices=choices,
+            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
+        )
 
-    def make_choice(self, request: CompletionRequest, prompt_index: int, output: RequestOutput,
-                completion: CompletionOutput, echo: bool, text_offset: int) -> CompletionResponseChoice:
+    def make_choice(
+        self,
+        request: CompletionRequest,
+        prompt_index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        echo: bool,
+        text_offset: int,
+    ) -> CompletionResponseChoice:
         """One choice; with ``echo`` the prompt (text and logprobs) comes first."""
         text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs or []
         if echo:
@@ -95,16 +112,21 @@ class CompletionServing(ServingBase):
         logprobs = None
         if request.logprobs is not None:
             logprobs = completion_logprobs(token_ids, positions, self.tokenizer, initial_text_offset=text_offset)
-        return CompletionResponseChoice(index=prompt_index * request.n + completion.index, text=text,
-                                        logprobs=logprobs, finish_reason=completion.finish_reason,
-                                        stop_reason=completion.stop_reason)
+        return CompletionResponseChoice(
+            index=prompt_index * request.n + completion.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
 
 
 class _CompletionStream:
     """Per-request state of a streamed completion: what each choice has sent so far."""
 
-    def __init__(self, serving: CompletionServing, request: CompletionRequest, request_id: str,
-                 prompts: list[dict]) -> None:
+    def __init__(
+        self, serving: CompletionServing, request: CompletionRequest, request_id: str, prompts: list[dict]
+    ) -> None:
         self.serving = serving
         self.request = request
         self.request_id = request_id
@@ -130,8 +152,9 @@ class _CompletionStream:
         has_tokens = self.request.logprobs is not None and completion.token_ids
         if not (completion.text or completion.finish_reason or echo or has_tokens):
             return ""  # nothing new yet (text held back for a possible stop string)
-        choice = self.serving.make_choice(self.request, prompt_index, output, completion, echo=echo,
-                                      text_offset=self.num_sent_chars.get(index, 0))
+        choice = self.serving.make_choice(
+            self.request, prompt_index, output, completion, echo=echo, text_offset=self.num_sent_chars.get(index, 0)
+        )
         self.num_sent_chars[index] = self.num_sent_chars.get(index, 0) + len(choice.text)
         return sse_event(self._chunk([choice]))
 
@@ -141,5 +164,6 @@ class _CompletionStream:
         return sse_event(self._chunk([], UsageInfo.of(self.num_prompt_tokens, self.num_completion_tokens)))
 
     def _chunk(self, choices: list[CompletionResponseChoice], usage: UsageInfo | None = None):
-        return CompletionStreamResponse(id=self.request_id, created=self.created, model=self.serving.model_id,
-                                        choices=choices, usage=usage)
+        return CompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.serving.model_id, choices=choices, usage=usage
+        )

@@ -27,15 +27,17 @@ class TokenizationServing(ServingBase):
             yield bad_request(str(exc))
             return
         token_strs = self.tokenizer.convert_ids_to_tokens(token_ids) if request.return_token_strs else None
-        yield TokenizeResponse(count=len(token_ids), max_model_len=self.max_model_len, tokens=token_ids,
-                               token_strs=token_strs)
+        yield TokenizeResponse(
+            count=len(token_ids), max_model_len=self.max_model_len, tokens=token_ids, token_strs=token_strs
+        )
 
     async def detokenize(self, request: DetokenizeRequest) -> AsyncIterator[ErrorResponse | DetokenizeResponse]:
         """One DetokenizeResponse (the text of the token ids, special tokens kept), or one ErrorResponse."""
         vocab_size = self.engine.vocab_size
         bad = [token_id for token_id in request.tokens if not 0 <= token_id < vocab_size]
         if bad:
-            yield bad_request(f"tokens contains ids outside the vocabulary (size {vocab_size}): {bad[:8]}.",
-                              param="tokens")
+            yield bad_request(
+                f"tokens contains ids outside the vocabulary (size {vocab_size}): {bad[:8]}.", param="tokens"
+            )
             return
         yield DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))

@@ -33,7 +33,8 @@ def sse_event(payload: BaseModel | dict) -> str:
 
 
 async def merge_streams(
-        generators: Sequence[AsyncGenerator[RequestOutput, None]]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    generators: Sequence[AsyncGenerator[RequestOutput, None]],
+) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
     """Yields batches of ``(generator index, output)`` until every generator is exhausted.
 
     The first batch waits until every generator has produced its first output,
@@ -99,9 +100,11 @@ async def collect_final_outputs(generators: Sequence[AsyncGenerator[RequestOutpu
     return finals
 
 
-async def stream_events(batches: AsyncIterator[list[tuple[int, RequestOutput]]],
-                        format_batch: Callable[[list[tuple[int, RequestOutput]]], str],
-                        format_end: Callable[[], str]) -> AsyncIterator[ErrorResponse | str]:
+async def stream_events(
+    batches: AsyncIterator[list[tuple[int, RequestOutput]]],
+    format_batch: Callable[[list[tuple[int, RequestOutput]]], str],
+    format_end: Callable[[], str],
+) -> AsyncIterator[ErrorResponse | str]:
     """A streamed response's items: SSE strings, or one ErrorResponse if nothing was sent yet.
 
     ``format_batch`` turns a batch into events (maybe none); ``format_end``

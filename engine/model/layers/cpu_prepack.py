@@ -36,8 +36,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_SIZE_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight: torch.Tensor | None
+) -> torch.Tensor:
     """``F.linear`` through the prepared weight when there is one (x: [T, in] -> [T, out])."""
     if packed_weight is None:
         return F.linear(x, weight, bias)

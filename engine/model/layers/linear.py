@@ -79,8 +79,9 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs packed along dim 0 (e.g. gate_up_proj, shard ids 0, 1)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
 
@@ -105,8 +106,16 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     KV heads are replicated when ``tp_size > num_kv_heads``.
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         assert num_heads % tp_size == 0
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
@@ -179,8 +188,14 @@ class LMHead(nn.Module):
     With tied embeddings it reuses ``embedding.weight`` (the same Parameter).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 tied_to: VocabEmbedding | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tied_to: VocabEmbedding | None = None,
+    ):
         super().__init__()
         self.tp_size = tp_size
         if tied_to is not None:

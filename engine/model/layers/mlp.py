@@ -13,13 +13,21 @@ from engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLi
 class SwiGLUMLP(nn.Module):
     """[T, hidden] -> [T, hidden]. HF names ``gate_proj``/``up_proj`` load into ``gate_up_proj`` shards 0/1."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 hidden_act: str = "silu", tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        hidden_act: str = "silu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         super().__init__()
         if hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {hidden_act!r} (only 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+            hidden_size, [intermediate_size] * 2, bias=bias, tp_rank=tp_rank, tp_size=tp_size
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -48,8 +48,9 @@ def _yarn_inv_freq(p: dict[str, Any], dim: int, max_pos: int) -> tuple[torch.Ten
     attn_factor = p.get("attention_factor")
     if attn_factor is None:
         ms, ms_all = p.get("mscale"), p.get("mscale_all_dim")
-        attn_factor = (_yarn_mscale(factor, ms) / _yarn_mscale(factor, ms_all)) if ms and ms_all \
-            else _yarn_mscale(factor)
+        attn_factor = (
+            (_yarn_mscale(factor, ms) / _yarn_mscale(factor, ms_all)) if ms and ms_all else _yarn_mscale(factor)
+        )
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
 
     def corr_dim(rot: float) -> float:
@@ -77,8 +78,9 @@ def _dynamic_inv_freq(p: dict[str, Any], dim: int, max_pos: int, seq_lens: torch
     return 1.0 / (base.float()[:, None] ** exponents[None, :])
 
 
-def compute_inv_freq(rope: dict[str, Any], dim: int, max_pos: int,
-                     seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(
+    rope: dict[str, Any], dim: int, max_pos: int, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
     """(inv_freq [dim/2] float32, attention_factor) exactly as transformers' rope init.
 
     ``seq_len`` only matters for ``dynamic`` (defaults to ``max_pos``).
@@ -149,8 +151,9 @@ class RotaryEmbedding(nn.Module):
             max_position = int(positions.max()) if positions.numel() else 0
         return self.table(max_position, positions.device).index_select(0, positions)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                cos_sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if cos_sin is None:
             cos_sin = self.cos_sin_for(positions)
         cos = cos_sin[:, 0, None, :].to(q.dtype)  # [T, 1, D]
