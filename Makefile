@@ -11,7 +11,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # Ray token authentication for the clusters make starts and the drivers that join them (see deployments/launcher.py).
 export RAY_AUTH_MODE ?= token
 
-.PHONY: venv test serve stop models clean bench-scheduler prometheus
+.PHONY: venv lint test serve stop models clean bench-scheduler prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,12 @@ prometheus:
 	  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
 	@prometheus --version | head -1
 
-test: venv prometheus
+# ruff first (seconds): a formatting or lint error fails before the 20-minute suite starts.
+lint: venv
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: venv prometheus lint
 	$(PY) -m pytest -q
 
 # The embedded default model: a deterministic random-weight checkpoint made locally (no downloads).
