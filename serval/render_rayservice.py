@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
         import helm_python
     except ImportError:
         print(
-            "serval render-rayservice: needs the helm-python-sdk package (pip install -e '.[kubernetes]', or pip install helm-python-sdk)", file=sys.stderr
+            "serval render-rayservice: needs the helm-python-sdk package "
+            "(pip install -e '.[kubernetes]', or pip install helm-python-sdk)",
+            file=sys.stderr,
         )
         return 1
     try:
