@@ -90,6 +90,13 @@ class RayStatLogger:
         self.request_success = metrics.Counter(
             "serval_request_success", "Requests finished, by finish reason.", tag_keys=(*TAG_KEYS, "finished_reason")
         )
+        self._init_latency_histograms()
+        self.kv_transfer = KVTransferMetrics()
+        # The scheduler's counters are totals since start; Ray counters take increments.
+        self._last_preemptions = self._last_queries = self._last_hits = 0
+
+    def _init_latency_histograms(self) -> None:
+        """Per-token latencies (observed every step) and per-request ones (observed when a request finishes)."""
         self.time_to_first_token = _histogram(
             "serval_time_to_first_token_seconds",
             "Time to first token.",
@@ -115,9 +122,6 @@ class RayStatLogger:
         self.decode_time = _histogram(
             "serval_request_decode_time_seconds", "First token -> last token.", REQUEST_LATENCY_BUCKETS
         )
-        self.kv_transfer = KVTransferMetrics()
-        # The scheduler's counters are totals since start; Ray counters take increments.
-        self._last_preemptions = self._last_queries = self._last_hits = 0
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         tags = self.tags

@@ -84,20 +84,7 @@ class LLMEngine:
         if request_id in self.core_ids_of:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         prompt_text, prompt_token_ids = self.processor.tokenize_prompt(prompt)
-        if params.n == 1:
-            children = [(request_id, params)]
-            parent = None
-        else:
-            # vLLM's convention: child i of a seeded request uses seed + i.
-            children = [
-                (f"{i}_{request_id}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
-                for i in range(params.n)
-            ]
-            parent = ParentRequest(request_id, params.n)
-        # n > 1 children are named "i_<id>": they must not take over another request's id (nor the reverse).
-        for core_id, _ in children:
-            if core_id in self.output_processor.states:
-                raise ValueError(f"Request id {request_id!r} would reuse the in-flight request id {core_id!r}.")
+        children, parent = self._fan_out(request_id, params)
         requests = [
             self.processor.make_request(
                 core_id, prompt_token_ids, child_params, priority, cache_salt, kv_transfer_params=kv_transfer_params
@@ -122,6 +109,29 @@ class LLMEngine:
         self.core_ids_of[request_id] = [request.request_id for request in requests]
         self.totals.num_prompt_tokens += len(prompt_token_ids)
         return prompt_text, prompt_token_ids
+
+    def _fan_out(
+        self, request_id: str, params: SamplingParams
+    ) -> tuple[list[tuple[str, SamplingParams]], ParentRequest | None]:
+        """The request's (core id, params) children and, for ``n`` > 1, their parent; changes nothing.
+
+        Raises ValueError if a child's id is already in flight.
+        """
+        if params.n == 1:
+            children = [(request_id, params)]
+            parent = None
+        else:
+            # vLLM's convention: child i of a seeded request uses seed + i.
+            children = [
+                (f"{i}_{request_id}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
+                for i in range(params.n)
+            ]
+            parent = ParentRequest(request_id, params.n)
+        # n > 1 children are named "i_<id>": they must not take over another request's id (nor the reverse).
+        for core_id, _ in children:
+            if core_id in self.output_processor.states:
+                raise ValueError(f"Request id {request_id!r} would reuse the in-flight request id {core_id!r}.")
+        return children, parent
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Ends these requests at once, freeing their blocks; unknown or finished ids are skipped."""

@@ -79,6 +79,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Raises ValueError for the first bad field: how tokens are drawn, then lengths and token constraints."""
+        self._validate_sampling()
+        self._validate_lengths_and_tokens()
+
+    def _validate_sampling(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
         _check(
             -2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}."
@@ -98,6 +103,8 @@ class SamplingParams:
             f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.",
         )
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+
+    def _validate_lengths_and_tokens(self) -> None:
         _check(
             self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}."
         )

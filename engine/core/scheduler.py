@@ -11,7 +11,7 @@ blocks freed, to be recomputed later) and nothing new is admitted that step.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from engine.core.block_pool import KVCacheBlock
@@ -19,13 +19,8 @@ from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
 from engine.core.request import Request, RequestStatus, check_prompt_fits
 from engine.core.request_queue import make_request_queue
-from engine.core.step_outputs import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from engine.core.step_outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine.core.step_plan import StepPlan
 from engine.core.stop_conditions import check_stop
 
 
@@ -37,24 +32,6 @@ class SchedulerStats:
     num_preemptions: int  # since start
     prefix_cache_stats: PrefixCacheStats
     kv_transfer_stats: KVTransferStats | None = None  # with KV transfer configured
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """What one ``schedule()`` has decided so far, and the token budget it has left."""
-
-    token_budget: int
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # running requests' new blocks
-    scheduled_running: list[Request] = field(default_factory=list)
-    scheduled_new: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    def unschedule(self, request: Request) -> None:
-        """Takes back a running request scheduled earlier this step: its tokens return to the budget."""
-        self.scheduled_running.remove(request)
-        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
-        del self.new_block_ids[request.request_id]
 
 
 class Scheduler:
@@ -136,11 +113,13 @@ class Scheduler:
         waiting ones. The output describes the requests as they were before this step; only then does
         ``_update_after_schedule`` move them past it.
         """
-        plan = _StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
+        plan = StepPlan(token_budget=self.scheduler_config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._admit_waiting(plan)
-        output = self._build_output(plan)
+        output = plan.build_output(
+            self.kv_cache_manager.get_block_ids, self.scheduler_config.max_num_batched_tokens, self.finished_req_ids
+        )
         self._update_after_schedule(output)
         return output
 
@@ -152,7 +131,7 @@ class Scheduler:
             num_new_tokens = threshold
         return num_new_tokens if num_new_tokens < token_budget else token_budget
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         """Gives running requests, oldest first, their next tokens while ``plan``'s budget lasts."""
         running = self.running
         # Locals, the budget too: this loop runs once per running request per step.
@@ -183,7 +162,7 @@ class Scheduler:
             index += 1
         plan.token_budget = token_budget
 
-    def _preempt_until_fits(self, request: Request, num_new_tokens: int, plan: _StepPlan) -> list[KVCacheBlock] | None:
+    def _preempt_until_fits(self, request: Request, num_new_tokens: int, plan: StepPlan) -> list[KVCacheBlock] | None:
         """Preempts the policy's victims one by one until ``num_new_tokens`` slots fit for running ``request``.
 
         Returns the new blocks; None when ``request`` itself became the victim (it is preempted then).
@@ -202,7 +181,7 @@ class Scheduler:
             if new_blocks is not None:
                 return new_blocks
 
-    def _admit_waiting(self, plan: _StepPlan) -> None:
+    def _admit_waiting(self, plan: StepPlan) -> None:
         """Moves waiting requests to running while ``plan``'s budget, seats and blocks last."""
         kv = self.kv_cache_manager
         while (
@@ -258,38 +237,6 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.preempted(request)
         self.waiting.prepend(request)
-
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
-        """The step as the workers see it, read from the requests' state before the step; changes nothing."""
-        kv = self.kv_cache_manager
-        new_reqs_data = [
-            NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=kv.get_block_ids(request.request_id),
-                num_computed_tokens=request.num_computed_tokens,
-            )
-            for request in plan.scheduled_new
-        ]
-        cached = CachedRequestData()
-        num_scheduled_tokens, new_block_ids = plan.num_scheduled_tokens, plan.new_block_ids
-        for request in plan.scheduled_running:
-            num_computed = request.num_computed_tokens
-            num_new_tokens = num_scheduled_tokens[request.request_id]
-            cached.req_ids.append(request.request_id)
-            cached.new_token_ids.append(request.all_token_ids[num_computed : num_computed + num_new_tokens])
-            cached.new_block_ids.append(new_block_ids[request.request_id])
-            cached.num_computed_tokens.append(num_computed)
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs_data,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=self.scheduler_config.max_num_batched_tokens - plan.token_budget,
-            preempted_req_ids={request.request_id for request in plan.preempted},
-            finished_req_ids=self.finished_req_ids,
-        )
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         """Every state change that follows from scheduling ``output``, in one place.

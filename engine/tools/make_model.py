@@ -186,19 +186,13 @@ def make_model(
         if not quiet:
             print(f"serval make-model: {path} already up to date ({arch}/{size}, seed {seed})")
         return path
-    from engine.tools.tokenizer_trainer import build_hf_tokenizer
     from engine.tools.weights import write_weights
 
     _clear_output(path)
     config = build_config(arch, size, dtype, tie, vocab)
     config.save_pretrained(path)
     _write_generation_config(path, config)
-    # save_jinja_files=False keeps the chat template inside tokenizer_config.json
-    # (transformers 5 would otherwise write a separate chat_template.jinja).
-    bpe_vocab = min(config.vocab_size, SIZES[size].bpe_vocab or config.vocab_size)
-    tokenizer = build_hf_tokenizer(bpe_vocab, ARCHS[arch][3], MAX_POSITION_EMBEDDINGS)
-    _reserve_vocab(tokenizer, config.vocab_size)
-    tokenizer.save_pretrained(path, save_jinja_files=False)
+    _write_tokenizer(path, arch, size, config.vocab_size)
     n_params = write_weights(path, config, seed, dtype, max_shard_size, threads=threads)
     # Written last: its presence marks the checkpoint as complete.
     (path / SPEC_FILE).write_text(json.dumps({**spec, "num_parameters": n_params}, indent=2) + "\n")
@@ -206,6 +200,18 @@ def make_model(
         tied = "tied" if config.tie_word_embeddings else "untied"
         print(f"serval make-model: {arch}/{size} {n_params / 1e6:.2f}M params ({tied}), {dtype}, seed {seed} -> {path}")
     return path
+
+
+def _write_tokenizer(path: Path, arch: str, size: str, vocab_size: int) -> None:
+    """The byte-level BPE tokenizer: the preset's learned ids, then reserved ones up to ``vocab_size``."""
+    from engine.tools.tokenizer_trainer import build_hf_tokenizer
+
+    bpe_vocab = min(vocab_size, SIZES[size].bpe_vocab or vocab_size)
+    tokenizer = build_hf_tokenizer(bpe_vocab, ARCHS[arch][3], MAX_POSITION_EMBEDDINGS)
+    _reserve_vocab(tokenizer, vocab_size)
+    # save_jinja_files=False keeps the chat template inside tokenizer_config.json
+    # (transformers 5 would otherwise write a separate chat_template.jinja).
+    tokenizer.save_pretrained(path, save_jinja_files=False)
 
 
 def _reserve_vocab(tokenizer, vocab_size: int) -> None:

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.config import EngineConfig
 from engine.kernels.triton_cache import PAD_SLOT_ID
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,30 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
     limit = min(max_num_seqs, MAX_CAPTURED_BATCH)
     sizes = [size for size in (1, 2, 4) if size <= limit] + list(range(8, limit + 1, 8))
     return sorted(set(sizes) | {limit})
+
+
+def capture_decode_graphs(
+    model, kv_caches: list[torch.Tensor], config: EngineConfig, max_num_blocks_per_req: int, device: torch.device
+) -> DecodeGraphRunner | None:
+    """A model runner's decode graphs, captured over its KV caches; None where graphs do not apply.
+
+    They apply on CUDA, unless ``enforce_eager``, with an attention backend that supports them, and on
+    one rank only: a stage boundary (PP) or a collective (TP) inside a graph is not supported yet.
+    """
+    if not (
+        device.type == "cuda"
+        and not config.model_config.enforce_eager
+        and model.backend.supports_cuda_graphs
+        and config.parallel_config.world_size == 1
+    ):
+        return None
+    scheduler_config = config.scheduler_config
+    sizes = config.model_config.cuda_graph_batch_sizes or default_batch_sizes(scheduler_config.max_num_seqs)
+    graphs = DecodeGraphRunner(
+        model, kv_caches, list(sizes), max_num_blocks_per_req, scheduler_config.max_model_len, device
+    )
+    graphs.capture()
+    return graphs
 
 
 class DecodeGraphRunner:

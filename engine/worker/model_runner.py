@@ -29,12 +29,13 @@ from engine.distributed.parallel_state import get_parallel_state, recv_from_prev
 from engine.kv_transfer import KVConnectorWorker
 from engine.model import get_model
 from engine.model.layers.cpu_prepack import prepack_linears
-from engine.sample import Sampler, SamplingMetadata
-from engine.sample.prompt_logprobs import PromptChunk, PromptLogprobs
-from engine.worker.cuda_graphs import DecodeGraphRunner, default_batch_sizes
+from engine.sample import Sampler
+from engine.sample.prompt_logprobs import PromptLogprobs
+from engine.worker.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from engine.worker.input_batch import InputBatch
 from engine.worker.profiling import profile_forward
 from engine.worker.request_state import CachedRequestState
+from engine.worker.sampling_inputs import prompt_chunks, sampling_metadata
 from engine.worker.step_inputs import StepInputs
 
 
@@ -112,28 +113,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates the caches, then (CUDA, unless ``enforce_eager``) captures the decode graphs over them."""
         self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size)
-        if self._uses_cuda_graphs():
-            model_config = self.config.model_config
-            sizes = model_config.cuda_graph_batch_sizes or default_batch_sizes(
-                self.config.scheduler_config.max_num_seqs
-            )
-            self.decode_graphs = DecodeGraphRunner(
-                self.model,
-                self.kv_caches,
-                list(sizes),
-                self.max_num_blocks_per_req,
-                self.config.scheduler_config.max_model_len,
-                self.device,
-            )
-            self.decode_graphs.capture()
-
-    def _uses_cuda_graphs(self) -> bool:
-        # One rank only: a stage boundary (PP) or a collective (TP) inside a graph is not supported yet.
-        return (
-            self.device.type == "cuda"
-            and not self.config.model_config.enforce_eager
-            and self.model.backend.supports_cuda_graphs
-            and self.config.parallel_config.world_size == 1
+        self.decode_graphs = capture_decode_graphs(
+            self.model, self.kv_caches, self.config, self.max_num_blocks_per_req, self.device
         )
 
     def profile_run(self) -> None:
@@ -177,7 +158,7 @@ class ModelRunner:
         if kv_meta and kv_meta.saves:
             self.kv_connector.save_kv(kv_meta, self.kv_caches, kv_output)
         prompt_logprobs = self.prompt_logprobs.compute(
-            self._prompt_chunks(inputs), hidden, self.model.compute_logits, parallel.is_output_rank
+            prompt_chunks(self.requests, inputs), hidden, self.model.compute_logits, parallel.is_output_rank
         )
         logits = None
         if inputs.sampled_req_ids:  # with tp_size > 1 a collective: every rank of the last stage computes them
@@ -210,39 +191,12 @@ class ModelRunner:
             return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
 
-    def _prompt_chunks(self, inputs: StepInputs) -> list[PromptChunk]:
-        """The batch's prompt positions of requests that asked for prompt logprobs."""
-        chunks = []
-        for req_id, start, num_tokens, row in zip(
-            inputs.req_ids, inputs.starts, inputs.query_lens, inputs.token_offsets
-        ):
-            state = self.requests[req_id]
-            if state.sampling_params.prompt_logprobs is not None:
-                chunks.append(
-                    PromptChunk(
-                        req_id,
-                        state.prompt_token_ids,
-                        state.sampling_params.prompt_logprobs,
-                        start,
-                        start + num_tokens,
-                        row,
-                    )
-                )
-        return chunks
-
     def _sample(
         self, req_ids: list[str], logits: torch.Tensor
     ) -> tuple[dict[str, list[int]], dict[str, LogprobsLists] | None]:
         """One token per request (logits row ``i`` is ``req_ids[i]``'s), and the logprobs they asked for."""
         states = [self.requests[req_id] for req_id in req_ids]
-        metadata = SamplingMetadata.from_requests(
-            [(s.sampling_params, s.prompt_token_ids, s.output_token_ids, s.generator) for s in states],
-            self.vocab_size,
-            self.eos_token_ids,
-            device=self.device,
-            bad_words_token_ids=[s.sampling_params.bad_words_token_ids for s in states],
-        )
-        output = self.sampler(logits, metadata)
+        output = self.sampler(logits, sampling_metadata(states, self.vocab_size, self.eos_token_ids, self.device))
         token_ids = output.sampled_token_ids.tolist()
         self.input_batch.append_sampled_tokens(req_ids, token_ids)
         sampled = {req_id: [token_id] for req_id, token_id in zip(req_ids, token_ids)}

@@ -9,7 +9,7 @@ does before the step's own forward.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +33,21 @@ class StepInputs:
     query_lens: list[int]  # tokens each request computes in this batch
 
 
+@dataclass(slots=True)
+class _FlatBatch:
+    """The step's batch as Python lists, request after request, before any tensor is made."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # each request's block-table row
+    starts: list[int] = field(default_factory=list)
+    token_offsets: list[int] = field(default_factory=lambda: [0])
+    sampled_req_ids: list[str] = field(default_factory=list)
+    sample_indices: list[int] = field(default_factory=list)
+
+
 def build_step_inputs(
     requests: Mapping[str, CachedRequestState],
     block_table: BlockTable,
@@ -47,15 +62,33 @@ def build_step_inputs(
     ``num_computed_tokens``. Reads the states; on return nothing has changed.
     """
     req_ids = list(num_scheduled_tokens)
-    input_ids: list[int] = []
-    positions: list[int] = []
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    slots: list[int] = []
-    first_positions: list[int] = []
-    token_offsets = [0]
-    sampled_req_ids: list[str] = []
-    sample_indices: list[int] = []
+    flat = _flatten(requests, req_ids, num_scheduled_tokens, starts)
+    positions, metadata = _position_tensors(block_table, flat, block_size, device)
+    return StepInputs(
+        req_ids=req_ids,
+        input_ids=torch.tensor(flat.input_ids, dtype=torch.long, device=device),
+        positions=positions,
+        attn_metadata=metadata,
+        sampled_req_ids=flat.sampled_req_ids,
+        sample_indices=torch.tensor(flat.sample_indices, dtype=torch.long, device=device),
+        token_offsets=flat.token_offsets,
+        starts=flat.starts,
+        query_lens=flat.query_lens,
+    )
+
+
+def _flatten(
+    requests: Mapping[str, CachedRequestState],
+    req_ids: list[str],
+    num_scheduled_tokens: Mapping[str, int],
+    starts: Mapping[str, int] | None,
+) -> _FlatBatch:
+    """Each request's scheduled tokens and positions, one after another; the ones that get a token."""
+    flat = _FlatBatch()
+    # Locals: this loop runs once per scheduled request per step.
+    input_ids, positions, query_lens, seq_lens = flat.input_ids, flat.positions, flat.query_lens, flat.seq_lens
+    slots, first_positions, token_offsets = flat.slots, flat.starts, flat.token_offsets
+    sampled_req_ids, sample_indices = flat.sampled_req_ids, flat.sample_indices
     for req_id in req_ids:
         state = requests[req_id]
         num_new = num_scheduled_tokens[req_id]
@@ -71,34 +104,14 @@ def build_step_inputs(
         if end == len(state.token_ids):  # the prompt is done: this request gets a token
             sampled_req_ids.append(req_id)
             sample_indices.append(token_offsets[-1] - 1)
-    positions_tensor, metadata = _position_tensors(
-        block_table, slots, positions, query_lens, seq_lens, token_offsets, len(input_ids), block_size, device
-    )
-    return StepInputs(
-        req_ids=req_ids,
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=positions_tensor,
-        attn_metadata=metadata,
-        sampled_req_ids=sampled_req_ids,
-        sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
-        token_offsets=token_offsets,
-        starts=first_positions,
-        query_lens=query_lens,
-    )
+    return flat
 
 
 def _position_tensors(
-    block_table: BlockTable,
-    slots: list[int],
-    positions: list[int],
-    query_lens: list[int],
-    seq_lens: list[int],
-    token_offsets: list[int],
-    num_tokens: int,
-    block_size: int,
-    device: torch.device,
+    block_table: BlockTable, flat: _FlatBatch, block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """(positions, attention metadata): the batch's block tables and each token's KV slot."""
+    slots, positions, query_lens, seq_lens = flat.slots, flat.positions, flat.query_lens, flat.seq_lens
     # numpy for the index arithmetic: a few microseconds per op instead of torch's tens, and the
     # tensors below share its memory (no copies on CPU).
     positions_np = np.array(positions, dtype=np.int64)
@@ -110,8 +123,8 @@ def _position_tensors(
     token_blocks = block_tables[token_rows, positions_np // block_size].astype(np.int64)
     slot_mapping = token_blocks * block_size + positions_np % block_size
     metadata = AttentionMetadata(
-        num_actual_tokens=num_tokens,
-        query_start_loc=torch.tensor(token_offsets, dtype=torch.int32, device=device),
+        num_actual_tokens=len(flat.input_ids),
+        query_start_loc=torch.tensor(flat.token_offsets, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.from_numpy(block_tables).to(device),
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
