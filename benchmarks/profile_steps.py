@@ -46,7 +46,8 @@ def instrument(llm, totals: dict) -> None:
     runner = engine.engine_core.executor.worker.model_runner
     scheduler.schedule = timed(totals, "scheduler.schedule", scheduler.schedule)
     scheduler.update_from_output = timed(totals, "scheduler.update_from_output", scheduler.update_from_output)
-    runner._prepare_inputs = timed(totals, "runner.prepare_inputs", runner._prepare_inputs)
+    batch = runner.input_batch
+    batch.prepare_inputs = timed(totals, "runner.prepare_inputs", batch.prepare_inputs)
     runner._sample = timed(totals, "runner.sample", runner._sample)
     runner.model.forward = timed(totals, "model.forward", runner.model.forward)
     runner.model.compute_logits = timed(totals, "model.compute_logits", runner.model.compute_logits)
