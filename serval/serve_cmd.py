@@ -12,41 +12,20 @@ Ray head on 127.0.0.1, the app deployed, RUNNING awaited, the endpoint printed; 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-from serval.bench.throughput import ENGINE_FLAGS
+from serval.engine_flags import add_engine_flags, engine_kwargs_from_flags
 
 SUMMARY = "serve a local checkpoint over the OpenAI API on a local Ray cluster (vllm serve MODEL)"
-
-# EngineArgs field -> argparse options: the offline benchmarks' flags plus the serving ones.
-SERVE_ENGINE_FLAGS = {
-    **ENGINE_FLAGS,
-    "seed": {"type": int},
-    "max_num_queued_reqs": {"type": int, "help": "beyond this many waiting requests the server answers 503"},
-    "stream_interval": {"type": int, "help": "tokens per streamed chunk after the first"},
-    "gpu_memory_utilization": {"type": float},
-    "enforce_eager": {"action": argparse.BooleanOptionalAction},
-    "num_cpus_per_worker": {"type": float},
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="local checkpoint directory (Serval never downloads)")
     parser.add_argument("--model-id", help="the name clients pass as `model` (default: the directory's name)")
-    engine = parser.add_argument_group("engine (engine_kwargs)")
-    for name, options in SERVE_ENGINE_FLAGS.items():
-        engine.add_argument(f"--{name.replace('_', '-')}", **options)
-    engine.add_argument(
-        "--engine-kwargs",
-        type=_json_object,
-        default={},
-        metavar="JSON",
-        help="any other EngineArgs fields as a JSON object; the flags above take precedence",
-    )
+    add_engine_flags(parser.add_argument_group("engine (engine_kwargs)"))
     deployment = parser.add_argument_group("deployment (deployment_config)")
     deployment.add_argument("--num-replicas", type=int, default=1)
     deployment.add_argument("--max-ongoing-requests", type=int, default=256)
@@ -106,7 +85,6 @@ def build_serve_config(args: argparse.Namespace) -> dict:
     """
     from deployments.llm_config import LLMConfig
 
-    flags = {name: getattr(args, name) for name in SERVE_ENGINE_FLAGS if getattr(args, name) is not None}
     actor_options = {"num_cpus": _whole_if_integral(args.num_cpus_per_replica)}
     if args.num_gpus_per_replica:
         actor_options["num_gpus"] = _whole_if_integral(args.num_gpus_per_replica)
@@ -115,7 +93,7 @@ def build_serve_config(args: argparse.Namespace) -> dict:
             "model_id": args.model_id or Path(args.model).resolve().name,
             "model_source": model_source(args.model),
         },
-        "engine_kwargs": {**args.engine_kwargs, **flags},
+        "engine_kwargs": engine_kwargs_from_flags(args),
         "deployment_config": {
             "num_replicas": args.num_replicas,
             "max_ongoing_requests": args.max_ongoing_requests,
@@ -160,13 +138,3 @@ def write_config(text: str, output: str | None) -> str:
 def _whole_if_integral(amount: float) -> float | int:
     """1.0 -> 1: the config then reads as one written by hand (``num_cpus: 1``)."""
     return int(amount) if float(amount).is_integer() else amount
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value

@@ -15,27 +15,12 @@ import time
 from dataclasses import dataclass
 
 from serval.bench.datasets import SampleRequest, add_dataset_arguments, sample_requests
+from serval.engine_flags import add_engine_flags, engine_kwargs_from_flags
 
 SUMMARY = "offline throughput of the in-process engine on a dataset (vllm bench throughput)"
 
-# EngineArgs field -> argparse options. Unset flags stay None, so EngineArgs' own defaults apply.
-ENGINE_FLAGS = {
-    "tokenizer": {"help": "tokenizer directory (default: the model's)"},
-    "dtype": {"choices": ["auto", "float32", "bfloat16", "float16"]},
-    "max_model_len": {"type": int},
-    "max_num_seqs": {"type": int},
-    "max_num_batched_tokens": {"type": int},
-    "block_size": {"type": int},
-    "enable_prefix_caching": {"action": argparse.BooleanOptionalAction},
-    "enable_chunked_prefill": {"action": argparse.BooleanOptionalAction},
-    "kv_cache_memory_bytes": {"type": int},
-    "num_gpu_blocks_override": {"type": int},
-    "tensor_parallel_size": {"type": int},
-    "pipeline_parallel_size": {"type": int},
-    "distributed_executor_backend": {"choices": ["uni", "ray"]},
-    "device": {"choices": ["auto", "cpu", "cuda"]},
-    "num_threads": {"type": int},
-}
+# The benchmarks seed the prompts and the engine with their own --seed.
+BENCH_EXCLUDED_FLAGS = frozenset({"seed"})
 
 
 @dataclass
@@ -61,34 +46,15 @@ class ThroughputResult:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--model``, one flag per ``ENGINE_FLAGS`` entry, and ``--engine-kwargs``."""
+    """Adds ``--model``, a flag per ``EngineArgs`` field (``serval.engine_flags``) and ``--engine-kwargs``."""
     group = parser.add_argument_group("engine")
     group.add_argument("--model", required=True, help="local checkpoint directory")
-    for name, options in ENGINE_FLAGS.items():
-        group.add_argument(f"--{name.replace('_', '-')}", **options)
-    group.add_argument(
-        "--engine-kwargs",
-        type=_json_object,
-        default={},
-        metavar="JSON",
-        help="any other EngineArgs fields as a JSON object; the flags above take precedence",
-    )
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
+    add_engine_flags(group, exclude=BENCH_EXCLUDED_FLAGS)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, seed: int) -> dict:
     """The ``LLM(**kwargs)`` the engine flags ask for (``--model`` excluded)."""
-    flags = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
-    return {**args.engine_kwargs, "seed": seed, **flags}
+    return {**engine_kwargs_from_flags(args, exclude=BENCH_EXCLUDED_FLAGS), "seed": seed}
 
 
 def build_llm(args: argparse.Namespace, seed: int):

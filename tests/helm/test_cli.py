@@ -3,6 +3,8 @@ that validates and goes to the chart unchanged."""
 
 from __future__ import annotations
 
+import argparse
+
 import helm_python  # the test extra installs helm-python-sdk (pyproject.toml)
 import pytest
 import yaml
@@ -10,6 +12,7 @@ import yaml
 from deployments.llm_config import SERVAL_ROOT, LLMServingArgs
 from serval import serve_cmd
 from serval.cli import main
+from serval.engine_flags import engine_kwargs_from_flags
 from tests.helm.chart import CHART_DIR, kuberay_errors, load_yaml, serve_config_errors
 
 RAYSERVICE = "serval/templates/rayservice.yaml"
@@ -153,7 +156,19 @@ def test_serve_refuses_bad_engine_flags_naming_them(capsys, tmp_path):
     assert "max_num_seq" in capsys.readouterr().err
 
 
-def test_serve_engine_flags_are_engine_args_fields():
+def test_every_engine_args_field_is_a_serve_flag():
     from engine.engine_args import EngineArgs
 
-    assert set(serve_cmd.SERVE_ENGINE_FLAGS) <= set(EngineArgs.model_fields)
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    flags = {action.dest for action in parser._actions}
+    assert set(EngineArgs.model_fields) - {"model", "kv_transfer_config"} <= flags
+    # Typed from the fields: an int, a --no- boolean, a tuple of ints; flags not given are not keys.
+    args = parser.parse_args(
+        ["m", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--cuda-graph-batch-sizes", "1", "2"]
+    )
+    assert engine_kwargs_from_flags(args) == {
+        "max_num_seqs": 4,
+        "enable_prefix_caching": False,
+        "cuda_graph_batch_sizes": [1, 2],
+    }
