@@ -35,6 +35,12 @@ FINISH_REASONS = {
 }
 
 
+def check_prompt_not_empty(num_prompt_tokens: int) -> None:
+    """Raises ValueError for a prompt of no tokens (the one place this rule and its message live)."""
+    if num_prompt_tokens == 0:
+        raise ValueError("The prompt is empty; at least one token is required.")
+
+
 def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
     """Raises ValueError unless at least one token fits after the prompt."""
     if num_prompt_tokens >= max_model_len:
@@ -65,8 +71,7 @@ class Request:
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
     ) -> None:
-        if not prompt_token_ids:
-            raise ValueError(f"Request {request_id!r}: the prompt is empty; at least one token is required.")
+        check_prompt_not_empty(len(prompt_token_ids))
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

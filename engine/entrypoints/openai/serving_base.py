@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from engine.core.request import check_prompt_not_empty
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import from_exception
 from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
@@ -54,8 +55,7 @@ class ServingBase:
         pool included) sees the request. The engine checks again for its other callers (``Request``,
         ``Scheduler.add_request``).
         """
-        if num_prompt_tokens == 0:
-            raise ValueError("The prompt is empty; at least one token is required.")
+        check_prompt_not_empty(num_prompt_tokens)
         if max_tokens is None:
             if num_prompt_tokens >= self.max_model_len:
                 raise ValueError(
