@@ -60,7 +60,7 @@ class AsyncLLM(EngineClient):
         engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers)
         # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
-        self._vocab_size = engine.processor.vocab_size
+        self._vocab_size = engine.vocab_size
         self._collectors: dict[str, RequestOutputCollector] = {}  # streams open on the event loop
         self._engine_thread = EngineThread(engine)
 

@@ -96,6 +96,11 @@ class EngineCore:
         pool = self.scheduler.kv_cache_manager.block_pool
         return pool.num_blocks - 1, pool.num_free_blocks
 
+    def take_kv_load_latencies(self) -> list[float]:
+        """The transfer latency of each KV load since the last call (disaggregated prefill); [] otherwise."""
+        kv_connector = self.scheduler.kv_connector
+        return [] if kv_connector is None else kv_connector.take_load_latencies()
+
     def check_health(self) -> None:
         self.executor.check_health()
 

@@ -166,9 +166,7 @@ class LLMEngine:
 
     def _record_stats(self, iteration_stats: IterationStats) -> None:
         scheduler_stats = self.engine_core.make_stats()
-        kv_connector = self.engine_core.scheduler.kv_connector
-        if kv_connector is not None:
-            iteration_stats.kv_load_latencies_s = kv_connector.take_load_latencies()
+        iteration_stats.kv_load_latencies_s = self.engine_core.take_kv_load_latencies()
         for stat_logger in self.stat_loggers:
             stat_logger.record(scheduler_stats, iteration_stats)
         if iteration_stats.now - self._last_log_time >= self.log_interval_s:
@@ -187,6 +185,11 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raises the executor's error if a worker is gone (may block while it pings them)."""
         self.engine_core.check_health()
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids in ``[0, vocab_size)`` are valid in a prompt."""
+        return self.processor.vocab_size
 
     def get_tokenizer(self):
         return self.tokenizer
