@@ -24,7 +24,7 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -43,6 +43,7 @@ from engine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    TokenizeRequest,
 )
 from engine.entrypoints.openai.responses import ModelList
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
@@ -151,12 +152,45 @@ ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response
     ("GET", "/version", handle_version),
 ]
 
+# The JSON body each POST route parses (its schema is documented in /openapi.json).
+REQUEST_MODELS: dict[str, Any] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+
+def openapi_request_body(path: str) -> dict | None:
+    """The ``openapi_extra`` documenting ``path``'s JSON body; None for a route without one.
+
+    The handlers read the raw body (to answer 400 in OpenAI's shape, not FastAPI's 422), so
+    FastAPI cannot see the models: this puts their schemas, inlined, in /openapi.json.
+    """
+    if path not in REQUEST_MODELS:
+        return None
+    schema = TypeAdapter(REQUEST_MODELS[path]).json_schema()
+    schema = _inline_refs(schema, schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _inline_refs(node: Any, defs: dict) -> Any:
+    # The app's OpenAPI components hold no models, so a "#/$defs/..." reference would dangle.
+    if isinstance(node, list):
+        return [_inline_refs(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    inlined = {key: _inline_refs(value, defs) for key, value in node.items() if key != "$ref"}
+    if "$ref" in node:
+        inlined = {**_inline_refs(defs[node["$ref"].removeprefix("#/$defs/")], defs), **inlined}
+    return inlined
+
 
 def build_app(router: ModelRouter) -> FastAPI:
     """A FastAPI app serving ``ROUTES`` through ``router``; HTTP errors (404 route, 405) in OpenAI's shape."""
     app = FastAPI(title="Serval OpenAI-compatible server")
     for method, path, handler in ROUTES:
-        app.add_api_route(path, _bind(router, handler), methods=[method])
+        app.add_api_route(path, _bind(router, handler), methods=[method], openapi_extra=openapi_request_body(path))
     app.add_exception_handler(HTTPException, http_exception_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     return app
