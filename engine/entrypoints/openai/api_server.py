@@ -29,14 +29,17 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from engine.entrypoints.openai.auth import ApiKeyMiddleware, resolve_api_keys
 from engine.entrypoints.openai.errors import (
     ErrorResponse,
     bad_request,
+    error_response,
     from_exception,
     from_validation_error,
     make_error,
     model_not_found,
 )
+from engine.entrypoints.openai.limits import LimitedRouter, RequestBodyLimit
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,6 +49,7 @@ from engine.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from engine.entrypoints.openai.responses import ModelList
+from engine.entrypoints.openai.server_options import ServerOptions
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 from engine.entrypoints.openai.streaming import DONE_EVENT, sse_event
 
@@ -186,13 +190,22 @@ def _inline_refs(node: Any, defs: dict) -> Any:
     return inlined
 
 
-def build_app(router: ModelRouter) -> FastAPI:
-    """A FastAPI app serving ``ROUTES`` through ``router``; HTTP errors (404 route, 405) in OpenAI's shape."""
+def build_app(router: ModelRouter, options: ServerOptions | None = None) -> FastAPI:
+    """A FastAPI app serving ``ROUTES`` through ``router``; HTTP errors (404 route, 405) in OpenAI's shape.
+
+    ``options`` (default ``ServerOptions()``): API keys, checked first, then ``request_limits``, all before
+    ``router`` sees a request.
+    """
+    options = options or ServerOptions()
+    router = LimitedRouter(router, options.request_limits)
     app = FastAPI(title="Serval OpenAI-compatible server")
     for method, path, handler in ROUTES:
         app.add_api_route(path, _bind(router, handler), methods=[method], openapi_extra=openapi_request_body(path))
     app.add_exception_handler(HTTPException, http_exception_handler)
     app.add_exception_handler(Exception, internal_error_handler)
+    app.add_middleware(RequestBodyLimit, max_bytes=options.request_limits.max_request_body_bytes)
+    if api_keys := resolve_api_keys(options.api_keys):  # added last: the outermost, so it runs first
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, metrics_require_api_key=options.metrics_require_api_key)
     return app
 
 
@@ -218,12 +231,6 @@ def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitab
 
 def json_response(model: BaseModel, status_code: int = HTTPStatus.OK, headers: dict | None = None) -> Response:
     return Response(model.model_dump_json(), status_code=status_code, headers=headers, media_type="application/json")
-
-
-def error_response(error: ErrorResponse) -> Response:
-    return Response(
-        json.dumps(error.body()), status_code=error.status_code, headers=error.headers(), media_type="application/json"
-    )
 
 
 class EventStreamResponse(StreamingResponse):
@@ -259,6 +266,8 @@ async def _read_json_object(raw_request: Request) -> dict:
         data = json.loads(body)
     except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
         raise ValueError(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the decoder recurses once per nested array or object
+        raise ValueError("The request body is nested too deeply.") from None
     if not isinstance(data, dict):
         raise ValueError("The request body must be a JSON object.")
     return data

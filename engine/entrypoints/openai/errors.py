@@ -8,10 +8,12 @@ a pydantic model, so it pickles across the Ray ingress / LLM-server boundary.
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 
 from pydantic import BaseModel, Field, ValidationError
+from starlette.responses import Response
 
 from engine.engine_client import EngineDeadError, EngineOverloadedError
 
@@ -23,8 +25,10 @@ RETRY_AFTER_S = 1
 # OpenAI's error type for each status the server sends.
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
     HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
@@ -59,6 +63,16 @@ def make_error(
         error=ErrorInfo(message=message, type=error_type, param=param, code=int(status)),
         status_code=int(status),
         retry_after=retry_after,
+    )
+
+
+def error_response(error: ErrorResponse, headers: dict[str, str] | None = None) -> Response:
+    """``error`` as an HTTP response: its status, its headers (plus ``headers``), OpenAI's JSON body."""
+    return Response(
+        json.dumps(error.body()),
+        status_code=error.status_code,
+        headers={**error.headers(), **(headers or {})},
+        media_type="application/json",
     )
 
 
