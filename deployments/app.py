@@ -1,7 +1,7 @@
 """The Serve application builder that ``serve run`` / ``serve deploy`` reach through ``import_path``.
 
     import_path: deployments.app:build_openai_app
-    args: {llm_configs: [...], ingress_deployment_config: {...}}
+    args: {llm_configs: [...], ingress_deployment_config: {...}, api_keys: [...], request_limits: {...}}
 
 One ``LLMServer:<model id>`` deployment per model (its replicas are the
 data-parallel copies) behind one ``OpenAiIngress`` deployment that routes by
@@ -71,7 +71,7 @@ def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
     ingress = serve.deployment(OpenAiIngress).options(
         name=INGRESS_DEPLOYMENT_NAME, **serving_args.ingress_deployment_config.to_options()
     )
-    return ingress.bind(servers)
+    return ingress.bind(servers, serving_args.server_options())
 
 
 def build_pd_openai_app(args: dict[str, Any] | PDServingArgs) -> Application:
@@ -90,4 +90,4 @@ def build_pd_openai_app(args: dict[str, Any] | PDServingArgs) -> Application:
     ingress = serve.deployment(OpenAiIngress).options(
         name=INGRESS_DEPLOYMENT_NAME, **pd_args.ingress_deployment_config.to_options()
     )
-    return ingress.bind({pd_args.decode_config.model_id: decode})
+    return ingress.bind({pd_args.decode_config.model_id: decode}, pd_args.server_options())

@@ -1,29 +1,29 @@
 """The OpenAI ingress deployment: HTTP in, routed by ``model`` to that model's LLM-server deployment.
 
-Its routes call the engine's own OpenAI handlers (``api_server``, the same
+It serves the engine's own OpenAI app (``api_server.build_app``, the same
 the in-process server uses); only the router differs: it reaches the
 LLM servers through Serve handles, whose router balances across each
 model's replicas.
 """
 
-# No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations after
-# Serve rewrites their signatures, and string annotations would turn ``raw_request`` into a query field.
+from __future__ import annotations
+
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException
 
 from deployments.metrics_export import scrape_serval_metrics
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from engine.entrypoints.openai import api_server
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
+from engine.entrypoints.openai.server_options import ServerOptions
 
 
 class RayModelRouter:
@@ -59,52 +59,28 @@ class RayModelRouter:
         await self.servers[model_id].check_health.remote()
 
 
-app = FastAPI(title="Serval: OpenAI-compatible API")
-app.add_exception_handler(HTTPException, api_server.http_exception_handler)
+async def metrics() -> Response:
+    """Every LLM-server replica's ``serval_*`` metrics, in Prometheus' text format."""
+    return Response(await scrape_serval_metrics(), media_type=CONTENT_TYPE_LATEST)
 
 
-@serve.ingress(app)
+@serve.ingress()
 class OpenAiIngress:
     """The HTTP front door; ``llm_servers`` maps each model id to its LLM-server deployment.
 
-    The routes are ``api_server.ROUTES`` as methods (Serve ships this class,
-    and the app it wraps, to the replica by value: the router must live on
-    ``self``).
+    Each replica serves the engine's own app (``api_server.build_app``: the
+    routes, API keys and request limits of ``server_options``) over a router of
+    Serve handles, plus ``GET /metrics``. Serve builds it on the replica
+    (``__serve_build_asgi_app__``), where the handles, the options and the
+    replica's environment (``SERVAL_API_KEY``) are.
     """
 
-    def __init__(self, llm_servers: dict[str, DeploymentHandle]) -> None:
+    def __init__(self, llm_servers: dict[str, DeploymentHandle], server_options: ServerOptions | None = None) -> None:
         bind_replica_grpc_to_node_ip()
         self.router = RayModelRouter(llm_servers)
+        self.server_options = server_options or ServerOptions()
 
-    @app.post("/v1/completions")
-    async def completions(self, raw_request: Request) -> Response:
-        return await api_server.handle_completions(self.router, raw_request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(self, raw_request: Request) -> Response:
-        return await api_server.handle_chat(self.router, raw_request)
-
-    @app.get("/v1/models")
-    async def models(self, raw_request: Request) -> Response:
-        return await api_server.handle_models(self.router, raw_request)
-
-    @app.post("/tokenize")
-    async def tokenize(self, raw_request: Request) -> Response:
-        return await api_server.handle_tokenize(self.router, raw_request)
-
-    @app.post("/detokenize")
-    async def detokenize(self, raw_request: Request) -> Response:
-        return await api_server.handle_detokenize(self.router, raw_request)
-
-    @app.get("/health")
-    async def health(self, raw_request: Request) -> Response:
-        return await api_server.handle_health(self.router, raw_request)
-
-    @app.get("/version")
-    async def version(self, raw_request: Request) -> Response:
-        return await api_server.handle_version(self.router, raw_request)
-
-    @app.get("/metrics")
-    async def metrics(self) -> Response:
-        """Every LLM-server replica's ``serval_*`` metrics, in Prometheus' text format."""
-        return Response(await scrape_serval_metrics(), media_type=CONTENT_TYPE_LATEST)
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = api_server.build_app(self.router, self.server_options)
+        app.add_api_route("/metrics", metrics, methods=["GET"])
+        return app

@@ -8,6 +8,8 @@
         - model_loading_config: {model_id: tiny-llama, model_source: models/tiny-llama}
           engine_kwargs: {max_model_len: 2048, max_num_seqs: 64}
           deployment_config: {num_replicas: 1, max_ongoing_requests: 256, ray_actor_options: {num_cpus: 1}}
+        api_keys: [sk-...]                        # optional; or SERVAL_API_KEY in the cluster's environment
+        request_limits: {max_n: 8}                # optional; engine/entrypoints/openai/limits.py lists them
 
 Every model rejects unknown keys, and ``engine_kwargs`` is checked against
 ``EngineArgs`` here, so a typo fails the deploy with a message naming the key
@@ -25,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.engine_args import EngineArgs
+from engine.entrypoints.openai.server_options import ServerOptions
 
 # Relative model sources are resolved against the Serval checkout (the directory holding deployments/),
 # so that the same YAML works from `make serve`, `serve deploy` and replicas whose cwd is elsewhere.
@@ -115,8 +118,9 @@ class LLMConfig(_StrictModel):
         return SERVER_NAME_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "--", self.model_id)
 
 
-class LLMServingArgs(_StrictModel):
-    """The builder's ``args``: the models, plus options for the ingress deployment."""
+class LLMServingArgs(_StrictModel, ServerOptions):
+    """The builder's ``args``: the models, options for the ingress deployment, and the server's own
+    (``ServerOptions``: ``api_keys``, ``metrics_require_api_key``, ``request_limits``)."""
 
     llm_configs: list[LLMConfig | str] = Field(min_length=1, description="Configs, or paths to YAML files of one.")
     ingress_deployment_config: DeploymentConfig = Field(

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from deployments.llm_config import DeploymentConfig, LLMConfig, _StrictModel, load_llm_config_file
+from engine.entrypoints.openai.server_options import ServerOptions
 
 PREFILL_NAME_PREFIX = "PrefillServer:"
 
@@ -43,7 +44,7 @@ class PDOptions(_StrictModel):
     )
 
 
-class PDServingArgs(PDOptions):
+class PDServingArgs(PDOptions, ServerOptions):
     prefill_config: LLMConfig
     decode_config: LLMConfig
     kv_transfer_config: PDTransferConfig = Field(default_factory=PDTransferConfig)

@@ -26,6 +26,7 @@ class ServerOptions(BaseModel):
 
     api_keys: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
+        repr=False,  # keys stay out of logs and tracebacks
         description="Keys clients send as `Authorization: Bearer <key>`; empty: SERVAL_API_KEY's, if set, else none.",
     )
     metrics_require_api_key: bool = Field(
