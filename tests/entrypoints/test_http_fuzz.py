@@ -186,6 +186,15 @@ def test_hostile_raw_bodies_get_no_server_error(base_url, path):
     @given(body=hostile_bodies())
     @example(body=b'{"prompt": "' + b"a" * 10_000_000 + b'", "messages": [{"role": "user", "content": "x"}]}')
     @example(body=_nested(1_000_000).encode())
+    @example(
+        body=b'{"prompt": "\\ud800 \\udfff", "messages": [{"role": "user", "content": "\\udc80"}], "max_tokens": 2}'
+    )
+    @example(
+        body=b'{"prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN, "top_p": Infinity}'
+    )
+    @example(
+        body=b'{"prompt": [' + b"9" * 4000 + b'], "tokens": [-1], "max_tokens": 1e308, "seed": ' + b"9" * 30 + b"}"
+    )
     def fuzz(body):
         response = httpx.post(
             f"{base_url}{path}", content=body, headers={"content-type": "application/json"}, timeout=120
@@ -204,3 +213,26 @@ def test_a_body_nested_past_the_recursion_limit_is_a_400(base_url, path):
     response = httpx.post(f"{base_url}{path}", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "The request body is nested too deeply."
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", rb'{"prompt": "Hi \ud800", "max_tokens": 2}'),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\uDFFF"}], "max_tokens": 2}'),
+        ("/tokenize", rb'{"prompt": "\udc80"}'),
+    ],
+)
+def test_a_lone_surrogate_escape_is_a_400(base_url, path, body):
+    # It decoded to a str no tokenizer takes: Hugging Face's TypeError used to be answered 500.
+    response = httpx.post(f"{base_url}{path}", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "not valid Unicode" in response.json()["error"]["message"]
+
+
+def test_an_escaped_surrogate_pair_is_still_text(base_url):
+    response = httpx.post(f"{base_url}/tokenize", content=rb'{"prompt": "\ud83e\udd8a"}')
+    assert (
+        response.status_code == 200
+        and response.json()["tokens"] == httpx.post(f"{base_url}/tokenize", json={"prompt": "🦊"}).json()["tokens"]
+    )

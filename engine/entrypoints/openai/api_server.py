@@ -47,6 +47,7 @@ from engine.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeRequest,
+    parse_json_object,
 )
 from engine.entrypoints.openai.responses import ModelList
 from engine.entrypoints.openai.server_options import ServerOptions
@@ -249,7 +250,7 @@ async def _handle_endpoint(
     router: ModelRouter, raw_request: Request, method_name: str, parse: Callable[[dict], BaseModel]
 ) -> Response:
     try:
-        request = parse(await _read_json_object(raw_request))
+        request = parse(parse_json_object(await raw_request.body()))
     except ValidationError as exc:
         return error_response(from_validation_error(exc))
     except ValueError as exc:
@@ -258,19 +259,6 @@ async def _handle_endpoint(
     if isinstance(model_id, ErrorResponse):
         return error_response(model_id)
     return await _respond(router.call(model_id, method_name, request), raw_request)
-
-
-async def _read_json_object(raw_request: Request) -> dict:
-    body = await raw_request.body()
-    try:
-        data = json.loads(body)
-    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
-        raise ValueError(f"The request body is not valid JSON: {exc}") from None
-    except RecursionError:  # the decoder recurses once per nested array or object
-        raise ValueError("The request body is nested too deeply.") from None
-    if not isinstance(data, dict):
-        raise ValueError("The request body must be a JSON object.")
-    return data
 
 
 def _parse_tokenize_request(body: dict) -> BaseModel:

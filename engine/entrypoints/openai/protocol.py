@@ -9,7 +9,9 @@ Response models live in ``responses.py``.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,6 +23,28 @@ logger = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs, and vLLM's default max_logprobs
 MAX_N = 128  # completions per prompt one request may ask for
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json_object(body: bytes) -> dict:
+    """The request body as a JSON object; raises ValueError (-> 400) on anything else.
+
+    Its strings must be text: a ``"\\ud800"`` escape decodes to a lone surrogate, which no tokenizer
+    takes (Hugging Face's raised a TypeError, answered 500).
+    """
+    try:
+        data = json.loads(body)
+        if _SURROGATE_ESCAPE.search(body):  # only an escape yields one: UTF-8 cannot encode a surrogate
+            json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"The request body holds a string that is not valid Unicode: {exc.reason}.") from None
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the decoder recurses once per nested array or object
+        raise ValueError("The request body is nested too deeply.") from None
+    if not isinstance(data, dict):
+        raise ValueError("The request body must be a JSON object.")
+    return data
 
 
 class OpenAIBaseModel(BaseModel):
