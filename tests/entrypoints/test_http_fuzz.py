@@ -39,9 +39,10 @@ CASE_COUNTS: Counter = Counter()
 
 @pytest.fixture(autouse=True)
 def replica_left_healthy(engine, base_url):
-    """After each test: no request left, no KV block leaked, and a plain completion still succeeds."""
+    """After each test: no request left, no KV block leaked, healthy, and a plain completion still succeeds."""
     yield
     wait_until_idle(engine)
+    assert httpx.get(f"{base_url}/health").status_code == 200
     response = httpx.post(f"{base_url}/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2})
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
     wait_until_idle(engine)
