@@ -138,3 +138,33 @@ def test_pd_args_refuse_what_cannot_work(change, message):
 
     with pytest.raises(ValidationError, match=message):
         PDServingArgs.model_validate({"prefill_config": MINIMAL, "decode_config": MINIMAL, **change})
+
+
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ({"request_limits": {"max_nn": 1}}, "max_nn"),
+        ({"request_limits": {"max_n": 0}}, "max_n"),
+        ({"request_limits": {"max_logprobs": 21}}, "max_logprobs"),
+        ({"api_keys": [""]}, "api_keys"),
+        ({"api_key": "k"}, "api_key"),
+    ],
+)
+def test_server_options_in_the_args_refuse_unknown_keys_and_values_out_of_bounds(bad, key):
+    with pytest.raises(ValidationError, match=key):
+        LLMServingArgs.model_validate({"llm_configs": [MINIMAL], **bad})
+
+
+def test_server_options_reach_the_ingress_of_both_builders():
+    from deployments.app import build_openai_app, build_pd_openai_app
+    from engine.entrypoints.openai.limits import RequestLimits
+    from engine.entrypoints.openai.server_options import ServerOptions
+
+    options = {"api_keys": ["k"], "metrics_require_api_key": True, "request_limits": {"max_n": 4}}
+    expected = ServerOptions(api_keys=["k"], metrics_require_api_key=True, request_limits=RequestLimits(max_n=4))
+    app = build_openai_app({"llm_configs": [MINIMAL], **options})
+    pd_app = build_pd_openai_app({"prefill_config": MINIMAL, "decode_config": MINIMAL, **options})
+    for built in (app, pd_app):
+        assert built._bound_deployment.init_args[1] == expected  # OpenAiIngress(llm_servers, server_options)
+    defaults = build_openai_app({"llm_configs": [MINIMAL]})._bound_deployment.init_args[1]
+    assert defaults == ServerOptions() and defaults.api_keys == []
