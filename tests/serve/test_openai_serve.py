@@ -20,6 +20,14 @@ from tests.serve.cluster import LOOPBACK, deploy_and_wait, is_loopback, listenin
 
 LLAMA, QWEN = "tiny-llama", "tiny-qwen"
 PROMPT = "The quick brown fox"
+# A second app on the same cluster whose args set a key and a small body limit (the first stays open).
+GUARDED_KEY = "serve-test-key"
+GUARDED_APP = {
+    "name": "guarded",
+    "route_prefix": "/guarded",
+    "import_path": "deployments.app:build_openai_app",
+    "args": {"api_keys": [GUARDED_KEY], "request_limits": {"max_request_body_bytes": 4096}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +36,9 @@ def base_url(ray_head, tiny_checkpoint):
         llm_config(LLAMA, tiny_checkpoint("llama")),
         llm_config(QWEN, tiny_checkpoint("qwen2"), max_num_seqs=1, max_num_queued_reqs=1),
     ]
-    deploy_and_wait(ray_head, serve_config(ray_head.http_port, configs))
+    config = serve_config(ray_head.http_port, configs)
+    config["applications"].append(GUARDED_APP | {"args": {**GUARDED_APP["args"], "llm_configs": [configs[0]]}})
+    deploy_and_wait(ray_head, config)
     return ray_head.base_url
 
 
@@ -262,3 +272,14 @@ def test_replica_metrics_reach_rays_prometheus_endpoint(ray_head, client):
         time.sleep(2)
     assert any('finished_reason="length"' in line for line in lines)
     assert all('replica="' in line for line in lines)
+
+
+def test_the_app_args_api_keys_and_body_limit_reach_the_deployed_app(base_url):
+    url, body = f"{base_url}/guarded", {"model": LLAMA, "prompt": PROMPT, "max_tokens": 2}
+    refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # open, under the route prefix too
+    key = {"Authorization": f"Bearer {GUARDED_KEY}"}
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=60).status_code == 200
+    too_large = httpx.post(f"{url}/v1/completions", json={**body, "padding": "x" * 5000}, headers=key, timeout=60)
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == 413
