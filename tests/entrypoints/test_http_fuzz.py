@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
-from tests.entrypoints.conftest import MODEL, wait_until_idle
+from tests.entrypoints.conftest import MODEL, ServerThread, wait_until_idle
 
 MAX_EXAMPLES = 50  # per operation and generation mode
 MAX_GENERATED_TOKENS = 8
@@ -33,7 +33,7 @@ FUZZ_SETTINGS = settings(
 )
 OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
-# Every case schemathesis sent, by (path, mode, status): the figure docs/benchmarks.md reports.
+# Every case sent, by (path, schemathesis mode or "raw", status): the figure docs/benchmarks.md reports.
 CASE_COUNTS: Counter = Counter()
 
 
@@ -200,11 +200,13 @@ def test_hostile_raw_bodies_get_no_server_error(base_url, path):
         response = httpx.post(
             f"{base_url}{path}", content=body, headers={"content-type": "application/json"}, timeout=120
         )
+        CASE_COUNTS[path, "raw", response.status_code] += 1
         assert response.status_code < 500, response.text[:2000]
         if response.status_code >= 400:
             assert set(response.json()["error"]) >= {"message", "type", "code"}
 
     fuzz()
+    print(f"\nhypothesis raw bodies {path}: {_counts_for(path, 'raw')}")
 
 
 @pytest.mark.parametrize("path", OPERATIONS)
@@ -237,3 +239,18 @@ def test_an_escaped_surrogate_pair_is_still_text(base_url):
         response.status_code == 200
         and response.json()["tokens"] == httpx.post(f"{base_url}/tokenize", json={"prompt": "🦊"}).json()["tokens"]
     )
+
+
+@pytest.mark.slow
+def test_a_10_mb_prompt_under_a_raised_body_limit_is_a_400(serving, engine):
+    # The default body limit answers 413 before parsing; raised, the string reaches the tokenizer (~15 s).
+    from engine.entrypoints.openai.api_server import LocalModelRouter, build_app
+    from engine.entrypoints.openai.limits import RequestLimits
+    from engine.entrypoints.openai.server_options import ServerOptions
+
+    options = ServerOptions(request_limits=RequestLimits(max_request_body_bytes=16 * 2**20))
+    with ServerThread(build_app(LocalModelRouter({MODEL: serving}), options)) as server:
+        body = {"prompt": "ab c" * 2_500_000, "max_tokens": 2}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=300)
+        assert response.status_code == 400 and "maximum context length" in response.json()["error"]["message"]
+    wait_until_idle(engine)
