@@ -25,6 +25,7 @@ channels, or its task's ActorDiedError); a worker that hangs trips
 stops (the serving layer fails the open streams and reports unhealthy).
 """
 
+# ruff: noqa: E402 (Ray is imported after the loopback variable below is set)
 from __future__ import annotations
 
 import dataclasses
@@ -32,9 +33,19 @@ import logging
 import math
 import os
 import pickle
+import sys
 from collections.abc import Callable
 
+# Ray reads this once, when it is first imported: unset, the "127.0.0.1" of a local cluster (its node
+# address and its bootstrap address) is swapped for this machine's network address. So it is set here,
+# before this module imports Ray, and only where this process will start its own cluster (joining one
+# at RAY_ADDRESS needs the node's real address). A process that imported Ray earlier keeps what it had.
+LOOPBACK_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+if "ray" not in sys.modules and not os.environ.get("RAY_ADDRESS"):
+    os.environ.setdefault(LOOPBACK_ENV_VAR, "0")
+
 import ray
+from ray._private import ray_constants
 from ray.dag import InputNode, MultiOutputNode
 from ray.dag.context import DAGContext
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -58,14 +69,22 @@ class WorkerFailedError(RuntimeError):
 
 
 def ensure_ray_initialized() -> None:
-    """Joins the cluster at RAY_ADDRESS if set, else starts a local one bound to loopback."""
+    """Joins the cluster at RAY_ADDRESS if set, else starts a new local one bound to loopback.
+
+    The local one is always new (``address="local"``): never another process's cluster on this machine.
+    """
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level="warning")
-    else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, logging_level="warning")
+        return
+    if ray_constants.ENABLE_RAY_CLUSTER:
+        logger.warning(
+            "Ray was imported before %s=0 was set, so this local Ray cluster binds to the machine's network "
+            "address, not loopback; set it before importing Ray to keep it on 127.0.0.1.",
+            LOOPBACK_ENV_VAR,
+        )
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="warning")
 
 
 def config_for_workers(config: EngineConfig) -> EngineConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from collections import deque
 
 from engine.config import EngineConfig
@@ -42,6 +43,9 @@ class EngineCore:
         # cyclic-GC pass (a full pass over them costs milliseconds in the middle of a step).
         gc.collect()
         gc.freeze()
+        # Runs once: on shutdown(), or when the last reference to this core goes (a dropped LLM).
+        self._release = weakref.finalize(self, _release_engine, self.executor)
+        self._release.atexit = False  # at exit Ray tears its own cluster down
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -105,4 +109,17 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Releases the workers (their weights and KV caches, Ray actors and placement group). Idempotent."""
+        self._release()
+
+
+def _release_engine(executor: Executor) -> None:
+    """Shuts the executor down, then lets the cyclic GC see what start-up froze.
+
+    Frozen objects are never collected, and an engine holds reference cycles (each parameter's
+    ``weight_loader`` is a method of its layer; the KV blocks' free list links both ways): left
+    frozen, a released engine's weights would stay until the process exits. Unfrozen, the next
+    collection frees them; a live engine's objects merely go back to the oldest generation.
+    """
+    executor.shutdown()
+    gc.unfreeze()

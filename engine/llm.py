@@ -1,7 +1,7 @@
 """The offline API, shaped like vLLM's ``LLM`` so its users feel at home.
 
-llm = LLM(model="/path/to/checkpoint", dtype="bfloat16", max_model_len=2048)
-outputs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+with LLM(model="/path/to/checkpoint", dtype="bfloat16", max_model_len=2048) as llm:  # shut down on leaving
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
 from __future__ import annotations
@@ -25,8 +25,15 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def shutdown(self) -> None:
-        """Releases the workers (Ray worker actors and their placement group, when there are any)."""
+        """Releases the workers: their weights and KV caches, and the Ray worker actors and placement
+        group when there are any. Idempotent; dropping the last reference to this LLM does the same."""
         self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def generate(
         self,

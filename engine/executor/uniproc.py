@@ -27,3 +27,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Drops the worker, and with it the model and the KV caches; no step runs after. Idempotent."""
+        if self.worker is not None:
+            worker, self.worker = self.worker, None
+            worker.shutdown()
