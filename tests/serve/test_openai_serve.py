@@ -278,7 +278,8 @@ def test_the_app_args_api_keys_and_body_limit_reach_the_deployed_app(base_url):
     url, body = f"{base_url}/guarded", {"model": LLAMA, "prompt": PROMPT, "max_tokens": 2}
     refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
-    assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # open, under the route prefix too
+    for open_path in ("/health", "/metrics"):  # open (metrics_require_api_key is off), under the route prefix too
+        assert httpx.get(f"{url}{open_path}", timeout=60).status_code == 200, open_path
     key = {"Authorization": f"Bearer {GUARDED_KEY}"}
     assert httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=60).status_code == 200
     too_large = httpx.post(f"{url}/v1/completions", json={**body, "padding": "x" * 5000}, headers=key, timeout=60)
