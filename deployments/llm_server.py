@@ -1,7 +1,8 @@
 """The LLM-server deployment: one data-parallel copy of one model.
 
-Each replica owns an ``AsyncLLM`` (the engine's busy loop runs on its own
-thread inside the replica) and the OpenAI serving logic for its model. The
+Each replica owns an ``AsyncLLM`` (the engine core's busy loop runs in a
+child process of the replica, ``engine.core_proc``) and the OpenAI serving
+logic for its model. The
 ingress reaches it through a Serve handle; Serve's router balances requests
 across the replicas.
 """
@@ -13,12 +14,14 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
 from deployments.llm_config import LLMConfig
 from deployments.metrics import RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from engine.async_llm import AsyncLLM
+from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 
 logger = logging.getLogger("ray.serve")
@@ -32,6 +35,17 @@ def route_engine_stats_log_to_replica_log() -> None:
     stats_logger.propagate = not stats_logger.handlers
 
 
+def engine_args_for_this_replica(llm_config: LLMConfig) -> EngineArgs:
+    """The config's engine arguments, with the engine's torch threads following this replica's CPU share
+    (its ``num_cpus``, rounded, at least 1) unless ``num_threads`` is set: left unset, torch would take
+    every core of the node, however many replicas share it."""
+    args = llm_config.engine_args()
+    if args.num_threads is not None:
+        return args
+    num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    return args.model_copy(update={"num_threads": max(1, int(num_cpus + 0.5))})
+
+
 class LLMServer:
     """One replica: an ``AsyncLLM`` for ``llm_config`` and the OpenAI endpoints over it."""
 
@@ -42,7 +56,8 @@ class LLMServer:
         self.model_id = llm_config.model_id
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncLLM.from_engine_args(
-            llm_config.engine_args(), stat_loggers=[RayStatLogger(metrics_model_name or self.model_id, replica_id)]
+            engine_args_for_this_replica(llm_config),
+            stat_loggers=[RayStatLogger(metrics_model_name or self.model_id, replica_id)],
         )
         self.serving = OpenAIServing(self.engine, self.model_id)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
@@ -65,7 +80,12 @@ class LLMServer:
     async def stats(self) -> dict:
         """This replica's engine statistics, tagged with the replica's id."""
         replica_id = serve.get_replica_context().replica_id.unique_id
-        return {"replica_id": replica_id, "model_id": self.model_id, **dataclasses.asdict(self.engine.get_stats())}
+        return {
+            "replica_id": replica_id,
+            "model_id": self.model_id,
+            "engine_core_pid": self.engine.engine_core_pid,
+            **dataclasses.asdict(self.engine.get_stats()),
+        }
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and Serve replaces it."""

@@ -4,13 +4,18 @@
     async for output in llm.generate("Hello", SamplingParams(output_kind=RequestOutputKind.DELTA), "req-1"):
         print(output.outputs[0].text, end="")
 
-The busy loop (schedule, execute, update: ``LLMEngine.step()``) runs in its own
-daemon thread, which alone touches the ``LLMEngine`` (it is not thread-safe):
-``engine.engine_thread.EngineThread``. Requests reach it through its command
-queue and join and leave the running batch at step boundaries (continuous
-batching). Each step's outputs come back to the event loop as one batch, where
-each lands in its request's ``RequestOutputCollector``, which merges what a
-slow consumer has not read yet.
+The engine core (scheduler, executor, the busy loop that steps them) runs in a
+child process by default (``engine_core_process``; ``engine.core_proc``), so
+that it does not share this process's GIL with the server's event loop. Here,
+one daemon thread alone touches the ``LLMEngine`` front end (tokenize, send,
+detokenize; it is not thread-safe): ``engine.engine_thread.EngineThread``.
+Requests reach it through its command queue, and the core's steps arrive in
+the same queue, one message per step; with the core in process (the Ray
+executor, KV transfer, or ``engine_core_process=False``) that thread steps it
+itself. Requests join and leave the running batch at step boundaries
+(continuous batching). Each step's outputs come back to the event loop as one
+batch, where each lands in its request's ``RequestOutputCollector``, which
+merges what a slow consumer has not read yet.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import concurrent.futures
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core_client import EngineCoreProcess
 from engine.engine_args import EngineArgs
 from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError  # errors re-exported
 from engine.engine_thread import IDLE_STATS_INTERVAL_S, AddCommand, EngineThread
@@ -43,6 +49,15 @@ __all__ = [
 ]
 
 
+def uses_core_process(config: EngineConfig) -> bool:
+    """Whether serving runs this config's engine core in a child process (``engine_core_process``).
+
+    Not with the Ray executor or KV transfer: the child is no Ray worker, and those need one.
+    """
+    parallel = config.parallel_config
+    return parallel.engine_core_process and parallel.executor_backend == "uni" and config.kv_transfer_config is None
+
+
 class AsyncLLM(EngineClient):
     """The engine behind an asyncio server: ``generate`` streams, ``abort`` stops, ``get_stats`` observes.
 
@@ -57,7 +72,7 @@ class AsyncLLM(EngineClient):
         stat_loggers: list[StatLogger] | None = None,
     ) -> None:
         self.config = config
-        engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers)
+        engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers, core_process=uses_core_process(config))
         # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self._vocab_size = engine.vocab_size
@@ -82,6 +97,12 @@ class AsyncLLM(EngineClient):
     @property
     def model_config(self) -> ModelConfig:
         return self.config.model_config
+
+    @property
+    def engine_core_pid(self) -> int | None:
+        """The engine-core process's id, or None when the core runs in this process."""
+        core = self._engine_thread.engine.engine_core
+        return core.process.pid if isinstance(core, EngineCoreProcess) else None
 
     def get_tokenizer(self):
         return self.tokenizer

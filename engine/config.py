@@ -133,6 +133,14 @@ class ParallelConfig(_FrozenConfig):
         "None: compiled graph when the workers use GPUs, tasks on CPUs.",
     )
 
+    # vLLM's AsyncLLM runs its EngineCoreProc likewise: the server's event loop (intake, detokenization,
+    # streaming) and the busy loop (schedule, forward, sample) then each have a GIL of their own.
+    engine_core_process: bool = Field(
+        True,
+        description="Serving (AsyncLLM) with the in-process executor: the engine core (busy loop, scheduler, "
+        "worker) runs in a child process. The offline LLM, the Ray executor and KV transfer keep it in process.",
+    )
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -108,6 +108,10 @@ class EngineCore:
     def check_health(self) -> None:
         self.executor.check_health()
 
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless the KV cache's blocks, hashes and free queue agree."""
+        self.scheduler.kv_cache_manager.check_integrity()
+
     def shutdown(self) -> None:
         """Releases the workers (their weights and KV caches, Ray actors and placement group). Idempotent."""
         self._release()

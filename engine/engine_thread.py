@@ -18,6 +18,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from engine.core_client import CoreDied, EngineCoreProcess
+from engine.core_proc import CoreStep
 from engine.engine_client import EngineDeadError, EngineOverloadedError
 from engine.frontend.output_collector import RequestOutputCollector
 from engine.frontend.processor import PromptType
@@ -104,6 +106,10 @@ class EngineThread:
         self._num_unapplied_reqs = 0  # core requests (n per add) in the queue, not yet in the scheduler
         self._collector_of: dict[str, RequestOutputCollector] = {}  # busy-loop thread only: requests in the engine
         self.stats: EngineStats = engine.get_stats()  # the latest snapshot; replaced whole, never mutated
+        # A core process steps on its own: its steps arrive in the command queue, in order with the commands.
+        self._core_steps_itself = isinstance(engine.engine_core, EngineCoreProcess)
+        if self._core_steps_itself:
+            engine.engine_core.attach(self._commands.put)
         self.thread = threading.Thread(target=self._run, name="AsyncLLM-busy-loop", daemon=True)
         self.thread.start()
 
@@ -151,19 +157,23 @@ class EngineThread:
 
     # ------------------------------------------------------- busy-loop thread
 
+    def _has_steps_to_take(self) -> bool:
+        return not self._core_steps_itself and self.engine.has_unfinished_requests()
+
     def _run(self) -> None:
         try:
-            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
-                if self.engine.has_unfinished_requests():
-                    self._step()
+            while self._apply_commands(block=not self._has_steps_to_take()):
+                if self._has_steps_to_take():
+                    self._publish(self.engine.step())
         except Exception as error:
             logger.exception("The engine's busy loop died; every request in flight fails with EngineDeadError.")
             self._die(f"The engine's busy loop died: {error!r}", error)
         else:
             self._die("The engine was shut down.", None)
 
-    def _step(self) -> None:
-        batches = self._route(self.engine.step())
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs to their streams."""
+        batches = self._route(outputs)
         # Stats first: a consumer that sees a step's output sees that step's stats too.
         with self._lock:
             self.stats = self.engine.get_stats()
@@ -194,6 +204,10 @@ class EngineThread:
                 num_applied_reqs += command.params.n
             elif isinstance(command, _AbortCommand):
                 self._abort(command.request_id)
+            elif isinstance(command, CoreStep):
+                self._publish(self.engine.process_core_step(command))
+            elif isinstance(command, CoreDied):
+                raise RuntimeError(command.reason)
             else:
                 is_stopping = True
         with self._lock:

@@ -11,6 +11,9 @@ import os
 import time
 
 from engine.config import EngineConfig
+from engine.core.step_outputs import EngineCoreOutput
+from engine.core_client import EngineCoreProcess
+from engine.core_proc import CoreStep
 from engine.engine_args import EngineArgs
 from engine.engine_core import EngineCore
 from engine.executor.base import Executor
@@ -49,15 +52,23 @@ class LLMEngine:
         executor_class: type[Executor] | None = None,
         stat_loggers: list[StatLogger] | None = None,
         log_interval_s: float = 10.0,
+        core_process: bool = False,
     ) -> None:
+        """``core_process``: the core runs in a child process (``engine.core_client``), which steps on its
+        own: its steps come through ``process_core_step``, and ``step()`` is not called."""
         self.config = config
         self.stat_loggers = list(stat_loggers or [])
         self.log_interval_s = log_interval_s
         self._last_log_time = time.monotonic()
         model_dir = config.model_config.model
         arch = Architecture.from_dir(model_dir)
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
-        self.engine_core = EngineCore(config, executor_class)
+        if core_process:  # the core process loads the model while this one loads the tokenizer
+            self.engine_core: EngineCore | EngineCoreProcess = EngineCoreProcess(config, executor_class)
+            self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+            self.engine_core.wait_ready()
+        else:
+            self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+            self.engine_core = EngineCore(config, executor_class)
         self.processor = Processor(config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch))
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self.core_ids_of: dict[str, list[str]] = {}  # user request id -> the core's ids (n of them)
@@ -93,8 +104,6 @@ class LLMEngine:
         ]  # validates everything before queueing anything
         arrival_time = time.monotonic() if self.stat_loggers else None
         for index, request in enumerate(requests):
-            # The core first: its scheduler refuses a prompt that leaves no room (check_prompt_fits runs there
-            # only), and then nothing is left behind; the children share the prompt, so the first is refused.
             self.engine_core.add_request(request)
             self.output_processor.add_request(
                 request.request_id,
@@ -145,7 +154,14 @@ class LLMEngine:
         self.engine_core.abort_requests(core_ids)
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        """Steps the in-process core once; returns the outputs it gave its requests."""
+        return self._process_core_outputs(self.engine_core.step())
+
+    def process_core_step(self, core_step: CoreStep) -> list[RequestOutput]:
+        """One step of a core process (``core_process=True``): its outputs, and its state for the stats."""
+        return self._process_core_outputs(self.engine_core.take_step(core_step))
+
+    def _process_core_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         iteration_stats = IterationStats()  # latencies only with stat loggers; the token count always
         outputs, stopped_by_string = self.output_processor.process_outputs(core_outputs, iteration_stats)
         iteration_stats.num_finished_reqs = sum(output.finished for output in outputs)

@@ -17,7 +17,7 @@ from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
-from engine.core.request import Request, RequestStatus, check_prompt_fits
+from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_request_queue
 from engine.core.step_outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.step_plan import StepPlan
@@ -75,10 +75,11 @@ class Scheduler:
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request: Request) -> None:
-        """Queues a new request. Raises ValueError (and changes nothing) if it can never run."""
+        """Queues a new request; the front end has checked that it fits (``Processor.validate``).
+
+        Raises ValueError (and changes nothing) if its id is in use."""
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        check_prompt_fits(request.num_prompt_tokens, self.max_model_len)
         room = self.max_model_len - request.num_prompt_tokens
         request.max_tokens = room if request.sampling_params.max_tokens is None else request.sampling_params.max_tokens
         request.status = RequestStatus.WAITING

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 
 from engine.config import EngineConfig
-from engine.core.request import Request
+from engine.core.request import Request, check_prompt_fits
 from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
 from engine.sampling_params import SamplingParams
@@ -25,6 +25,7 @@ class Processor:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.max_model_len = config.scheduler_config.max_model_len
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         # Further EOS ids (checkpoints may list several) stop generation like stop tokens.
         self.extra_stop_token_ids = eos_token_ids[1:]
@@ -43,8 +44,8 @@ class Processor:
         )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        # An empty prompt is refused by Request itself, one that leaves no room by Scheduler.add_request:
-        # both cover every way into the core, so they are not repeated here.
+        # The core trusts what it is sent (it may be another process): every check on a request runs here,
+        # but the empty prompt, which Request itself refuses.
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
@@ -56,6 +57,7 @@ class Processor:
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary: {bad_stop[:8]}.")
+        check_prompt_fits(len(prompt_token_ids), self.max_model_len)
 
     def make_request(
         self,

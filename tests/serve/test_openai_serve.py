@@ -284,3 +284,45 @@ def test_the_app_args_api_keys_and_body_limit_reach_the_deployed_app(base_url):
     assert httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=60).status_code == 200
     too_large = httpx.post(f"{url}/v1/completions", json={**body, "padding": "x" * 5000}, headers=key, timeout=60)
     assert too_large.status_code == 413 and too_large.json()["error"]["code"] == 413
+
+
+def qwen_stats() -> dict:
+    return serve.get_deployment_handle(f"LLMServer:{QWEN}", app_name="llm").stats.remote().result()
+
+
+def test_a_killed_engine_core_fails_its_stream_and_serve_replaces_the_replica(base_url):
+    """Last in this module: it takes tiny-qwen's replica down. The replica's engine core is a child
+    process; SIGKILLed mid-stream, the stream ends with an error event at once (never cut or hung),
+    the replica turns unhealthy, Serve replaces it, and the old core is gone with its replica."""
+    import json
+    import os
+    import signal
+
+    before = qwen_stats()
+    core_pid = before["engine_core_pid"]
+    assert core_pid is not None and core_pid != os.getpid()
+    body = {"model": QWEN, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        os.kill(core_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - killed_at < 10
+    events = [json.loads(line.removeprefix("data: ")) for line in rest if line != "data: [DONE]"]
+    assert "error" in events[-1], rest[-3:]
+    deadline = time.monotonic() + 180
+    while True:  # Serve's health check fails the replica and starts another
+        try:
+            after = qwen_stats()
+            if after["replica_id"] != before["replica_id"]:
+                break
+        except Exception:
+            pass  # the dead replica may answer with an error until it is replaced
+        assert time.monotonic() < deadline, "the replica was not replaced"
+        time.sleep(1.0)
+    assert after["engine_core_pid"] not in (None, core_pid)
+    done = httpx.post(f"{base_url}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=120)
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
+    assert not os.path.exists(f"/proc/{core_pid}/cmdline") or not open(f"/proc/{core_pid}/cmdline").read()

@@ -1,0 +1,215 @@
+"""The front end's handle on an engine core running in a child process (``engine.core_proc``).
+
+``EngineCoreProcess`` offers the front end (``LLMEngine``) what it calls on an
+in-process ``EngineCore``: ``add_request``, ``abort_requests``, ``make_stats``,
+``kv_block_counts``, ``take_kv_load_latencies``, ``check_health``,
+``shutdown``. It differs in one way: the core steps on its own, so there is
+no ``step()``; each step's ``CoreStep`` goes to the sink given to
+``attach`` (the busy-loop thread's queue), from a reader thread, in order.
+If the process dies, the sink gets one ``CoreDied`` and nothing after it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+
+from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerStats
+from engine.core_proc import (
+    AbortRequests,
+    CoreFailed,
+    CoreReady,
+    CoreStep,
+    EngineCoreStart,
+    UtilityCall,
+    UtilityResult,
+)
+
+logger = logging.getLogger(__name__)
+
+HEALTH_CHECK_TIMEOUT_S = 30.0
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class CoreDied:
+    """What the sink gets once the core process is gone (``reason`` says how)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class EngineCoreProcess:
+    """Starts the engine core in a child process; ``wait_ready`` waits for its model to load.
+
+    ``add_request``/``abort_requests``/``check_health``/``shutdown`` may be called
+    from any thread; ``make_stats``/``kv_block_counts``/``take_kv_load_latencies``
+    read the latest ``CoreStep`` passed to ``take_step`` (the busy-loop thread's).
+    """
+
+    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+        self._send_lock = threading.Lock()
+        self._conn, self.process = _spawn_core_process()
+        self._send(EngineCoreStart(config, executor_class))
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._reader: threading.Thread | None = None
+        self._is_shut_down = False
+        self.num_blocks: int | None = None  # known once ready
+        self._latest: CoreStep | None = None
+        self._kv_load_latencies: list[float] = []
+
+    def wait_ready(self) -> None:
+        """Blocks until the core has loaded its model (the caller sets itself up meanwhile).
+
+        Raises RuntimeError, with the child's traceback, if it failed to start."""
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            code = self.process.wait()
+            raise RuntimeError(f"The engine core process exited at start-up (code {code}).") from None
+        if isinstance(message, CoreFailed):
+            self.process.wait()
+            raise RuntimeError(f"The engine core failed to start:\n{message.error}")
+        assert isinstance(message, CoreReady)
+        self.num_blocks = message.num_blocks
+
+    def attach(self, sink: Callable[[object], None]) -> None:
+        """After ``wait_ready``: delivers every CoreStep (then one CoreDied at the end) to ``sink``,
+        from a reader thread."""
+        self._reader = threading.Thread(target=self._read, args=(sink,), name="EngineCore-reader", daemon=True)
+        self._reader.start()
+
+    # ----------------------------------------------------------------- commands
+
+    def add_request(self, request: Request) -> None:
+        self._send(request)
+
+    def abort_requests(self, request_ids) -> None:
+        self._send(AbortRequests(list(request_ids)))
+
+    def check_health(self) -> None:
+        """Raises if the process is gone or the executor's own check fails (a Ray worker lost)."""
+        if self.process.poll() is not None:
+            raise RuntimeError(f"The engine core process is gone (exit code {self.process.returncode}).")
+        self.call("check_health", timeout_s=HEALTH_CHECK_TIMEOUT_S)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless the core's KV cache is consistent (``KVCacheManager.check_integrity``)."""
+        self.call("check_integrity", timeout_s=HEALTH_CHECK_TIMEOUT_S)
+
+    def call(self, method: str, timeout_s: float):
+        """Runs ``EngineCore.<method>()`` in the core between steps; returns its value or raises its error."""
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        try:
+            self._send(UtilityCall(call_id, method))
+            return future.result(timeout=timeout_s)
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    # ------------------------------------------------------------------- state
+
+    def take_step(self, step: CoreStep) -> list:
+        """Makes ``step`` the state the readers below see; returns its outputs (busy-loop thread)."""
+        self._latest = step
+        self._kv_load_latencies.extend(step.kv_load_latencies)
+        return step.outputs
+
+    def make_stats(self) -> SchedulerStats:
+        if self._latest is None:
+            return SchedulerStats(0, 0, 0.0, 0, _empty_prefix_cache_stats())
+        return self._latest.scheduler_stats
+
+    def kv_block_counts(self) -> tuple[int, int]:
+        return (self.num_blocks - 1, self.num_blocks - 1) if self._latest is None else self._latest.kv_block_counts
+
+    def take_kv_load_latencies(self) -> list[float]:
+        latencies, self._kv_load_latencies = self._kv_load_latencies, []
+        return latencies
+
+    # ---------------------------------------------------------------- lifetime
+
+    def _read(self, sink: Callable[[object], None]) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                sink(CoreDied(f"The engine core process exited (code {_wait(self.process, SHUTDOWN_TIMEOUT_S)})."))
+                return
+            if isinstance(message, UtilityResult):
+                self._resolve(message)
+            elif isinstance(message, CoreFailed):
+                sink(CoreDied(f"The engine core failed:\n{message.error}"))
+                return
+            else:
+                sink(message)
+
+    def _resolve(self, result: UtilityResult) -> None:
+        future = self._calls.get(result.call_id)
+        if future is None:
+            return  # the caller timed out
+        if result.error is not None:
+            future.set_exception(RuntimeError(result.error))
+        else:
+            future.set_result(result.value)
+
+    def shutdown(self) -> None:
+        """Asks the core to stop, waits for it (killing it after SHUTDOWN_TIMEOUT_S). Idempotent."""
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        try:
+            self._send(None)
+        except OSError:
+            pass  # already gone
+        if _wait(self.process, SHUTDOWN_TIMEOUT_S) is None:
+            logger.warning("The engine core process did not stop in %.0f s; killing it.", SHUTDOWN_TIMEOUT_S)
+            self.process.kill()
+            self.process.wait()
+        self._conn.close()
+
+
+def _spawn_core_process() -> tuple[Connection, subprocess.Popen]:
+    """``python -m engine.core_proc`` with one end of a socket pair; this process keeps the other.
+
+    Not multiprocessing's spawn: that re-runs the parent's main script in the child, which breaks
+    scripts without a ``__main__`` guard and Ray's worker processes alike.
+    """
+    parent_socket, child_socket = socket.socketpair()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.core_proc", str(child_socket.fileno()), str(os.getpid())],
+        pass_fds=[child_socket.fileno()],
+        env=env,
+    )
+    child_socket.close()
+    return Connection(parent_socket.detach()), process
+
+
+def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:
+    """The process's exit code once it exits within ``timeout_s``, else None."""
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _empty_prefix_cache_stats():
+    from engine.core.kv_cache_manager import PrefixCacheStats
+
+    return PrefixCacheStats()

@@ -1,0 +1,166 @@
+"""The engine core in its own process (``engine.core_proc`` / ``engine.core_client``) behind AsyncLLM.
+
+The rest of the suite's AsyncLLM tests (streams, aborts, ``n`` > 1, errors,
+stats) run on this path too, since it is the default; these check what only
+the split has: a second process that steps on its own, blocks when idle, dies
+loudly and never outlives its parent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, EngineDeadError, RequestOutputKind, SamplingParams
+from engine.core_client import EngineCoreProcess
+from tests.conftest import engine_kwargs, make_async_llm, random_token_ids, token_prompt
+
+KWARGS = engine_kwargs(max_model_len=512, max_num_seqs=8, num_gpu_blocks_override=8 * 512 // 16 + 1)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def greedy(max_tokens: int, **changes) -> SamplingParams:
+    return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, **changes)
+
+
+def core_of(llm) -> EngineCoreProcess:
+    core = llm._engine_thread.engine.engine_core
+    assert isinstance(core, EngineCoreProcess)
+    return core
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+async def collect(llm, prompt, params, request_id):
+    return [output async for output in llm.generate(prompt, params, request_id)]
+
+
+@pytest.fixture(scope="module")
+def async_llm(model_path):
+    llm = make_async_llm(model_path, **KWARGS)
+    yield llm
+    llm.shutdown()
+
+
+def test_the_core_steps_in_another_process_and_matches_offline(async_llm, model_path):
+    import random
+
+    rng = random.Random(3)
+    prompts = [token_prompt(random_token_ids(rng, n)) for n in (5, 40, 17, 90)]
+    core = core_of(async_llm)
+    assert core.process.pid != os.getpid() and is_running(core.process.pid)
+
+    async def body():
+        return await asyncio.gather(
+            *(collect(async_llm, prompt, greedy(24), f"match-{i}") for i, prompt in enumerate(prompts))
+        )
+
+    results = asyncio.run(asyncio.wait_for(body(), 60))
+    with LLM(model=model_path, **KWARGS) as offline:
+        expected = offline.generate(prompts, greedy(24))
+    assert [outputs[-1].outputs[0].token_ids for outputs in results] == [e.outputs[0].token_ids for e in expected]
+    core.check_integrity()
+    stats = async_llm.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running_reqs == 0
+
+
+def test_an_idle_core_blocks_instead_of_spinning(async_llm):
+    pid = core_of(async_llm).process.pid
+    time.sleep(0.5)  # whatever the previous test left running has finished
+    before = cpu_seconds(pid)
+    time.sleep(2.0)
+    assert cpu_seconds(pid) - before < 0.2
+
+
+def test_aborted_and_cancelled_streams_leave_the_core_consistent(async_llm):
+    async def body():
+        stream = async_llm.generate(token_prompt([7] * 30), greedy(400, output_kind=RequestOutputKind.DELTA), "x")
+        await stream.__anext__()
+        await stream.aclose()  # the consumer leaves: the request is aborted in the core
+        task = asyncio.create_task(collect(async_llm, token_prompt([9] * 30), greedy(400), "y"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await async_llm.abort("never-existed")
+        deadline = time.monotonic() + 20
+        while async_llm.get_stats().num_running_reqs or async_llm.get_stats().num_waiting_reqs:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+    core_of(async_llm).check_integrity()
+    stats = async_llm.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_aborted_reqs_total >= 2
+
+
+def test_a_killed_core_fails_open_streams_at_once(model_path):
+    llm = make_async_llm(model_path, **KWARGS)
+    pid = core_of(llm).process.pid
+
+    async def body():
+        stream = llm.generate(token_prompt([5] * 20), greedy(480, output_kind=RequestOutputKind.DELTA), "doomed")
+        await stream.__anext__()
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="exited"):
+            async for _ in stream:
+                pass
+        assert time.monotonic() - started < 5.0
+        with pytest.raises(EngineDeadError):
+            await llm.generate(token_prompt([5] * 4), greedy(4), "after").__anext__()
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+    llm.shutdown()
+
+
+def test_the_core_process_exits_with_its_parent(model_path, tmp_path):
+    """SIGKILL the front end (no clean-up runs there): its core process follows within seconds."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.conftest import make_async_llm
+        llm = make_async_llm({model_path!r}, **{KWARGS!r})
+        print(llm._engine_thread.engine.engine_core.process.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert is_running(core_pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_for(lambda: not is_running(core_pid), timeout_s=10.0), "the core process outlived its parent"
