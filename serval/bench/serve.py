@@ -7,8 +7,11 @@ streamed chunks and the end-to-end latency; the report (:mod:`serval.bench.repor
 goodput under ``--slo``, and the raw per-request lists. Results go to a JSON file with two PNG plots
 beside it.
 
-    serval bench serve --url http://127.0.0.1:8000 --model tiny-llama --tokenizer models/tiny-llama \\
+    serval bench serve --url http://127.0.0.1:8000 --model tiny-llama \\
         --random-input-len 256 --random-output-len 64 --num-prompts 200 --request-rate 8
+
+The tokenizer is ``--tokenizer``, else ``--model`` when that is a directory, else the served model's
+checkpoint (``root`` of its card in ``GET /v1/models``) when that is a directory on this machine.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The endpoint, dataset, load, report and output flags of ``serval bench serve``."""
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="Base URL; requests go to {url}/v1/completions.")
     parser.add_argument("--model", required=True, help="The served model id (a local dir also names the tokenizer).")
-    parser.add_argument("--tokenizer", help="Local Hugging Face tokenizer dir (default: --model, if a dir).")
+    parser.add_argument(
+        "--tokenizer",
+        help="Local Hugging Face tokenizer dir (default: --model if a dir, else its root in /v1/models).",
+    )
     parser.add_argument("--api-key", help="Sent as 'Authorization: Bearer KEY'.")
     add_dataset_arguments(parser)
     load = parser.add_argument_group("load")
@@ -98,10 +104,13 @@ def benchmark(args: argparse.Namespace) -> dict:
     Failed requests are counted and their errors kept in the report, never raised. Raises ``ValueError``
     for settings that cannot run (no local tokenizer, an unusable dataset).
     """
-    requests = sample_requests(args, load_tokenizer(args))
+    path = tokenizer_path(args)
+    from transformers import AutoTokenizer
+
+    requests = sample_requests(args, AutoTokenizer.from_pretrained(path))
     results, duration_s = asyncio.run(run_load(args, requests))
     report = build_report(results, duration_s, args.percentiles, args.slo)
-    report.update(run_settings(args))
+    report.update(run_settings(args), tokenizer_id=path)
     return report
 
 
@@ -124,14 +133,40 @@ def default_filename(model: str) -> str:
     return f"serve-{Path(model).name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
 
 
-def load_tokenizer(args: argparse.Namespace):
-    """The ``--tokenizer`` dir's tokenizer, else ``--model``'s when that is a local dir (never a hub download)."""
-    from transformers import AutoTokenizer
+def tokenizer_path(args: argparse.Namespace) -> str:
+    """The local tokenizer dir: ``--tokenizer``, else ``--model`` when that is a dir, else the ``root`` of the
+    served model's card (``GET {url}/v1/models``) when that is a dir here. Raises ``ValueError`` otherwise."""
+    if args.tokenizer or os.path.isdir(args.model):
+        path = args.tokenizer or args.model
+        if not os.path.isdir(path):
+            raise ValueError(f"no local tokenizer at {path!r}: pass --tokenizer DIR")
+        return path
+    root = served_model_root(args)
+    if not os.path.isdir(root):
+        raise ValueError(f"{args.model!r} is served from {root!r}, which is not a directory here: pass --tokenizer DIR")
+    return root
 
-    path = args.tokenizer or args.model
-    if not os.path.isdir(path):
-        raise ValueError(f"no local tokenizer at {path!r}: pass --tokenizer DIR")
-    return AutoTokenizer.from_pretrained(path)
+
+def served_model_root(args: argparse.Namespace) -> str:
+    """The ``root`` (checkpoint path) of ``--model``'s card at ``{url}/v1/models``; ``ValueError`` when the
+    endpoint cannot say."""
+    import httpx
+
+    url = f"{args.url.rstrip('/')}/v1/models"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=min(args.request_timeout, 30.0))
+        response.raise_for_status()
+        cards = response.json().get("data", [])
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise ValueError(
+            f"{args.model!r} is not a local dir and {url} could not be read ({exc}): pass --tokenizer DIR"
+        ) from None
+    for card in cards:
+        if card.get("id") == args.model and card.get("root"):
+            return str(card["root"])
+    served = ", ".join(str(card.get("id")) for card in cards) or "none"
+    raise ValueError(f"{url} has no card with a root for {args.model!r} (served: {served}): pass --tokenizer DIR")
 
 
 def run_settings(args: argparse.Namespace) -> dict:

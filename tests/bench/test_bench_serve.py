@@ -43,7 +43,8 @@ def engine_left_idle(engine):
     wait_until_idle(engine)
 
 
-def bench_argv(base_url: str, model_path: str, result_dir, *extra: str) -> list[str]:
+def bench_argv(base_url: str, model_path: str | None, result_dir, *extra: str) -> list[str]:
+    """``model_path`` None: no ``--tokenizer`` (the bench finds it from the served model's card)."""
     return [
         "bench",
         "serve",
@@ -51,8 +52,7 @@ def bench_argv(base_url: str, model_path: str, result_dir, *extra: str) -> list[
         base_url,
         "--model",
         MODEL,
-        "--tokenizer",
-        model_path,
+        *(["--tokenizer", model_path] if model_path else []),
         "--result-dir",
         str(result_dir),
         "--result-filename",
@@ -68,7 +68,7 @@ def bench_argv(base_url: str, model_path: str, result_dir, *extra: str) -> list[
     ]
 
 
-def bench_args(base_url: str, model_path: str, *extra: str) -> argparse.Namespace:
+def bench_args(base_url: str, model_path: str | None, *extra: str) -> argparse.Namespace:
     """Parsed ``serval bench serve`` flags, for calling :func:`serve.benchmark` directly."""
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
@@ -193,3 +193,21 @@ def test_goodput_under_slos(base_url, model_path):
     )
     assert generous["goodput"] == generous["request_throughput"] and generous["goodput_fraction"] == 1.0
     assert generous["slo"] == {"ttft": 600000.0, "tpot": 600000.0, "e2el": 600000.0}
+
+
+def test_the_tokenizer_comes_from_the_served_models_card_without_tokenizer(base_url, model_path, tmp_path):
+    """No ``--tokenizer`` and a model id that is no directory: the card's ``root`` (GET /v1/models) is."""
+    assert cli.main(bench_argv(base_url, None, tmp_path, "--num-prompts", "4", "--max-concurrency", "4")) == 0
+    report = json.loads((tmp_path / "run.json").read_text())
+    assert report["tokenizer_id"] == model_path and report["model_id"] == MODEL
+    assert_all_completed(report, 4, OUTPUT_LEN)
+
+
+def test_no_tokenizer_to_find_is_a_settings_error(base_url, tmp_path, capsys):
+    argv = bench_argv(base_url, None, tmp_path)
+    argv[argv.index(MODEL)] = "no-such-model"
+    assert cli.main(argv) == 2
+    error = capsys.readouterr().err
+    assert "no card with a root for 'no-such-model'" in error and MODEL in error and "--tokenizer" in error
+    with pytest.raises(ValueError, match="could not be read"):
+        serve.tokenizer_path(bench_args("http://127.0.0.1:9", None, "--request-timeout", "5"))
