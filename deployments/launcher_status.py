@@ -1,0 +1,246 @@
+"""What the launcher says while a Serve config deploys, and when it gives up early.
+
+Pure functions over plain data (the Serve config as loaded from YAML, the JSON of the dashboard's
+``GET /api/serve/applications/``, the nodes' total resources), so they can be tested without a cluster:
+
+- ``config_needs``: a lower bound on what each deployment of a config takes (CPUs and GPUs per replica
+  times its replicas, TP/PP worker bundles not counted), read from the YAML before deploying.
+- ``unfit_reason``: why some needs can never fit the cluster (a sentence naming what to change), or None.
+- ``progress_lines``: one line per application and, under it, each deployment that is not yet healthy
+  with Serve's own message (unschedulable resources, a slow or failing constructor), tracebacks cut to
+  their last lines.
+- ``final_reason``: a reason to stop waiting (a failed deploy, resources that can never fit), or None.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from deployments import ray_processes
+
+INGRESS_NAME = "OpenAiIngress"  # deployments.app.INGRESS_DEPLOYMENT_NAME (not imported: it pulls in the engine)
+TERMINAL_FAILURES = ("DEPLOY_FAILED", "UNHEALTHY")
+MESSAGE_LINES = 6  # lines of a deployment's message shown while waiting (a traceback's last ones)
+FAILURE_LINES = 20  # lines of each message shown when the deploy failed
+KERNEL_BUILDERS = ("cc1plus", "/ninja ")  # processes of a torch C++ extension build
+
+
+@dataclass(frozen=True)
+class Need:
+    """One deployment's resources: ``cpus`` and ``gpus`` per replica, ``replicas`` of them."""
+
+    app: str
+    deployment: str
+    cpus: float
+    gpus: float
+    replicas: int
+
+
+def _replica_count(deployment_config: dict) -> int:
+    autoscaling = deployment_config.get("autoscaling_config") or {}
+    count = deployment_config.get("num_replicas")
+    if isinstance(count, int):
+        return count
+    return int(autoscaling.get("initial_replicas") or autoscaling.get("min_replicas") or 1)
+
+
+def _need(app: str, name: str, deployment_config: dict, default_cpus: float, overrides: dict) -> Need:
+    merged = {**deployment_config, **overrides.get(name, {})}
+    actor = {**deployment_config.get("ray_actor_options", {}), **overrides.get(name, {}).get("ray_actor_options", {})}
+    cpus = float(actor.get("num_cpus", default_cpus))
+    return Need(app, name, cpus, float(actor.get("num_gpus", 0)), _replica_count(merged))
+
+
+def _server_name(prefix: str, llm_config: dict) -> str:
+    model_id = llm_config.get("model_loading_config", {}).get("model_id", "?")
+    return prefix + re.sub(r"[^A-Za-z0-9_.-]", "--", str(model_id))
+
+
+def config_needs(config: dict) -> list[Need]:
+    """Each deployment of Serval's app builders in ``config`` (others are skipped): the LLM servers at
+    1 CPU per replica unless ``ray_actor_options`` say otherwise, the ingress at 0.1."""
+    needs = []
+    for app in config.get("applications", []):
+        name, args = app.get("name", "default"), app.get("args") or {}
+        overrides = {d["name"]: d for d in app.get("deployments", []) if "name" in d}
+        builder = str(app.get("import_path", "")).rsplit(":", 1)[-1]
+        servers = []
+        if builder == "build_openai_app":
+            servers = [("LLMServer:", c) for c in args.get("llm_configs", []) if isinstance(c, dict)]
+        elif builder == "build_pd_openai_app":
+            servers = [
+                ("PrefillServer:", args.get("prefill_config", {})),
+                ("LLMServer:", args.get("decode_config", {})),
+            ]
+        else:
+            continue
+        for prefix, llm_config in servers:
+            needs.append(
+                _need(name, _server_name(prefix, llm_config), llm_config.get("deployment_config", {}), 1.0, overrides)
+            )
+        ingress = args.get("ingress_deployment_config") or {"ray_actor_options": {"num_cpus": 0.1}}
+        needs.append(_need(name, INGRESS_NAME, ingress, 0.1, overrides))
+    return needs
+
+
+def status_needs(status: dict, app_names: list[str]) -> list[Need]:
+    """The needs Serve itself reports once an app is built (``required_resources``, ``target_num_replicas``)."""
+    needs = []
+    for app_name in app_names:
+        for name, deployment in status.get("applications", {}).get(app_name, {}).get("deployments", {}).items():
+            required = deployment.get("required_resources") or {}
+            if not isinstance(required, dict):
+                continue
+            cpus, gpus = float(required.get("CPU", 0)), float(required.get("GPU", 0))
+            needs.append(Need(app_name, name, cpus, gpus, int(deployment.get("target_num_replicas") or 0)))
+    return needs
+
+
+def unfit_reason(needs: list[Need], nodes: list[dict[str, float]], config_path: str) -> str | None:
+    """Why ``needs`` can never be scheduled on ``nodes`` (each node's total resources), or None.
+
+    Final on a cluster that does not grow (a local head). Names the deployments and what to change.
+    """
+    if not nodes:
+        return None
+    for kind, key in (("CPU", "cpus"), ("GPU", "gpus")):
+        total = sum(node.get(kind, 0.0) for node in nodes)
+        largest = max(node.get(kind, 0.0) for node in nodes)
+        wanted = sum(getattr(n, key) * n.replicas for n in needs)
+        too_big = [n for n in needs if getattr(n, key) > largest + 1e-9]
+        if not too_big and wanted <= total + 1e-9:
+            continue
+        items = ", ".join(f"{n.deployment}: {n.replicas} x {getattr(n, key):g}" for n in needs if getattr(n, key) > 0)
+        return (
+            f"The config asks for {wanted:g} {kind}s ({items}) but the cluster has {total:g}"
+            f"{f' (at most {largest:g} on one node)' if too_big else ''}: it can never be scheduled. "
+            f"Lower ray_actor_options.num_{kind.lower()}s or num_replicas in {config_path} "
+            f"(the OpenAiIngress takes 0.1 CPU unless ingress_deployment_config says otherwise), "
+            f"or run on a machine with more {kind}s."
+        )
+    return None
+
+
+def summarize(message: str, max_lines: int = MESSAGE_LINES) -> str:
+    """A Serve message cut to its last ``max_lines`` non-empty lines (a traceback's end: the error)."""
+    lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
+    if len(lines) <= max_lines:
+        return "\n".join(lines)
+    return "\n".join(["...", *lines[-max_lines:]])
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+def progress_lines(status: dict, app_names: list[str], activities: dict[str, str] | None = None) -> list[str]:
+    """Each app's status and message, then each of its deployments that is not HEALTHY with its
+    replicas' states, Serve's message and ``activities[deployment]`` (what its replicas are doing)."""
+    activities = activities or {}
+    apps = status.get("applications", {})
+    lines = []
+    for name in app_names:
+        app = apps.get(name, {})
+        lines.append(f"{name}: {app.get('status', 'NOT_STARTED')}")
+        if app.get("message"):
+            lines.append(_indent(summarize(app["message"]), "    "))
+        for deployment_name, deployment in app.get("deployments", {}).items():
+            if deployment.get("status") == "HEALTHY":
+                continue
+            states = [replica.get("state", "?") for replica in deployment.get("replicas", [])]
+            counts = ", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states)) or "no replicas yet"
+            lines.append(f"  {deployment_name}: {deployment.get('status', '?')} ({counts})")
+            if deployment.get("message"):
+                lines.append(_indent(summarize(deployment["message"]), "    "))
+            if deployment_name in activities:
+                lines.append(f"    {activities[deployment_name]}")
+    return lines
+
+
+def final_reason(status: dict, app_names: list[str], nodes: list[dict[str, float]], config_path: str) -> str | None:
+    """Why waiting longer cannot help: an app or deployment failed (its messages), or what Serve says it
+    needs can never fit ``nodes``; None while it may still become RUNNING."""
+    apps = status.get("applications", {})
+    failed = {}
+    for name in app_names:
+        app = apps.get(name, {})
+        if app.get("status") in TERMINAL_FAILURES:
+            failed[name] = summarize(app.get("message", ""), FAILURE_LINES)
+            for deployment_name, deployment in app.get("deployments", {}).items():
+                if deployment.get("status") != "HEALTHY" and deployment.get("message"):
+                    failed[f"{name}/{deployment_name}"] = summarize(deployment["message"], FAILURE_LINES)
+    if failed:
+        return "Deployment failed:\n" + "\n".join(f"  {key}:\n{_indent(text, '    ')}" for key, text in failed.items())
+    return unfit_reason(status_needs(status, app_names), nodes, config_path)
+
+
+def nodes_total(nodes_response: dict) -> list[dict[str, float]]:
+    """Each ALIVE node's total resources, from the dashboard's ``GET /api/v0/nodes?detail=1``."""
+    result = nodes_response.get("data", {}).get("result", {}).get("result", [])
+    return [node.get("resources_total", {}) for node in result if node.get("state") == "ALIVE"]
+
+
+def kernel_build_state(extensions_root: Path | None = None, commands: list[str] | None = None) -> str | None:
+    """What blocks a process that loads Serval's native CPU kernels right now, or None.
+
+    torch's extension loader builds under a ``lock`` file in the build dir; every other loader waits
+    until the file is gone, forever if the builder was killed midway. ``commands``: the machine's
+    command lines (default: read from /proc).
+    """
+    root = extensions_root or Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
+    locks = sorted(root.glob("*/serval_cpu_kernels_*/lock"))
+    if not locks:
+        return None
+    if commands is None:
+        commands = [command for _, command in ray_processes.command_lines().values()]
+    if any(builder in command + " " for command in commands for builder in KERNEL_BUILDERS):
+        return (
+            "Serval's native CPU kernels are being compiled on this machine (once per checkout, about a minute;"
+            " `make venv` builds them ahead): a replica that loads them waits for the build"
+        )
+    return (
+        f"{locks[0]} is left from a kernel build that was killed midway: replicas wait on it forever."
+        f" Remove the file (rm {locks[0]}); the next load rebuilds"
+    )
+
+
+def replica_activities(status: dict, app_names: list[str], kernel_state: str | None = None) -> dict[str, str]:
+    """deployment -> what its starting replicas wait on that Serve does not say (``kernel_state``)."""
+    if kernel_state is None:
+        return {}
+    return {
+        name: kernel_state
+        for app_name in app_names
+        for name, deployment in status.get("applications", {}).get(app_name, {}).get("deployments", {}).items()
+        if any(replica.get("state") == "STARTING" for replica in deployment.get("replicas", []))
+    }
+
+
+def print_usage(config: dict, dashboard: str, serve_bin: str) -> None:
+    """The endpoint of a RUNNING ``config``, with ready-to-paste examples."""
+    http = config.get("http_options", {})
+    base = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+    model_ids = [
+        c["model_loading_config"]["model_id"]
+        for app in config["applications"]
+        for c in [*(app.get("args") or {}).get("llm_configs", []), (app.get("args") or {}).get("decode_config")]
+        if isinstance(c, dict) and "model_loading_config" in c
+    ]
+    model = model_ids[0] if model_ids else "<model id>"
+    print(
+        f"""
+Serval is serving {", ".join(model_ids) or "its models"} at {base}/v1
+
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
+print(c.completions.create(model='{model}', prompt='Once upon a time', max_tokens=32).choices[0].text)"
+
+Status: RAY_AUTH_MODE=token {serve_bin} status   Dashboard: {dashboard}   Stop: make stop
+""",
+        flush=True,
+    )

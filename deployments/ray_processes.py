@@ -1,0 +1,126 @@
+"""The processes of one local Ray head, found and stopped by id (``make stop``, the test clusters).
+
+``ray stop`` ends every Ray process on the machine, other people's clusters included, and waits up to
+16 s for processes that ignore SIGTERM (the GCS, the autoscaler monitor). Here the head is the one whose
+GCS listens on ``gcs_port``: its GCS, every process that names its session or GCS address, the
+HAProxy of ``launcher.haproxy_env``, and all their descendants (Serve's controller and replicas, their
+engine processes). Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+# Workers exit at once on SIGTERM once Serve has shut down; the GCS and the monitor linger: killed after this.
+STOP_GRACE_S = 1.0
+
+
+def command_lines() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process this user can read."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        found[int(entry.name)] = (parent, command)
+    return found
+
+
+def _flag_values(command: str, flag: str) -> list[str]:
+    return [word.split("=", 1)[1] for word in command.split() if word.startswith(f"{flag}=")]
+
+
+def gcs_port_of_dashboard(dashboard_port: int) -> int | None:
+    """The GCS port of the local head whose dashboard listens on ``dashboard_port``, if one runs here."""
+    for _, command in command_lines().values():
+        if "dashboard/dashboard.py" in command and f"--port={dashboard_port} " in command + " ":
+            for address in _flag_values(command, "--gcs-address"):
+                return int(address.rsplit(":", 1)[1])
+    return None
+
+
+def session_dir(gcs_port: int) -> Path | None:
+    """The session directory (``/tmp/ray/session_...``) of the local head on ``gcs_port``, if one runs here."""
+    for _, command in command_lines().values():
+        if f"--gcs_server_port={gcs_port} " in command + " ":
+            for log_dir in _flag_values(command, "--log_dir"):
+                return Path(log_dir).parent
+    return None
+
+
+def head_processes(gcs_port: int) -> set[int]:
+    """The pids of the local head on ``gcs_port`` and of all their descendants (never this process)."""
+    processes = command_lines()
+    sessions = {
+        name
+        for _, command in processes.values()
+        if f"--gcs_server_port={gcs_port} " in command + " "
+        for name in _flag_values(command, "--session-name")
+    }
+    markers = {f"127.0.0.1:{gcs_port} ", f"serval-haproxy-{gcs_port}/", *sessions}
+    members = {pid for pid, (_, command) in processes.items() if any(m in command + " " for m in markers)}
+    members -= {os.getpid(), os.getppid()}
+    grew = True
+    while grew:
+        children = {pid for pid, (parent, _) in processes.items() if parent in members} - members - {os.getpid()}
+        members |= children
+        grew = bool(children)
+    return members
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> command line of every descendant of ``pid``."""
+    processes = command_lines()
+    found: dict[int, str] = {}
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, (parent, _) in processes.items() if parent in frontier} - found.keys()
+        found.update({child: processes[child][1] for child in frontier})
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its parent."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def stop_processes(pids: set[int], grace_s: float = STOP_GRACE_S) -> set[int]:
+    """SIGTERM to each pid, SIGKILL to those still running after ``grace_s``; returns the pids killed."""
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(map(is_running, pids)):
+        time.sleep(0.05)
+    lingering = {pid for pid in pids if is_running(pid)}
+    _signal_all(lingering, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(map(is_running, lingering)):
+        time.sleep(0.05)
+    return lingering
+
+
+def _signal_all(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_head(gcs_port: int, grace_s: float = STOP_GRACE_S) -> int:
+    """Stops the local head on ``gcs_port``: SIGTERM to all its processes at once, SIGKILL to those left
+    after ``grace_s`` (Serve should be shut down first: its replicas then have nothing left to finish).
+    Returns how many processes it had (0: none runs here)."""
+    members = head_processes(gcs_port)
+    stop_processes(members, grace_s)
+    stop_processes(head_processes(gcs_port), grace_s)  # anything started meanwhile (a worker being spawned)
+    return len(members)

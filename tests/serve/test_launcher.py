@@ -1,0 +1,208 @@
+"""The launcher's pieces without a cluster: what a config needs against what the cluster has, what it
+prints while Serve deploys and when it gives up, the kernel-build and HAProxy drain probes, and stopping
+one head's processes by id (never ``ray stop``)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments import haproxy_admin, launcher, launcher_status, ray_processes
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
+TWO_CPUS = [{"CPU": 2.0, "memory": 1e10}]
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())
+
+
+def pd_prefill_decode(config: dict) -> tuple[dict, dict]:
+    args = config["applications"][0]["args"]
+    return args["prefill_config"]["deployment_config"], args["decode_config"]["deployment_config"]
+
+
+def test_the_cpu_configs_fit_two_cpus_and_the_gpu_examples_do_not():
+    for name in ("default.yaml", "pd.yaml"):
+        needs = launcher_status.config_needs(load(name))
+        assert launcher_status.unfit_reason(needs, TWO_CPUS, name) is None, name
+    needs = {n.deployment: n for n in launcher_status.config_needs(load("pd.yaml"))}
+    assert sum(n.cpus * n.replicas for n in needs.values()) == pytest.approx(1.7)
+    assert needs["OpenAiIngress"].cpus == 0.1 and set(needs) == {
+        "PrefillServer:tiny-llama",
+        "LLMServer:tiny-llama",
+        "OpenAiIngress",
+    }
+    two_models = {n.deployment: n for n in launcher_status.config_needs(load("gpu-two-models.yaml"))}
+    assert two_models["LLMServer:mistral-7b-instruct"].replicas == 2  # the app's `deployments:` override
+    assert "GPU" in launcher_status.unfit_reason(list(two_models.values()), [{"CPU": 64.0}], "gpu-two-models.yaml")
+
+
+def test_pd_at_one_cpu_per_pool_names_what_to_change():
+    """The pd.yaml of before (1 + 1 CPUs and the ingress's 0.1 on a 2-CPU machine) never ran."""
+    config = copy.deepcopy(load("pd.yaml"))
+    for deployment_config in pd_prefill_decode(config):
+        deployment_config["ray_actor_options"]["num_cpus"] = 1
+    reason = launcher_status.unfit_reason(launcher_status.config_needs(config), TWO_CPUS, "configs/serve/pd.yaml")
+    assert "2.1 CPUs" in reason and "the cluster has 2" in reason
+    assert "PrefillServer:tiny-llama: 1 x 1" in reason and "OpenAiIngress: 1 x 0.1" in reason
+    assert "ray_actor_options.num_cpus" in reason and "configs/serve/pd.yaml" in reason
+
+
+def test_a_replica_larger_than_any_node_never_fits_even_if_the_sum_does():
+    needs = [launcher_status.Need("llm", "LLMServer:m", cpus=3.0, gpus=0.0, replicas=1)]
+    reason = launcher_status.unfit_reason(needs, [{"CPU": 2.0}, {"CPU": 2.0}], "c.yaml")
+    assert "at most 2 on one node" in reason
+    assert launcher_status.unfit_reason(needs, [], "c.yaml") is None  # no nodes known: no verdict
+
+
+def deployment(status: str, message: str = "", states=("STARTING",), required=None, target=1) -> dict:
+    return {
+        "status": status,
+        "message": message,
+        "replicas": [{"state": s, "pid": 1} for s in states],
+        "required_resources": required or {"CPU": 1},
+        "target_num_replicas": target,
+    }
+
+
+def app_status(app: str, message: str = "", **deployments) -> dict:
+    return {"applications": {"llm": {"status": app, "message": message, "deployments": deployments}}}
+
+
+UNSCHEDULABLE = (
+    "Deployment 'OpenAiIngress' in application 'llm' has 1 replicas that have taken more than 10s to be "
+    'scheduled. ... Resources required for each replica: {"CPU": 0.1}, total resources available: {"CPU": 0.0}.'
+)
+CONSTRUCTOR_FAILED = "A replica failed to start with exception. Retrying 2 more time(s). Error:\n" + "\n".join(
+    ["Traceback (most recent call last):", *[f'  File "x{i}.py", line {i}' for i in range(10)]]
+    + ["FileNotFoundError: models/tiny-llama has no config.json"]
+)
+
+
+def test_progress_shows_serve_messages_and_cuts_tracebacks():
+    status = app_status(
+        "DEPLOYING",
+        **{
+            "LLMServer:m": deployment("UPDATING", CONSTRUCTOR_FAILED, required={"CPU": 0.8}),
+            "OpenAiIngress": deployment("UPDATING", UNSCHEDULABLE, states=(), required={"CPU": 0.1}),
+            "PrefillServer:m": deployment("HEALTHY", states=("RUNNING",), required={"CPU": 0.8}),
+        },
+    )
+    lines = launcher_status.progress_lines(status, ["llm"], {"LLMServer:m": "compiling kernels"})
+    text = "\n".join(lines)
+    assert lines[0] == "llm: DEPLOYING"
+    assert "  LLMServer:m: UPDATING (1 STARTING)" in lines and "    compiling kernels" in lines
+    assert "FileNotFoundError: models/tiny-llama has no config.json" in text and "x0.py" not in text
+    assert "  OpenAiIngress: UPDATING (no replicas yet)" in lines and "to be scheduled" in text
+    assert "PrefillServer" not in text  # healthy deployments are not repeated
+    assert launcher_status.final_reason(status, ["llm"], TWO_CPUS, "c.yaml") is None  # may still start
+
+
+def test_final_reasons_a_failed_deploy_and_resources_that_never_fit():
+    failed = app_status("DEPLOY_FAILED", "", **{"LLMServer:m": deployment("DEPLOY_FAILED", CONSTRUCTOR_FAILED)})
+    reason = launcher_status.final_reason(failed, ["llm"], TWO_CPUS, "c.yaml")
+    assert reason.startswith("Deployment failed") and "llm/LLMServer:m" in reason and "no config.json" in reason
+    unfit = app_status(
+        "DEPLOYING",
+        **{"LLMServer:m": deployment("UPDATING", target=2), "OpenAiIngress": deployment("UPDATING", required={})},
+    )
+    assert "asks for 2 CPUs" not in (launcher_status.final_reason(unfit, ["llm"], TWO_CPUS, "c.yaml") or "")
+    unfit["applications"]["llm"]["deployments"]["OpenAiIngress"]["required_resources"] = {"CPU": 0.1}
+    assert "2.1 CPUs" in launcher_status.final_reason(unfit, ["llm"], TWO_CPUS, "c.yaml")
+
+
+def test_up_refuses_a_config_that_can_never_fit_before_deploying(monkeypatch, tmp_path, capsys):
+    config = copy.deepcopy(load("pd.yaml"))
+    for deployment_config in pd_prefill_decode(config):
+        deployment_config["ray_actor_options"]["num_cpus"] = 1
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(launcher, "is_dashboard_up", lambda port: True)
+    monkeypatch.setattr(launcher, "cluster_nodes", lambda dashboard: TWO_CPUS)
+    monkeypatch.setattr(launcher, "deploy", lambda *a, **k: pytest.fail("deployed a config that cannot fit"))
+    assert launcher.main(["up", "--config", str(path), "--dashboard-port", "1"]) == 1
+    assert "can never be scheduled" in capsys.readouterr().err
+
+
+def test_kernel_build_state_tells_a_running_build_from_a_stale_lock(tmp_path):
+    assert launcher_status.kernel_build_state(tmp_path, commands=[]) is None
+    lock = tmp_path / "py311_cpu" / "serval_cpu_kernels_0123abcd" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    building = launcher_status.kernel_build_state(tmp_path, commands=["/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -O3"])
+    assert "being compiled" in building
+    stale = launcher_status.kernel_build_state(tmp_path, commands=["python -m something"])
+    assert str(lock) in stale and "rm " in stale
+    status = app_status("DEPLOYING", **{"A": deployment("UPDATING"), "B": deployment("HEALTHY", states=("RUNNING",))})
+    assert launcher_status.replica_activities(status, ["llm"], stale) == {"A": stale}
+
+
+class FakeHAProxy:
+    """An admin socket answering ``show stat`` with one Serve backend whose sessions end on cue."""
+
+    def __init__(self, path: Path, in_flight: int) -> None:
+        self.path, self.in_flight, self.commands = path, in_flight, []
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            connection, _ = self.server.accept()
+            with connection:
+                line = connection.recv(4096).decode().strip()
+                self.commands.append(line)
+                if line == "show stat":
+                    connection.sendall(self._stat().encode())
+
+    def _stat(self) -> str:
+        rows = [
+            ("stats", "FRONTEND", 1),
+            ("http_frontend", "FRONTEND", self.in_flight + 2),  # + idle keep-alive connections
+            ("http-llm", "SERVE_REPLICA_llm-OpenAiIngress-x", self.in_flight),
+            ("http-llm", "BACKEND", self.in_flight),
+            ("default_backend", "BACKEND", 0),
+        ]
+        return "# pxname,svname,qcur,qmax,scur\n" + "".join(f"{p},{s},0,0,{n}\n" for p, s, n in rows)
+
+
+def test_drain_refuses_new_connections_and_waits_for_requests_in_flight(tmp_path):
+    fake = FakeHAProxy(tmp_path / "admin.sock", in_flight=2)
+    threading.Timer(0.5, lambda: setattr(fake, "in_flight", 0)).start()
+    started = time.monotonic()
+    assert haproxy_admin.drain([fake.path], timeout_s=10, poll_s=0.05) == 0
+    assert 0.4 < time.monotonic() - started < 5
+    assert "disable frontend http_frontend" in fake.commands and "disable frontend stats" not in fake.commands
+    fake.in_flight = 3
+    assert haproxy_admin.drain([fake.path], timeout_s=0.2, poll_s=0.05) == 3  # gave up: 3 left
+    assert haproxy_admin.drain([tmp_path / "missing.sock"], timeout_s=1) == 0
+
+
+def test_stop_head_ends_that_heads_processes_and_their_children_only():
+    port = launcher.free_port()
+    sleeper = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    head = subprocess.Popen([sys.executable, "-c", sleeper + "time.sleep(60)", f"--address=127.0.0.1:{port}", "x"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"127.0.0.1:{port + 1} x"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(members := ray_processes.head_processes(port)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert head.pid in members and other.pid not in members and os.getpid() not in members
+        assert ray_processes.stop_head(port, grace_s=1.0) == 2
+        head.wait(timeout=5)
+        assert not any(map(ray_processes.is_running, members)) and other.poll() is None
+    finally:
+        other.kill()
+        head.kill()
+        other.wait()

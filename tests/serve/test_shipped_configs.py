@@ -1,0 +1,119 @@
+"""Every shipped CPU config runs where the README says it runs: a 2-CPU Ray head on loopback, started as
+`make serve` starts it. Each ``configs/serve/*.yaml`` that is not a GPU example (``gpu-*`` or any
+``num_gpus``) is deployed with its model pointed at a local tiny checkpoint, becomes RUNNING and answers
+one completion per app; then the launcher's stop (`make stop`) lets a stream in flight finish and leaves
+none of the head's processes behind.
+
+One head for the module; the configs replace each other's app (Serve's deploy is declarative).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from deployments import launcher, launcher_status, ray_processes
+from tests.helm.local_head import start_head
+
+pytestmark = [pytest.mark.ray, pytest.mark.serve, pytest.mark.slow]
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
+SHIPPED_MODEL = "models/tiny-llama"
+NUM_CPUS = 2  # the machine the README runs them on
+STOP_BUDGET_S = 10.0  # `make stop` with nothing left in flight (issue 17)
+
+
+def cpu_configs() -> list[str]:
+    return sorted(
+        path.name
+        for path in CONFIGS.glob("*.yaml")
+        if not path.name.startswith("gpu-") and "num_gpus" not in path.read_text()
+    )
+
+
+def localized(name: str, http_port: int, checkpoint: str) -> dict:
+    """The shipped config with its HTTP port on this test's head and ``models/tiny-llama`` at ``checkpoint``."""
+    text = (CONFIGS / name).read_text()
+    assert SHIPPED_MODEL in text, f"{name} no longer serves {SHIPPED_MODEL}: update this test"
+    config = yaml.safe_load(text.replace(f"model_source: {SHIPPED_MODEL}", f"model_source: {checkpoint}"))
+    config["http_options"]["port"] = http_port
+    return config
+
+
+def served_model_ids(app: dict) -> set[str]:
+    args = app["args"]
+    configs = args.get("llm_configs") or [args["decode_config"]]
+    return {c["model_loading_config"]["model_id"] for c in configs}
+
+
+@pytest.fixture(scope="module")
+def head():
+    started = start_head(num_cpus=NUM_CPUS)
+    try:
+        yield started
+    finally:
+        launcher.stop_cluster(started.dashboard_port, started.gcs_port, drain_timeout_s=10)
+
+
+def test_the_cpu_configs_are_found():
+    assert {"default.yaml", "pd.yaml"} <= set(cpu_configs())
+
+
+@pytest.mark.parametrize("name", cpu_configs())
+def test_a_shipped_cpu_config_becomes_running_and_answers(head, name, tiny_checkpoint):
+    config = localized(name, head.http_port, tiny_checkpoint("llama"))
+    cpus = [{"CPU": float(NUM_CPUS)}]
+    assert launcher_status.unfit_reason(launcher_status.config_needs(config), cpus, name) is None
+    launcher.deploy(config, head.dashboard_url)
+    apps = config["applications"]
+    launcher.wait_until_running(head.dashboard_url, [app["name"] for app in apps], 300, name, fixed_cluster=True)
+    for app in apps:
+        base = head.base_url + app.get("route_prefix", "/").rstrip("/")
+        for model in served_model_ids(app):
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
+            response = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 4
+
+
+def stream_completion(url: str, model: str, result: dict, first_chunk: threading.Event) -> None:
+    """A long streamed completion: ``result`` gets its last event and the time it ended."""
+    body = {"model": model, "prompt": "Once", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    first_chunk.set()
+                    result["last"] = line[5:].strip()
+    except httpx.HTTPError as error:
+        result["error"] = repr(error)
+    result["ended"] = time.monotonic()
+    first_chunk.set()
+
+
+def test_stop_lets_the_stream_in_flight_finish_and_ends_the_head(head):
+    """Last in the module: the head is gone after it (the fixture's stop then finds nothing)."""
+    status = launcher.http_json("GET", f"{head.dashboard_url}/api/serve/applications/")
+    (app,) = [app["deployed_app_config"] for app in status["applications"].values()]
+    result, first_chunk = {}, threading.Event()
+    model = sorted(served_model_ids(app))[0]
+    thread = threading.Thread(target=stream_completion, args=(head.base_url, model, result, first_chunk))
+    thread.start()
+    assert first_chunk.wait(60) and "ended" not in result, result
+    started = time.monotonic()
+    launcher.stop_cluster(head.dashboard_port, head.gcs_port)
+    stopped = time.monotonic()
+    thread.join(30)
+    assert result.get("last") == "[DONE]" and "error" not in result, result
+    assert result["ended"] > started  # it was in flight when the stop began, and finished
+    assert stopped - result["ended"] < STOP_BUDGET_S, f"the stop took {stopped - result['ended']:.1f} s after it"
+    assert not ray_processes.head_processes(head.gcs_port)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{head.base_url}/v1/models", timeout=5)
+    assert json.dumps(result)  # for the log on failure
