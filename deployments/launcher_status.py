@@ -4,7 +4,8 @@ Pure functions over plain data (the Serve config as loaded from YAML, the JSON o
 ``GET /api/serve/applications/``, the nodes' total resources), so they can be tested without a cluster:
 
 - ``config_needs``: a lower bound on what each deployment of a config takes (CPUs and GPUs per replica
-  times its replicas, TP/PP worker bundles not counted), read from the YAML before deploying.
+  times its replicas, TP/PP worker bundles not counted), read from the YAML before deploying; once the
+  app is built, ``status_needs`` has Serve's own figures.
 - ``unfit_reason``: why some needs can never fit the cluster (a sentence naming what to change), or None.
 - ``progress_lines``: one line per application and, under it, each deployment that is not yet healthy
   with Serve's own message (unschedulable resources, a slow or failing constructor), tracebacks cut to
@@ -59,30 +60,33 @@ def _server_name(prefix: str, llm_config: dict) -> str:
     return prefix + re.sub(r"[^A-Za-z0-9_.-]", "--", str(model_id))
 
 
+def _servers(builder: str, args: dict) -> tuple[list[tuple[str, dict]], bool]:
+    """(name prefix, llm_config) of each LLM-server deployment an app builder makes, and whether it adds
+    the ``OpenAiIngress``: a pd app always; one model's servers are their own HTTP ingress unless
+    ``separate_ingress`` asks for the router."""
+    if builder == "build_openai_app":
+        configs = args.get("llm_configs", [])
+        servers = [("LLMServer:", c) for c in configs if isinstance(c, dict)]
+        return servers, len(configs) > 1 or bool(args.get("separate_ingress"))
+    if builder == "build_pd_openai_app":
+        return [("PrefillServer:", args.get("prefill_config", {})), ("LLMServer:", args.get("decode_config", {}))], True
+    return [], False
+
+
 def config_needs(config: dict) -> list[Need]:
     """Each deployment of Serval's app builders in ``config`` (others are skipped): the LLM servers at
-    1 CPU per replica unless ``ray_actor_options`` say otherwise, the ingress at 0.1."""
+    1 CPU per replica unless ``ray_actor_options`` say otherwise, the ``OpenAiIngress`` at 0.1."""
     needs = []
     for app in config.get("applications", []):
         name, args = app.get("name", "default"), app.get("args") or {}
         overrides = {d["name"]: d for d in app.get("deployments", []) if "name" in d}
-        builder = str(app.get("import_path", "")).rsplit(":", 1)[-1]
-        servers = []
-        if builder == "build_openai_app":
-            servers = [("LLMServer:", c) for c in args.get("llm_configs", []) if isinstance(c, dict)]
-        elif builder == "build_pd_openai_app":
-            servers = [
-                ("PrefillServer:", args.get("prefill_config", {})),
-                ("LLMServer:", args.get("decode_config", {})),
-            ]
-        else:
-            continue
+        servers, has_ingress = _servers(str(app.get("import_path", "")).rsplit(":", 1)[-1], args)
         for prefix, llm_config in servers:
-            needs.append(
-                _need(name, _server_name(prefix, llm_config), llm_config.get("deployment_config", {}), 1.0, overrides)
-            )
-        ingress = args.get("ingress_deployment_config") or {"ray_actor_options": {"num_cpus": 0.1}}
-        needs.append(_need(name, INGRESS_NAME, ingress, 0.1, overrides))
+            deployment_config = llm_config.get("deployment_config", {})
+            needs.append(_need(name, _server_name(prefix, llm_config), deployment_config, 1.0, overrides))
+        if has_ingress:
+            ingress = args.get("ingress_deployment_config") or {"ray_actor_options": {"num_cpus": 0.1}}
+            needs.append(_need(name, INGRESS_NAME, ingress, 0.1, overrides))
     return needs
 
 
@@ -114,11 +118,15 @@ def unfit_reason(needs: list[Need], nodes: list[dict[str, float]], config_path: 
         if not too_big and wanted <= total + 1e-9:
             continue
         items = ", ".join(f"{n.deployment}: {n.replicas} x {getattr(n, key):g}" for n in needs if getattr(n, key) > 0)
+        ingress_note = (
+            " (the OpenAiIngress's: ingress_deployment_config)"
+            if any(n.deployment == INGRESS_NAME and getattr(n, key) > 0 for n in needs)
+            else ""
+        )
         return (
             f"The config asks for {wanted:g} {kind}s ({items}) but the cluster has {total:g}"
             f"{f' (at most {largest:g} on one node)' if too_big else ''}: it can never be scheduled. "
-            f"Lower ray_actor_options.num_{kind.lower()}s or num_replicas in {config_path} "
-            f"(the OpenAiIngress takes 0.1 CPU unless ingress_deployment_config says otherwise), "
+            f"Lower ray_actor_options.num_{kind.lower()}s or num_replicas in {config_path}{ingress_note}, "
             f"or run on a machine with more {kind}s."
         )
     return None
