@@ -1,7 +1,10 @@
 """The fused native CPU ops (engine/kernels/csrc/elementwise.cpp) against the plain-torch layers they replace.
 
-bf16: SiLU*mul and rope are bit-identical to torch, RMSNorm within one bf16 unit in the last place
-(its mean of squares is summed in another order). float32: within a few float32 ulps.
+bf16 and float16: SiLU*mul and rope are bit-identical to torch, RMSNorm within one unit in the last
+place (its mean of squares is summed in another order, so the normalised value can round the other
+way; in float16, finer, the weight product can make that two units). float32: within a few float32 ulps. Row
+widths and head sizes include ones that are not a multiple of either vector width (8 and 16 lanes),
+so the tail handling of both paths is covered.
 """
 
 from __future__ import annotations
@@ -15,28 +18,34 @@ from engine.kernels.cpu import fused_cpu_ops, load_cpu_kernels, use_cpu_kernels
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding
 
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# The relative tolerance of RMSNorm: one bf16 unit in the last place, two float16 units.
+NORM_RTOL = {torch.bfloat16: 2**-7, torch.float16: 2**-9}
 FLOAT32_TOL = dict(atol=1e-6, rtol=1e-6)
 
 
-def cpu_has_avx512() -> bool:
-    """AVX-512 F, BW and VL, which the fused ops are written in (csrc/vec.h)."""
+def _cpu_flags() -> set[str]:
     with open("/proc/cpuinfo", encoding="ascii") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    return {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
+        return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
 
 
-def test_fused_ops_exist_exactly_where_the_cpu_has_avx512():
-    """The module always builds here (a compiler and ninja are there); the fused ops come with AVX-512,
-    and without it every layer keeps its plain-torch path."""
+def cpu_has_fused_isa() -> bool:
+    """AVX-512 F, BW and VL, or AVX2 with FMA and F16C: the two paths the fused ops are written for (csrc/vec.h)."""
+    flags = _cpu_flags()
+    return {"avx512f", "avx512bw", "avx512vl"} <= flags or {"avx2", "fma", "f16c"} <= flags
+
+
+def test_fused_ops_exist_exactly_where_the_cpu_has_avx512_or_avx2():
+    """The module always builds here (a compiler and ninja are there); the fused ops come with AVX-512 or
+    AVX2, and without both every layer keeps its plain-torch path."""
     assert load_cpu_kernels() is not None, "the native CPU kernels must build on the CI machines"
-    assert (fused_cpu_ops(torch.zeros(1)) is not None) == cpu_has_avx512()
+    assert (fused_cpu_ops(torch.zeros(1)) is not None) == cpu_has_fused_isa()
 
 
 @pytest.fixture(scope="module")
 def ops():
-    if not cpu_has_avx512():
-        pytest.skip("this CPU has no AVX-512: the fused ops are not built here (the test above checks the fallback)")
+    if not cpu_has_fused_isa():
+        pytest.skip("this CPU has neither AVX-512 nor AVX2: the fused ops are not built (the test above checks that)")
     return load_cpu_kernels()
 
 
@@ -44,11 +53,11 @@ def _randn(*shape, dtype, seed=0, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
 
-def _assert_matches(got, want, dtype, bf16_exact=True):
-    if dtype == torch.bfloat16 and bf16_exact:
+def _assert_matches(got, want, dtype, exact=True):
+    if dtype in NORM_RTOL and exact:
         assert torch.equal(got, want)
-    elif dtype == torch.bfloat16:  # at most one unit in the last place
-        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+    elif dtype in NORM_RTOL:
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=NORM_RTOL[dtype])
     else:
         torch.testing.assert_close(got, want, **FLOAT32_TOL)
 
@@ -62,16 +71,16 @@ def test_silu_and_mul(ops, dtype, rows, width):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,width", [(1, 24), (64, 256), (300, 896)])
+@pytest.mark.parametrize("rows,width", [(1, 24), (3, 13), (64, 256), (300, 896)])
 def test_rms_norm_and_fused_add(ops, dtype, rows, width):
     norm = RMSNorm(width, eps=1e-5).to(dtype)
     norm.weight.copy_(_randn(width, dtype=dtype, seed=1) + 1)
     x, residual = _randn(rows, width, dtype=dtype, seed=2), _randn(rows, width, dtype=dtype, seed=3)
-    _assert_matches(ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x), dtype, bf16_exact=False)
+    _assert_matches(ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x), dtype, exact=False)
     x_inout, residual_inout = x.clone(), residual.clone()
     ops.fused_add_rms_norm(x_inout, residual_inout, norm.weight, norm.eps)
     assert torch.equal(residual_inout, x + residual)
-    _assert_matches(x_inout, norm._norm(x + residual), dtype, bf16_exact=False)
+    _assert_matches(x_inout, norm._norm(x + residual), dtype, exact=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -83,7 +92,7 @@ def test_rms_norm_module_same_with_and_without_native_ops(dtype):
     got_plain, (got_normed, got_sum) = norm(x), norm(x.clone(), residual.clone())
     assert torch.equal(got_sum, want_sum)
     for got, want in ((got_plain, want_plain), (got_normed, want_normed)):
-        _assert_matches(got, want, dtype, bf16_exact=False)
+        _assert_matches(got, want, dtype, exact=False)
 
 
 def _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
@@ -103,6 +112,7 @@ def _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
     [
         (64, {"rope_theta": 10000.0}),
         (16, {"rope_theta": 500.0}),
+        (20, {"rope_theta": 10000.0}),  # half = 10: a tail on both vector widths
         (
             128,
             {
@@ -151,5 +161,5 @@ def test_use_cpu_kernels_switches_everything_off():
     x = torch.zeros(2, 4)
     with use_cpu_kernels(False):
         assert load_cpu_kernels() is None and fused_cpu_ops(x) is None
-    assert load_cpu_kernels() is not None and (fused_cpu_ops(x) is not None) == cpu_has_avx512()
+    assert load_cpu_kernels() is not None and (fused_cpu_ops(x) is not None) == cpu_has_fused_isa()
     assert fused_cpu_ops(x.double()) is None  # float64 stays in torch

@@ -5,8 +5,10 @@ The build (about a minute, once per machine; cached under
 missing, ``load_cpu_kernels()`` returns None and callers fall back to plain
 torch: the kernels are an optimisation, never a requirement. The fused
 elementwise ops (``fused_add_rms_norm``, ``rms_norm``, ``silu_and_mul``,
-``rotary_embedding_and_cache``) exist only where the compiler targets AVX-512;
-``fused_cpu_ops(x)`` returns the module when ``x`` can use them, else None.
+``rotary_embedding_and_cache``) exist where the compiler targets AVX-512 (16 lanes) or AVX2 with
+FMA and F16C (8 lanes; csrc/vec.h picks one at build time from ``-march=native``); on a CPU with
+neither they are not built and the layers keep plain torch. ``fused_cpu_ops(x)`` returns the module
+when ``x`` can use them, else None.
 
 ``SERVAL_DISABLE_CPU_KERNELS=1`` (read once) or ``use_cpu_kernels(False)``
 switches every native op off, so the plain-torch path can run and be tested
@@ -71,7 +73,7 @@ def _build():
 
 def load_cpu_kernels():
     """The compiled module (``paged_decode_attention``, ``argmax_rows``, the fused ops where the CPU has
-    AVX-512), or None if it cannot be built here or native ops are switched off."""
+    AVX-512 or AVX2), or None if it cannot be built here or native ops are switched off."""
     return _build() if _is_enabled else None
 
 

@@ -6,7 +6,7 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out);
 torch::Tensor argmax_rows(torch::Tensor logits);
-#if SERVAL_AVX512
+#if SERVAL_FUSED_OPS
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D], written into out if given)",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("out") = py::none());
-#if SERVAL_AVX512
+#if SERVAL_FUSED_OPS
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "In place: residual = x + residual; x = rms_norm(residual) * weight (rows of the last dim)");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight over the last dim, as Hugging Face computes it");

@@ -6,6 +6,9 @@
 // separate multiplies and adds (this file is compiled with -ffp-contract=off). SiLU and RoPE are
 // therefore bit-identical to torch; RMSNorm's mean of squares is summed in a different order (the
 // result can differ in the last bit of the model dtype).
+//
+// Written once over serval::simd (vec.h): 16 lanes where the build targets AVX-512, 8 where it
+// targets AVX2; built only where one of the two is (SERVAL_FUSED_OPS), else the layers keep torch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,31 +17,50 @@
 
 #include "vec.h"
 
-#if SERVAL_AVX512
+#if SERVAL_FUSED_OPS
 
 namespace {
+
+namespace simd = serval::simd;
 
 // Rows per parallel task: small batches (decode) run on one thread, where a fork costs more than it saves.
 inline int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
 template <typename scalar_t>
 float sum_of_squares(const scalar_t* row, int64_t n) {
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __m512 x = serval::load16(row + j, serval::tail_mask(n - j));
-    total = _mm512_add_ps(total, _mm512_mul_ps(x, x));
+  simd::vfloat total = simd::set1(0.f);
+  for (int64_t j = 0; j < n; j += simd::kLanes) {
+    const simd::vfloat x = simd::load(row + j, n - j);
+    total = simd::add(total, simd::mul(x, x));
   }
-  return _mm512_reduce_add_ps(total);
+  return simd::reduce_add(total);
 }
 
 // out = round(weight * round(x * inv_rms)), as RMSNorm.forward: normalise in float, scale in the dtype.
 template <typename scalar_t>
 void scale_row(const scalar_t* x, const scalar_t* weight, float inv_rms, scalar_t* out, int64_t n) {
-  const __m512 inv = _mm512_set1_ps(inv_rms);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = serval::tail_mask(n - j);
-    const __m512 normed = serval::round_to<scalar_t>(_mm512_mul_ps(serval::load16(x + j, m), inv));
-    serval::store16(out + j, _mm512_mul_ps(serval::load16(weight + j, m), normed), m);
+  const simd::vfloat inv = simd::set1(inv_rms);
+  for (int64_t j = 0; j < n; j += simd::kLanes) {
+    const simd::vfloat normed = simd::round<scalar_t>(simd::mul(simd::load(x + j, n - j), inv));
+    simd::store(out + j, simd::mul(simd::load(weight + j, n - j), normed), n - j);
+  }
+}
+
+// residual = x + residual, rounded to the dtype (torch's x + residual).
+template <typename scalar_t>
+void add_into(const scalar_t* x, scalar_t* residual, int64_t n) {
+  for (int64_t j = 0; j < n; j += simd::kLanes)
+    simd::store(residual + j, simd::add(simd::load(x + j, n - j), simd::load(residual + j, n - j)), n - j);
+}
+
+// out = round(round(silu(gate)) * up) with silu(g) = g / (1 + exp(-g)): torch's F.silu(gate) * up.
+template <typename scalar_t>
+void silu_mul_row(const scalar_t* gate, const scalar_t* up, scalar_t* out, int64_t n) {
+  const simd::vfloat one = simd::set1(1.f);
+  for (int64_t j = 0; j < n; j += simd::kLanes) {
+    const simd::vfloat g = simd::load(gate + j, n - j);
+    const simd::vfloat silu = simd::div(g, simd::add(one, simd::exp(simd::neg(g))));
+    simd::store(out + j, simd::mul(simd::round<scalar_t>(silu), simd::load(up + j, n - j)), n - j);
   }
 }
 
@@ -63,10 +85,7 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* xr = x_ptr + i * n;
         scalar_t* rr = r_ptr + i * n;
-        for (int64_t j = 0; j < n; j += 16) {  // residual = x + residual, in the dtype
-          const __mmask16 m = serval::tail_mask(n - j);
-          serval::store16(rr + j, _mm512_add_ps(serval::load16(xr + j, m), serval::load16(rr + j, m)), m);
-        }
+        add_into(xr, rr, n);
         const float inv_rms = 1.f / std::sqrt(sum_of_squares(rr, n) / n + static_cast<float>(eps));
         scale_row(rr, w_ptr, inv_rms, xr, n);
       }
@@ -93,7 +112,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-// out = round(round(silu(gate)) * up) with silu(g) = g / (1 + exp(-g)): torch's F.silu(gate) * up.
+// gate_up [T, 2I] (rows contiguous) -> silu(gate) * up [T, I], row by row (silu_mul_row).
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2 * I]");
   TORCH_CHECK(gate_up.stride(1) == 1, "gate_up rows must be contiguous");
@@ -103,19 +122,10 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t in_stride = gate_up.stride(0);
-    const __m512 one = _mm512_set1_ps(1.f);
-    const __m512 sign = _mm512_set1_ps(-0.f);
     at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* gate = in + i * in_stride;
-        const scalar_t* up = gate + width;
-        for (int64_t j = 0; j < width; j += 16) {
-          const __mmask16 m = serval::tail_mask(width - j);
-          const __m512 g = serval::load16(gate + j, m);
-          const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(g, sign))));
-          serval::store16(out_ptr + i * width + j,
-                          _mm512_mul_ps(serval::round_to<scalar_t>(silu), serval::load16(up + j, m)), m);
-        }
+        silu_mul_row(gate, gate + width, out_ptr + i * width, width);
       }
     });
   });
@@ -128,16 +138,15 @@ namespace {
 // row rounded to the dtype; every product and sum rounded, as torch's q * cos + rotate_half(q) * sin).
 template <typename scalar_t>
 void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t j = 0; j < half; j += 16) {
-    const __mmask16 m = serval::tail_mask(half - j);
-    const __m512 x1 = serval::load16(x + j, m), x2 = serval::load16(x + half + j, m);
-    auto r = [&](const float* p) { return serval::round_to<scalar_t>(_mm512_maskz_loadu_ps(m, p)); };
-    auto mul = [](__m512 a, __m512 b) { return serval::round_to<scalar_t>(_mm512_mul_ps(a, b)); };
-    const __m512 y1 = _mm512_add_ps(mul(x1, r(cos + j)), mul(_mm512_xor_ps(x2, sign), r(sin + j)));
-    const __m512 y2 = _mm512_add_ps(mul(x2, r(cos + half + j)), mul(x1, r(sin + half + j)));
-    serval::store16(x + j, y1, m);
-    serval::store16(x + half + j, y2, m);
+  for (int64_t j = 0; j < half; j += simd::kLanes) {
+    const int64_t left = half - j;
+    const simd::vfloat x1 = simd::load(x + j, left), x2 = simd::load(x + half + j, left);
+    auto r = [&](const float* p) { return simd::round<scalar_t>(simd::load(p, left)); };
+    auto mul = [](simd::vfloat a, simd::vfloat b) { return simd::round<scalar_t>(simd::mul(a, b)); };
+    const simd::vfloat y1 = simd::add(mul(x1, r(cos + j)), mul(simd::neg(x2), r(sin + j)));
+    const simd::vfloat y2 = simd::add(mul(x2, r(cos + half + j)), mul(x1, r(sin + half + j)));
+    simd::store(x + j, y1, left);
+    simd::store(x + half + j, y2, left);
   }
 }
 
@@ -199,4 +208,4 @@ void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch:
   });
 }
 
-#endif  // SERVAL_AVX512
+#endif  // SERVAL_FUSED_OPS

@@ -1,8 +1,10 @@
-// AVX-512 helpers shared by Serval's native CPU ops.
+// SIMD helpers shared by Serval's native CPU ops: AVX-512 (16 float lanes) and AVX2 (8 lanes).
 //
-// Loads widen any storage type to 16 float lanes; stores round back the way torch does (round to
+// Loads widen any storage type to float lanes; stores round back the way torch does (round to
 // nearest even, NaN kept quiet), so an op computed here in float and stored as bf16 is bit-identical
-// to the same arithmetic done by torch's elementwise kernels. Masks cover row tails of any length.
+// to the same arithmetic done by torch's elementwise kernels. Row tails of any length are covered
+// (AVX-512: masks; AVX2: a zero-padded copy on the stack). `serval::simd` names whichever of the two
+// this build targets, so the fused elementwise ops are written once for both.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -11,6 +13,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 // float, bfloat16 and half (the dtypes a model runs in); other dtypes raise.
 #define SERVAL_DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                      \
@@ -22,6 +26,16 @@
 #else
 #define SERVAL_AVX512 0
 #endif
+
+// AVX2 with FMA and F16C (every x86 CPU with AVX2 has the other two): the fallback vector path.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SERVAL_AVX2 1
+#else
+#define SERVAL_AVX2 0
+#endif
+
+// The fused elementwise ops (elementwise.cpp) are built where either vector path is.
+#define SERVAL_FUSED_OPS (SERVAL_AVX512 || SERVAL_AVX2)
 
 #if SERVAL_AVX512
 
@@ -77,3 +91,113 @@ inline __m512 round_to(__m512 v) {
 }  // namespace serval
 
 #endif  // SERVAL_AVX512
+
+#if SERVAL_AVX2
+
+// torch's vectorized exp for 8 lanes (the symbol its AVX2 kernels call): SiLU stays bit-identical.
+extern "C" __m256 Sleef_expf8_u10(__m256);
+
+namespace serval {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  // bf16 is the top half of a float32: widen and shift.
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// float -> bf16 bits, round to nearest even, NaN -> quiet NaN (as to_bf16_bits above, 8 lanes).
+inline __m128i to_bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i result = _mm256_blendv_epi8(_mm256_srli_epi32(rounded, 16), _mm256_set1_epi32(0x7FC0), is_nan);
+  // Every 32-bit lane now holds a value below 0x10000, so the unsigned-saturating pack is exact.
+  return _mm_packus_epi32(_mm256_castsi256_si128(result), _mm256_extracti128_si256(result, 1));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_bits(v)); }
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// The value a torch op producing `scalar_t` would hold: rounded to the type and widened again.
+template <typename scalar_t>
+inline __m256 round_to8(__m256 v) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits(v)), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+}
+
+}  // namespace serval
+
+#endif  // SERVAL_AVX2
+
+// serval::simd: the vector type of this build and the few operations the fused ops need. A load or
+// store of `remaining` elements touches min(remaining, kLanes) of them; lanes past the end read 0.
+namespace serval::simd {
+
+#if SERVAL_AVX512
+
+using vfloat = __m512;
+constexpr int64_t kLanes = 16;
+template <typename T>
+inline vfloat load(const T* p, int64_t remaining) { return load16(p, tail_mask(remaining)); }
+template <typename T>
+inline void store(T* p, vfloat v, int64_t remaining) { store16(p, v, tail_mask(remaining)); }
+template <typename scalar_t>
+inline vfloat round(vfloat v) { return round_to<scalar_t>(v); }
+inline vfloat set1(float x) { return _mm512_set1_ps(x); }
+inline vfloat add(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat mul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat div(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
+inline vfloat neg(vfloat a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.f)); }
+inline vfloat exp(vfloat a) { return Sleef_expf16_u10(a); }
+inline float reduce_add(vfloat a) { return _mm512_reduce_add_ps(a); }
+
+#elif SERVAL_AVX2
+
+using vfloat = __m256;
+constexpr int64_t kLanes = 8;
+// Full vectors load and store directly; a row's tail goes through a zero-padded stack copy (AVX2
+// has no masked 16-bit loads, and tails are rare: model widths are multiples of 8).
+template <typename T>
+inline vfloat load(const T* p, int64_t remaining) {
+  if (remaining >= kLanes) return load8(p);
+  T buffer[kLanes] = {};
+  std::memcpy(buffer, p, remaining * sizeof(T));
+  return load8(buffer);
+}
+template <typename T>
+inline void store(T* p, vfloat v, int64_t remaining) {
+  if (remaining >= kLanes) return store8(p, v);
+  T buffer[kLanes];
+  store8(buffer, v);
+  std::memcpy(p, buffer, remaining * sizeof(T));
+}
+template <typename scalar_t>
+inline vfloat round(vfloat v) { return round_to8<scalar_t>(v); }
+inline vfloat set1(float x) { return _mm256_set1_ps(x); }
+inline vfloat add(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat div(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
+inline vfloat neg(vfloat a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
+inline vfloat exp(vfloat a) { return Sleef_expf8_u10(a); }
+inline float reduce_add(vfloat a) {
+  const __m128 halves = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
+#endif
+
+}  // namespace serval::simd
