@@ -144,7 +144,8 @@ def wait_http_ok(url: str, timeout_s: float) -> None:
         time.sleep(1)
 
 
-def run_serve(args, prompts) -> tuple[list[RequestResult], float]:
+def run_serve(args, prompts, separate_ingress: bool) -> tuple[list[RequestResult], float]:
+    """``separate_ingress``: through an OpenAiIngress deployment, else straight to the LLM replica."""
     from deployments import launcher
 
     gcs_port, dashboard_port, http_port = launcher.free_port(), launcher.free_port(), launcher.free_port()
@@ -169,10 +170,11 @@ def run_serve(args, prompts) -> tuple[list[RequestResult], float]:
                                 "deployment_config": {
                                     "num_replicas": 1,
                                     "max_ongoing_requests": 512,
-                                    "ray_actor_options": {"num_cpus": 1},
+                                    "ray_actor_options": {"num_cpus": args.replica_num_cpus},
                                 },
                             }
-                        ]
+                        ],
+                        "separate_ingress": separate_ingress,
                     },
                 }
             ],
@@ -227,8 +229,8 @@ def run_target(target: str, args) -> dict:
     prompts = make_prompts(args.num_requests, args.input_len, vocab_size)
     if target == "inproc":
         results, elapsed = asyncio.run(load_inproc(args, prompts))
-    elif target == "serve":
-        results, elapsed = run_serve(args, prompts)
+    elif target in ("serve", "serve-ingress"):
+        results, elapsed = run_serve(args, prompts, separate_ingress=target == "serve-ingress")
     else:
         results, elapsed = run_vllm(args, prompts)
     assert all(r.num_tokens == args.output_len for r in results), "a stream came back short"
@@ -266,8 +268,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="models/tiny-llama")
     parser.add_argument(
-        "--targets", nargs="+", default=["inproc", "serve", "vllm"], choices=["inproc", "serve", "vllm"]
+        "--targets",
+        nargs="+",
+        default=["inproc", "serve", "vllm"],
+        choices=["inproc", "serve", "serve-ingress", "vllm"],
     )
+    parser.add_argument("--replica-num-cpus", type=float, default=1.0, help="serve: the LLM replica's num_cpus.")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=128)
@@ -302,6 +308,8 @@ def main() -> None:
                 str(args.output_len),
                 "--engine-kwargs",
                 args.engine_kwargs,
+                "--replica-num-cpus",
+                str(args.replica_num_cpus),
                 "--run-one",
                 target,
                 str(concurrency),

@@ -1,9 +1,15 @@
-"""The OpenAI ingress deployment: HTTP in, routed by ``model`` to that model's LLM-server deployment.
+"""The app's HTTP ingress: either an ``OpenAiIngress`` deployment routing by ``model`` to each model's
+LLM-server deployment, or, for an app of one model, that model's LLM servers themselves
+(``IngressLLMServer``).
 
-It serves the engine's own OpenAI app (``api_server.build_app``, the same
-the in-process server uses); only the router differs: it reaches the
-LLM servers through Serve handles, whose router balances across each
-model's replicas.
+Both serve the engine's own OpenAI app (``api_server.build_app``, the same
+the in-process server uses); only the router differs. ``OpenAiIngress``
+reaches the LLM servers through Serve handles, whose router balances across
+each model's replicas; an ``IngressLLMServer`` replica serves its own engine
+(``LocalModelRouter``), and Serve's proxy balances HTTP across the replicas.
+The second saves a hop per streamed chunk (a pickled item over gRPC to
+another replica's event loop, on the 2-core machine a process competing for
+the cores), which is why one-model apps use it.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from deployments.llm_config import LLMConfig
+from deployments.llm_server import LLMServer
 from deployments.metrics_export import scrape_serval_metrics
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from engine.entrypoints.openai import api_server
+from engine.entrypoints.openai.api_server import LocalModelRouter
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
 from engine.entrypoints.openai.server_options import ServerOptions
 
@@ -64,6 +73,26 @@ async def metrics() -> Response:
     return Response(await scrape_serval_metrics(), media_type=CONTENT_TYPE_LATEST)
 
 
+def build_http_app(router: api_server.ModelRouter, server_options: ServerOptions) -> FastAPI:
+    """The engine's OpenAI app over ``router``, plus ``GET /metrics`` (every replica's, not one's)."""
+    app = api_server.build_app(router, server_options)
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app
+
+
+@serve.ingress()
+class IngressLLMServer(LLMServer):
+    """One model's LLM server that is also the app's HTTP ingress (a one-model app): each replica serves
+    the OpenAI app over its own engine; its handle methods (``call``, ``stats``, ...) stay as they are."""
+
+    def __init__(self, llm_config: LLMConfig, server_options: ServerOptions | None = None) -> None:
+        super().__init__(llm_config)
+        self.server_options = server_options or ServerOptions()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_http_app(LocalModelRouter({self.model_id: self.serving}), self.server_options)
+
+
 @serve.ingress()
 class OpenAiIngress:
     """The HTTP front door; ``llm_servers`` maps each model id to its LLM-server deployment.
@@ -81,6 +110,4 @@ class OpenAiIngress:
         self.server_options = server_options or ServerOptions()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = api_server.build_app(self.router, self.server_options)
-        app.add_api_route("/metrics", metrics, methods=["GET"])
-        return app
+        return build_http_app(self.router, self.server_options)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import os
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig, ModelConfig
@@ -58,6 +60,20 @@ def uses_core_process(config: EngineConfig) -> bool:
     return parallel.engine_core_process and parallel.executor_backend == "uni" and config.kv_transfer_config is None
 
 
+def leave_a_core_to_the_front_end(config: EngineConfig) -> EngineConfig:
+    """With ``num_threads`` unset, a core process takes one core fewer than the machine has (at least 1).
+
+    The front end (detokenizing, streaming) then runs beside the forward instead of preempting one of
+    its OpenMP threads, which stalls every parallel region at its barrier: on 2 cores, 2 threads
+    beside a busy front end made each decode step 10x slower. vLLM's CPU backend reserves one likewise.
+    """
+    device_config = config.device_config
+    if device_config.num_threads is not None:
+        return config
+    num_threads = max(1, (os.cpu_count() or 1) - 1)
+    return dataclasses.replace(config, device_config=device_config.model_copy(update={"num_threads": num_threads}))
+
+
 class AsyncLLM(EngineClient):
     """The engine behind an asyncio server: ``generate`` streams, ``abort`` stops, ``get_stats`` observes.
 
@@ -71,8 +87,11 @@ class AsyncLLM(EngineClient):
         executor_class: type[Executor] | None = None,
         stat_loggers: list[StatLogger] | None = None,
     ) -> None:
+        core_process = uses_core_process(config)
+        if core_process:
+            config = leave_a_core_to_the_front_end(config)
         self.config = config
-        engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers, core_process=uses_core_process(config))
+        engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers, core_process=core_process)
         # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self._vocab_size = engine.vocab_size

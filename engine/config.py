@@ -170,7 +170,12 @@ class KVTransferConfig(_FrozenConfig):
 
 class DeviceConfig(_FrozenConfig):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
-    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; None = all cores.")
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads on CPU; None: all cores (a serving engine-core process: all but one; "
+        "a Serve replica: its num_cpus).",
+    )
 
 
 @dataclass(frozen=True)

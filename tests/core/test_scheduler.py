@@ -268,3 +268,26 @@ def test_new_blocks_are_shipped_as_deltas():
     assert len(output.scheduled_cached_reqs.new_block_ids[0]) == 1
     output, _ = step(scheduler)
     assert output.scheduled_cached_reqs.new_block_ids == [[]]
+
+
+def test_an_engine_core_output_pickles_to_an_equal_one():
+    """Its ``__reduce__`` lists every field (a field added without it would be lost across processes)."""
+    import dataclasses
+    import pickle
+
+    from engine.core.step_outputs import EngineCoreOutput, LogprobsLists
+
+    values = {
+        "request_id": "r",
+        "new_token_ids": [1, 2],
+        "finish_reason": "stop",
+        "stop_reason": "x",
+        "new_logprobs": LogprobsLists([[1]], [[-0.5]], [1]),
+        "new_prompt_logprobs": LogprobsLists([[2]], [[-1.5]], [2]),
+        "num_cached_tokens": 16,
+        "first_scheduled_time": 3.5,
+        "kv_transfer_params": {"k": 1},
+    }
+    assert set(values) == {field.name for field in dataclasses.fields(EngineCoreOutput)}
+    output = EngineCoreOutput(**values)
+    assert pickle.loads(pickle.dumps(output)) == output
