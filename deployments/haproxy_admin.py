@@ -14,6 +14,8 @@ import socket
 import time
 from pathlib import Path
 
+from deployments import ray_processes
+
 OWN_PROXIES = ("stats", "prometheus", "default_backend")  # HAProxy's own listeners and its 404 backend
 
 
@@ -51,9 +53,21 @@ def in_flight(socket_path: Path) -> int:
     return sum(int(row.get("scur") or 0) for row in _stat_rows(socket_path) if row.get("svname") == "BACKEND")
 
 
-def drain(socket_paths: list[Path], timeout_s: float, poll_s: float = 0.1) -> int:
+def processes(gcs_port: int) -> set[int]:
+    """The pids of the head's HAProxy processes: the one that answers the admin socket and any older one
+    still finishing its sessions after a reload (Serve reloads with ``-sf``: soft stop, then exit)."""
+    marker = f"{state_dir(gcs_port)}/"
+    return {
+        pid
+        for pid, (_, command) in ray_processes.command_lines().items()
+        if marker in command and command.split(" ", 1)[0].endswith("/haproxy")
+    }
+
+
+def drain(socket_paths: list[Path], timeout_s: float, poll_s: float = 0.1, lingering=lambda: 0) -> int:
     """Refuses new connections on Serve's frontends, waits up to ``timeout_s`` until no request is in
-    flight; returns how many are left (0: drained, or no HAProxy answers at ``socket_paths``)."""
+    flight, on the live HAProxy (``socket_paths``) and on the older ones ``lingering()`` counts (their
+    sessions are not in the live one's stats); returns how many are left (0: drained, or no HAProxy)."""
     live = []
     for path in socket_paths:
         try:
@@ -64,13 +78,16 @@ def drain(socket_paths: list[Path], timeout_s: float, poll_s: float = 0.1) -> in
         except OSError:  # a stale socket of an earlier HAProxy
             continue
     deadline = time.monotonic() + timeout_s
-    left = 0
-    while live:
+    while True:
         try:
-            left = sum(in_flight(path) for path in live)
+            left = sum(in_flight(path) for path in live) + lingering()
         except OSError:  # HAProxy went away: nothing left to drain
             return 0
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(poll_s)
-    return left
+
+
+def drain_head(gcs_port: int, timeout_s: float) -> int:
+    """:func:`drain` for the HAProxy of the head on ``gcs_port``, older soft-stopping processes included."""
+    return drain(admin_sockets(gcs_port), timeout_s, lingering=lambda: max(0, len(processes(gcs_port)) - 1))

@@ -297,7 +297,7 @@ def stop_cluster(dashboard_port: int, gcs_port: int | None = None, drain_timeout
     gcs_port = gcs_port or ray_processes.gcs_port_of_dashboard(dashboard_port)
     if is_dashboard_up(dashboard_port):
         if gcs_port is not None:
-            left = haproxy_admin.drain(haproxy_admin.admin_sockets(gcs_port), drain_timeout_s)
+            left = haproxy_admin.drain_head(gcs_port, drain_timeout_s)
             if left:
                 print(
                     f"  {left} HTTP requests still in flight after {drain_timeout_s:.0f} s; stopping anyway.",

@@ -189,6 +189,11 @@ def test_drain_refuses_new_connections_and_waits_for_requests_in_flight(tmp_path
     assert "disable frontend http_frontend" in fake.commands and "disable frontend stats" not in fake.commands
     fake.in_flight = 3
     assert haproxy_admin.drain([fake.path], timeout_s=0.2, poll_s=0.05) == 3  # gave up: 3 left
+    # An older HAProxy still finishing its sessions after a reload (not in the live one's stats) counts too.
+    fake.in_flight, older = 0, [1]
+    threading.Timer(0.3, older.clear).start()
+    assert haproxy_admin.drain([fake.path], timeout_s=10, poll_s=0.05, lingering=lambda: len(older)) == 0
+    assert not older
     assert haproxy_admin.drain([tmp_path / "missing.sock"], timeout_s=1) == 0
 
 
