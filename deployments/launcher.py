@@ -31,7 +31,6 @@ from pathlib import Path
 import yaml
 
 from deployments import haproxy_admin, launcher_status, ray_processes
-from deployments.launcher_status import TERMINAL_FAILURES  # noqa: F401  (re-exported: callers use it)
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_CONFIG = "configs/serve/default.yaml"
