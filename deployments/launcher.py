@@ -289,28 +289,24 @@ def shutdown_serve(dashboard: str, timeout_s: float = 60.0) -> None:
 
 
 def stop_cluster(dashboard_port: int, gcs_port: int | None = None, drain_timeout_s: float = 60.0) -> None:
-    """Ends the local head whose dashboard is on ``dashboard_port`` (GCS on ``gcs_port``, else found from
-    the dashboard's process): in-flight HTTP streams finish (at most ``drain_timeout_s``; new connections
+    """Ends the local head whose dashboard is on ``dashboard_port`` (its GCS port found from the dashboard's
+    process, else ``gcs_port``): in-flight HTTP requests finish (at most ``drain_timeout_s``; new connections
     are refused meanwhile), Serve shuts down, then the head's processes stop, by id. Other clusters on this
     machine are left alone."""
-    gcs_port = gcs_port or ray_processes.gcs_port_of_dashboard(dashboard_port)
+    gcs_port = ray_processes.gcs_port_of_dashboard(dashboard_port) or gcs_port
     if is_dashboard_up(dashboard_port):
-        if gcs_port is not None:
-            left = haproxy_admin.drain_head(gcs_port, drain_timeout_s)
-            if left:
-                print(
-                    f"  {left} HTTP requests still in flight after {drain_timeout_s:.0f} s; stopping anyway.",
-                    flush=True,
-                )
+        left = haproxy_admin.drain_head(gcs_port, drain_timeout_s) if gcs_port else 0
+        if left:
+            print(f"  {left} HTTP requests still in flight after {drain_timeout_s:.0f} s; stopping anyway.")
         try:
             shutdown_serve(dashboard_url(dashboard_port))
         except (urllib.error.URLError, OSError) as error:
             print(f"  Serve did not shut down cleanly ({error}); stopping its processes.", flush=True)
-    if gcs_port is None:
-        print(f"No Ray head with a dashboard on port {dashboard_port} runs on this machine.", flush=True)
-        return
-    count = ray_processes.stop_head(gcs_port)
-    print(f"Stopped the Ray head on {LOOPBACK}:{gcs_port} ({count} processes).", flush=True)
+    count = ray_processes.stop_head(gcs_port) if gcs_port else 0
+    if count:
+        print(f"Stopped the Ray head on {LOOPBACK}:{gcs_port} ({count} processes).", flush=True)
+    else:
+        print(f"No Ray head with its dashboard on port {dashboard_port} runs on this machine.", flush=True)
 
 
 def down(args: argparse.Namespace) -> int:
