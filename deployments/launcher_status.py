@@ -27,6 +27,7 @@ TERMINAL_FAILURES = ("DEPLOY_FAILED", "UNHEALTHY")
 MESSAGE_LINES = 6  # lines of a deployment's message shown while waiting (a traceback's last ones)
 FAILURE_LINES = 20  # lines of each message shown when the deploy failed
 KERNEL_BUILDERS = ("cc1plus", "/ninja ")  # processes of a torch C++ extension build
+CHECKOUT_CSRC = Path(__file__).resolve().parents[1] / "engine" / "kernels" / "csrc"  # this checkout's kernels
 
 
 @dataclass(frozen=True)
@@ -191,22 +192,34 @@ def nodes_total(nodes_response: dict) -> list[dict[str, float]]:
     return [node.get("resources_total", {}) for node in result if node.get("state") == "ALIVE"]
 
 
-def kernel_build_state(extensions_root: Path | None = None, commands: list[str] | None = None) -> str | None:
-    """What blocks a process that loads Serval's native CPU kernels right now, or None.
+def _builds_of(lock: Path, csrc: Path) -> bool:
+    """Whether the build dir holding ``lock`` compiles the sources under ``csrc`` (its build.ninja names them)."""
+    try:
+        return str(csrc) in (lock.parent / "build.ninja").read_text(errors="replace")
+    except OSError:
+        return True  # no build.ninja yet: cannot tell, so it may be ours
+
+
+def kernel_build_state(
+    extensions_root: Path | None = None, commands: list[str] | None = None, csrc: Path = CHECKOUT_CSRC
+) -> str | None:
+    """What blocks a process of this checkout (``csrc``: its kernel sources) that loads Serval's native
+    CPU kernels right now, or None.
 
     torch's extension loader builds under a ``lock`` file in the build dir; every other loader waits
     until the file is gone, forever if the builder was killed midway. ``commands``: the machine's
     command lines (default: read from /proc).
     """
     root = extensions_root or Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
-    locks = sorted(root.glob("*/serval_cpu_kernels_*/lock"))
+    locks = [lock for lock in sorted(root.glob("*/serval_cpu_kernels_*/lock")) if _builds_of(lock, csrc)]
     if not locks:
         return None
     if commands is None:
         commands = [command for _, command in ray_processes.command_lines().values()]
-    if any(builder in command + " " for command in commands for builder in KERNEL_BUILDERS):
+    compiling = [c for c in commands if str(csrc) in c and any(b in c + " " for b in KERNEL_BUILDERS)]
+    if compiling:
         return (
-            "Serval's native CPU kernels are being compiled on this machine (once per checkout, about a minute;"
+            "Serval's native CPU kernels are being compiled (once per checkout, about a minute;"
             " `make venv` builds them ahead): a replica that loads them waits for the build"
         )
     return (

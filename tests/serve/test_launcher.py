@@ -138,14 +138,20 @@ def test_up_refuses_a_config_that_can_never_fit_before_deploying(monkeypatch, tm
 
 
 def test_kernel_build_state_tells_a_running_build_from_a_stale_lock(tmp_path):
-    assert launcher_status.kernel_build_state(tmp_path, commands=[]) is None
+    csrc = tmp_path / "checkout" / "engine" / "kernels" / "csrc"
+    assert launcher_status.kernel_build_state(tmp_path, commands=[], csrc=csrc) is None
     lock = tmp_path / "py311_cpu" / "serval_cpu_kernels_0123abcd" / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
-    building = launcher_status.kernel_build_state(tmp_path, commands=["/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -O3"])
+    (lock.parent / "build.ninja").write_text(f"build x.o: compile {csrc}/bindings.cpp\n")
+    compiler = f"/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -I {csrc} -O3"
+    building = launcher_status.kernel_build_state(tmp_path, commands=[compiler], csrc=csrc)
     assert "being compiled" in building
-    stale = launcher_status.kernel_build_state(tmp_path, commands=["python -m something"])
+    stale = launcher_status.kernel_build_state(tmp_path, commands=["python -m something"], csrc=csrc)
     assert str(lock) in stale and "rm " in stale
+    # Another checkout's build (its own sources, its own lock) does not block this one's replicas.
+    other = tmp_path / "elsewhere" / "csrc"
+    assert launcher_status.kernel_build_state(tmp_path, commands=[compiler], csrc=other) is None
     status = app_status("DEPLOYING", **{"A": deployment("UPDATING"), "B": deployment("HEALTHY", states=("RUNNING",))})
     assert launcher_status.replica_activities(status, ["llm"], stale) == {"A": stale}
 
