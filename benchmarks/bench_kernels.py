@@ -3,9 +3,12 @@
 Minimum over many repetitions (other work on the machine only ever adds time). Decode attention runs
 over all layers of a workload's decode step, on a KV cache with randomly placed blocks, cold (the
 caches evicted before each repetition, as in a real step where the matmuls run in between) and with
-4 KiB or huge pages; the fused elementwise ops run at the workload's decode and prefill sizes.
+4 KiB or huge pages; the fused elementwise ops (AVX-512 or AVX2 path, whichever this CPU built) run
+at the workload's decode and prefill sizes, in the activation dtype (``--dtype``: a bf16 model keeps
+bf16 activations, a float32 model float32 ones).
 
     python benchmarks/bench_kernels.py --workload w2
+    python benchmarks/bench_kernels.py --workload w2 --dtype float32 --skip-attention
     python benchmarks/bench_kernels.py --workload w1 --threads 1
 """
 
@@ -98,27 +101,27 @@ def decode_attention(shape: dict, kernels, reps: int) -> None:
         caches.clear()  # free this round's caches before the next round allocates its own
 
 
-def elementwise(shape: dict, kernels, reps: int) -> None:
+def elementwise(shape: dict, kernels, reps: int, dtype: torch.dtype) -> None:
     for rows in (shape["num_reqs"], shape["prefill_tokens"]):
         width, hidden = shape["intermediate"], shape["hidden"]
-        gate_up = torch.randn(rows, 2 * width).bfloat16()
+        gate_up = torch.randn(rows, 2 * width).to(dtype)
         torch_silu = best_of(lambda: F.silu(gate_up[:, :width]) * gate_up[:, width:], reps)
         print(
             f"silu*mul   {rows:5d} x {width}: native {best_of(lambda: kernels.silu_and_mul(gate_up), reps):8.1f} us, "
             f"torch {torch_silu:8.1f} us"
         )
-        norm = RMSNorm(hidden).bfloat16()
-        x, residual = torch.randn(rows, hidden).bfloat16(), torch.randn(rows, hidden).bfloat16()
+        norm = RMSNorm(hidden).to(dtype)
+        x, residual = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
         native = best_of(lambda: kernels.fused_add_rms_norm(x, residual, norm.weight, 1e-6), reps)
         plain = best_of(lambda: norm._norm(x + residual), reps)
         print(f"add+norm   {rows:5d} x {hidden}: native {native:8.1f} us, torch {plain:8.1f} us")
         h, hk, d = shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
         rotary = RotaryEmbedding(d, {"rope_theta": 10000.0}, 4096)
-        qkv = torch.randn(rows, (h + 2 * hk) * d).bfloat16()
+        qkv = torch.randn(rows, (h + 2 * hk) * d).to(dtype)
         q, k, v = (t.view(rows, -1, d) for t in qkv.split([h * d, hk * d, hk * d], dim=-1))
         positions = torch.randint(0, 4096, (rows,))
         slots = torch.randperm(rows * 2)[:rows]
-        cache = torch.zeros(2, rows * 2 // BLOCK_SIZE + 1, BLOCK_SIZE, hk, d).bfloat16()
+        cache = torch.zeros(2, rows * 2 // BLOCK_SIZE + 1, BLOCK_SIZE, hk, d).to(dtype)
         table = rotary.table(4095, q.device)
 
         def plain_rope():
@@ -137,15 +140,21 @@ def main() -> None:
     parser.add_argument("--workload", choices=sorted(SHAPES), default="w2")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="of the elementwise ops")
+    parser.add_argument("--skip-attention", action="store_true", help="only the fused elementwise ops")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = load_cpu_kernels()
     if kernels is None or not hasattr(kernels, "silu_and_mul"):
-        sys.exit("the native CPU ops (with AVX-512) are not available here")
-    print(f"workload {args.workload}, {torch.get_num_threads()} threads, min of {args.reps} repetitions")
-    decode_attention(SHAPES[args.workload], kernels, args.reps)
-    elementwise(SHAPES[args.workload], kernels, args.reps)
+        sys.exit("the fused native CPU ops (AVX-512 or AVX2 with FMA and F16C) are not available here")
+    print(
+        f"workload {args.workload}, {torch.get_num_threads()} threads, min of {args.reps} repetitions, "
+        f"elementwise in {args.dtype}"
+    )
+    if not args.skip_attention:
+        decode_attention(SHAPES[args.workload], kernels, args.reps)
+    elementwise(SHAPES[args.workload], kernels, args.reps, getattr(torch, args.dtype))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "vec.h"
 
@@ -134,14 +136,27 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 
 namespace {
 
+// A token's cos/sin row ([2, D] float32) as the dtype holds it (torch casts the table to q's dtype):
+// rounded once per token into `scratch`, not once per head. float needs no copy.
+template <typename scalar_t>
+const float* table_row_in_dtype(const float* row, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    for (int64_t j = 0; j < n; j += simd::kLanes)
+      simd::store(scratch + j, simd::round<scalar_t>(simd::load(row + j, n - j)), n - j);
+    return scratch;
+  }
+}
+
 // Neox-style rope of one head in place: x1' = x1*c1 - x2*s1, x2' = x2*c2 + x1*s2 (c, s: the table
-// row rounded to the dtype; every product and sum rounded, as torch's q * cos + rotate_half(q) * sin).
+// row already in the dtype; every product and sum rounded, as torch's q * cos + rotate_half(q) * sin).
 template <typename scalar_t>
 void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half) {
   for (int64_t j = 0; j < half; j += simd::kLanes) {
     const int64_t left = half - j;
     const simd::vfloat x1 = simd::load(x + j, left), x2 = simd::load(x + half + j, left);
-    auto r = [&](const float* p) { return simd::round<scalar_t>(simd::load(p, left)); };
+    auto r = [&](const float* p) { return simd::load(p, left); };
     auto mul = [](simd::vfloat a, simd::vfloat b) { return simd::round<scalar_t>(simd::mul(a, b)); };
     const simd::vfloat y1 = simd::add(mul(x1, r(cos + j)), mul(simd::neg(x2), r(sin + j)));
     const simd::vfloat y2 = simd::add(mul(x2, r(cos + half + j)), mul(x1, r(sin + half + j)));
@@ -195,8 +210,9 @@ void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch:
     scalar_t* v_cache = k_cache + num_slots * row_elems;
     const float* table = cos_sin.data_ptr<float>();
     at::parallel_for(0, num_tokens, row_grain((num_heads + 2 * num_kv_heads) * head_dim), [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(2 * head_dim);
       for (int64_t t = begin; t < end; ++t) {
-        const float* cos = table + pos[t] * 2 * head_dim;
+        const float* cos = table_row_in_dtype<scalar_t>(table + pos[t] * 2 * head_dim, 2 * head_dim, scratch.data());
         const float* sin = cos + head_dim;
         for (int64_t h = 0; h < num_heads; ++h) rotate_head(q_ptr + t * q.stride(0) + h * head_dim, cos, sin, half);
         scalar_t* k_row = k_ptr + t * k.stride(0);

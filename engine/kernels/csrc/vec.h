@@ -132,7 +132,13 @@ inline __m256 round_to8(__m256 v) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     return v;
   } else if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits(v)), 16));
+    // to_bf16_bits widened again, without leaving the 32-bit lanes: round, then clear the low half.
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+    const __m256 truncated = _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(0xFFFF0000u)));
+    const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+    return _mm256_blendv_ps(truncated, quiet_nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   } else {
     return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
