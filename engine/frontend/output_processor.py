@@ -40,6 +40,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     num_sent_tokens: int = 0  # DELTA: tokens already handed out
     num_streamed_tokens: int = 0  # tokens in the latest output handed out (any kind)
+    num_detokenized_tokens: int = 0  # tokens of token_ids the detokenizer has seen
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
@@ -129,12 +130,12 @@ class OutputProcessor:
             for token_id, position in zip(new_token_ids, positions):
                 state.cumulative_logprob += position[token_id].logprob
         finish_reason = core_output.finish_reason
-        is_stop_token = finish_reason == "stop"
         stop_string = None
-        if state.detokenizer is not None and new_token_ids:
-            stop_string = state.detokenizer.update(
-                new_token_ids, is_finished=finish_reason is not None, is_stop_token=is_stop_token
-            )
+        detokenizer = state.detokenizer
+        # Without stop strings the text is needed only when an output is made: the tokens wait
+        # (``_detokenize``), so a FINAL_ONLY request is detokenized once, at its end.
+        if detokenizer is not None and (detokenizer.stop or finish_reason is not None):
+            stop_string = self._detokenize(state, finish_reason if new_token_ids else None)
         if stop_string is not None:
             # A matched stop string ends the request as "stop" even when the core finished it in
             # the same step (e.g. on its last allowed token, which would otherwise say "length").
@@ -145,6 +146,23 @@ class OutputProcessor:
             state.stop_reason = core_output.stop_reason
             state.kv_transfer_params = core_output.kv_transfer_params
         return False
+
+    @staticmethod
+    def _detokenize(state: RequestState, finish_reason: str | None = None) -> str | None:
+        """Feeds the detokenizer the tokens it has not seen; returns a matched stop string.
+
+        ``finish_reason``: the core finished the request with this step's tokens (flush, and a
+        "stop" token is kept out of the text). Feeding the tokens of several steps at once gives
+        the text that feeding them step by step gives: the detokenizer works token by token and
+        flushes only at the end.
+        """
+        pending = state.token_ids[state.num_detokenized_tokens :]
+        if not pending:
+            return None
+        state.num_detokenized_tokens = len(state.token_ids)
+        return state.detokenizer.update(
+            pending, is_finished=finish_reason is not None, is_stop_token=finish_reason == "stop"
+        )
 
     def _to_positions(self, lists: LogprobsLists) -> list[PositionLogprobs]:
         positions = []
@@ -196,7 +214,10 @@ class OutputProcessor:
 
     def _make_completion(self, state: RequestState, delta: bool) -> CompletionOutput:
         finished = state.finish_reason is not None
-        text = state.detokenizer.get_next_output_text(finished, delta) if state.detokenizer else ""
+        text = ""
+        if state.detokenizer is not None:
+            self._detokenize(state)  # the tokens still waiting (no stop strings: none can match)
+            text = state.detokenizer.get_next_output_text(finished, delta)
         if delta:
             token_ids = state.token_ids[state.num_sent_tokens :]
             logprobs = state.logprobs[state.num_sent_tokens :] if state.logprobs is not None else None
