@@ -50,6 +50,11 @@ def has_penalties(params: SamplingParams) -> bool:
     return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
 
 
+def reads_output_tokens(params: SamplingParams, bad_words_token_ids: list[list[int]] | None) -> bool:
+    """Whether a row's metadata depends on the tokens it has produced (penalties, bad words)."""
+    return has_penalties(params) or bool(bad_words_token_ids)
+
+
 def num_logprobs_for(num: int | None, vocab_size: int) -> int | None:
     """``SamplingParams.logprobs`` / ``prompt_logprobs`` as a count (-1 = whole vocab)."""
     if num is None:
@@ -85,6 +90,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [num_reqs] float32
     generators: dict[int, torch.Generator]  # row -> the request's own generator
     max_num_logprobs: int | None  # top-N to return (largest request), None = none
+    # Row i's output tokens so far where the row reads them (penalties, bad words), else [].
     output_token_ids: list[list[int]]
     # Penalties (None when no row has any).
     prompt_token_ids: torch.Tensor | None = None  # [num_reqs, max_len] int64, padded with vocab_size
@@ -146,7 +152,7 @@ class SamplingMetadata:
             min_p=None,
             generators={},
             max_num_logprobs=max_num_logprobs,
-            output_token_ids=[list(r.output_token_ids) for r in reqs],
+            output_token_ids=_output_token_ids(reqs, bad_words_token_ids),
         )
         if not all_greedy:
             _fill_random(meta, reqs, greedy, vocab_size, device)
@@ -162,6 +168,12 @@ def _eos_ids(eos_token_id: int | Sequence[int] | None) -> list[int]:
     if isinstance(eos_token_id, int):
         return [eos_token_id]
     return list(eos_token_id)
+
+
+def _output_token_ids(reqs: list[RequestSamplingState], bad_words_token_ids) -> list[list[int]]:
+    """Each row's output tokens, copied only for the rows that read them."""
+    bad_words = bad_words_token_ids or [None] * len(reqs)
+    return [list(r.output_token_ids) if reads_output_tokens(r.params, b) else [] for r, b in zip(reqs, bad_words)]
 
 
 def _fill_random(

@@ -35,7 +35,7 @@ from engine.worker.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from engine.worker.input_batch import InputBatch
 from engine.worker.profiling import profile_forward
 from engine.worker.request_state import CachedRequestState
-from engine.worker.sampling_inputs import prompt_chunks, sampling_metadata
+from engine.worker.sampling_inputs import SamplingMetadataCache, prompt_chunks
 from engine.worker.step_inputs import StepInputs
 
 
@@ -101,6 +101,7 @@ class ModelRunner:
         self.vocab_size = self.model.arch_config.vocab_size
         self.hidden_size = self.model.arch_config.hidden_size
         self.eos_token_ids = list(self.model.arch_config.eos_token_ids)
+        self.sampling_metadata = SamplingMetadataCache(self.vocab_size, self.eos_token_ids, self.device)
 
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one block takes across the layers of this rank (its stage, its KV heads)."""
@@ -196,7 +197,7 @@ class ModelRunner:
     ) -> tuple[dict[str, list[int]], dict[str, LogprobsLists] | None]:
         """One token per request (logits row ``i`` is ``req_ids[i]``'s), and the logprobs they asked for."""
         states = [self.requests[req_id] for req_id in req_ids]
-        output = self.sampler(logits, sampling_metadata(states, self.vocab_size, self.eos_token_ids, self.device))
+        output = self.sampler(logits, self.sampling_metadata.get(states))
         token_ids = output.sampled_token_ids.tolist()
         self.input_batch.append_sampled_tokens(req_ids, token_ids)
         sampled = {req_id: [token_id] for req_id, token_id in zip(req_ids, token_ids)}
