@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -47,7 +48,8 @@ class BlockTable:
     """One row of block ids per request slot, kept across steps and updated by deltas."""
 
     def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int) -> None:
-        self.table = torch.zeros((max_num_reqs, max_num_blocks_per_req), dtype=torch.int32)
+        self.table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.table = torch.from_numpy(self.table_np)  # the same memory, as a tensor
         self.num_blocks = [0] * max_num_reqs
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
@@ -64,7 +66,7 @@ class BlockTable:
         if not block_ids:
             return
         start = self.num_blocks[slot]
-        self.table[slot, start : start + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.table_np[slot, start : start + len(block_ids)] = block_ids
         self.num_blocks[slot] = start + len(block_ids)
 
     def remove_request(self, slot: int) -> None:

@@ -9,7 +9,7 @@ does before the step's own forward.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,21 +33,6 @@ class StepInputs:
     query_lens: list[int]  # tokens each request computes in this batch
 
 
-@dataclass(slots=True)
-class _FlatBatch:
-    """The step's batch as Python lists, request after request, before any tensor is made."""
-
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # each request's block-table row
-    starts: list[int] = field(default_factory=list)
-    token_offsets: list[int] = field(default_factory=lambda: [0])
-    sampled_req_ids: list[str] = field(default_factory=list)
-    sample_indices: list[int] = field(default_factory=list)
-
-
 def build_step_inputs(
     requests: Mapping[str, CachedRequestState],
     block_table: BlockTable,
@@ -62,75 +47,90 @@ def build_step_inputs(
     ``num_computed_tokens``. Reads the states; on return nothing has changed.
     """
     req_ids = list(num_scheduled_tokens)
-    flat = _flatten(requests, req_ids, num_scheduled_tokens, starts)
-    positions, metadata = _position_tensors(block_table, flat, block_size, device)
+    states = [requests[req_id] for req_id in req_ids]
+    query_lens = [num_scheduled_tokens[req_id] for req_id in req_ids]
+    first = [s.num_computed_tokens for s in states] if starts is None else [starts[r] for r in req_ids]
+    input_ids = _gather_token_ids(states, first, query_lens)
+    # numpy for the index arithmetic: a few microseconds per op instead of torch's tens, and the
+    # tensors below share its memory (no copies on CPU).
+    starts_np = np.array(first, dtype=np.int64)  # [num_reqs]
+    query_lens_np = np.array(query_lens, dtype=np.int64)  # [num_reqs]
+    seq_lens_np = starts_np + query_lens_np  # [num_reqs]
+    offsets_np = np.zeros(len(req_ids) + 1, dtype=np.int64)  # [num_reqs + 1]
+    np.cumsum(query_lens_np, out=offsets_np[1:])
+    # The requests whose prompt is done with this batch get a token, read at their last row.
+    is_sampled = seq_lens_np == np.array([len(s.token_ids) for s in states], dtype=np.int64)  # [num_reqs]
+    sampled_rows = np.flatnonzero(is_sampled)  # [num_sampled]
+    positions, metadata = _position_tensors(
+        block_table,
+        np.array([s.slot for s in states]),
+        starts_np,
+        query_lens_np,
+        seq_lens_np,
+        offsets_np,
+        block_size,
+        device,
+    )
     return StepInputs(
         req_ids=req_ids,
-        input_ids=torch.tensor(flat.input_ids, dtype=torch.long, device=device),
+        input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(device),
         positions=positions,
         attn_metadata=metadata,
-        sampled_req_ids=flat.sampled_req_ids,
-        sample_indices=torch.tensor(flat.sample_indices, dtype=torch.long, device=device),
-        token_offsets=flat.token_offsets,
-        starts=flat.starts,
-        query_lens=flat.query_lens,
+        sampled_req_ids=[req_ids[i] for i in sampled_rows.tolist()],
+        sample_indices=torch.from_numpy(offsets_np[1:][sampled_rows] - 1).to(device),
+        token_offsets=offsets_np.tolist(),
+        starts=first,
+        query_lens=query_lens,
     )
 
 
-def _flatten(
-    requests: Mapping[str, CachedRequestState],
-    req_ids: list[str],
-    num_scheduled_tokens: Mapping[str, int],
-    starts: Mapping[str, int] | None,
-) -> _FlatBatch:
-    """Each request's scheduled tokens and positions, one after another; the ones that get a token."""
-    flat = _FlatBatch()
-    # Locals: this loop runs once per scheduled request per step.
-    input_ids, positions, query_lens, seq_lens = flat.input_ids, flat.positions, flat.query_lens, flat.seq_lens
-    slots, first_positions, token_offsets = flat.slots, flat.starts, flat.token_offsets
-    sampled_req_ids, sample_indices = flat.sampled_req_ids, flat.sample_indices
-    for req_id in req_ids:
-        state = requests[req_id]
-        num_new = num_scheduled_tokens[req_id]
-        start = state.num_computed_tokens if starts is None else starts[req_id]
-        end = start + num_new
-        input_ids.extend(state.token_ids[start:end])
-        positions.extend(range(start, end))
-        first_positions.append(start)
-        query_lens.append(num_new)
-        seq_lens.append(end)
-        slots.append(state.slot)
-        token_offsets.append(token_offsets[-1] + num_new)
-        if end == len(state.token_ids):  # the prompt is done: this request gets a token
-            sampled_req_ids.append(req_id)
-            sample_indices.append(token_offsets[-1] - 1)
-    return flat
+def _gather_token_ids(states: list[CachedRequestState], starts: list[int], query_lens: list[int]) -> list[int]:
+    """The batch's token ids, request after request (one Python step per request)."""
+    input_ids: list[int] = []
+    append, extend = input_ids.append, input_ids.extend
+    for state, start, num_new in zip(states, starts, query_lens):
+        if num_new == 1:  # a decode
+            append(state.token_ids[start])
+        else:
+            extend(state.token_ids[start : start + num_new])
+    return input_ids
 
 
 def _position_tensors(
-    block_table: BlockTable, flat: _FlatBatch, block_size: int, device: torch.device
+    block_table: BlockTable,
+    slots: np.ndarray,
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    offsets: np.ndarray,
+    block_size: int,
+    device: torch.device,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
-    """(positions, attention metadata): the batch's block tables and each token's KV slot."""
-    slots, positions, query_lens, seq_lens = flat.slots, flat.positions, flat.query_lens, flat.seq_lens
-    # numpy for the index arithmetic: a few microseconds per op instead of torch's tens, and the
-    # tensors below share its memory (no copies on CPU).
-    positions_np = np.array(positions, dtype=np.int64)
-    slots_np = np.array(slots, dtype=np.int64)
-    max_num_blocks = -(-max(seq_lens) // block_size)
-    block_tables = block_table.table.numpy()[slots_np, :max_num_blocks]  # [num_reqs, max_num_blocks]
+    """(positions, attention metadata): each token's position and KV slot, the batch's block tables.
+
+    ``starts``, ``query_lens``, ``seq_lens`` are per request [num_reqs]; ``offsets`` [num_reqs + 1]
+    the cumulative query lengths.
+    """
+    num_tokens = int(offsets[-1])
+    max_seq_len = int(seq_lens.max())
+    block_tables = block_table.table_np[slots, : -(-max_seq_len // block_size)]  # [num_reqs, max_num_blocks]
+    if num_tokens == len(slots):  # decodes only: one token per request, at its start
+        token_rows, positions = np.arange(num_tokens), starts.copy()
+    else:  # token t of request i sits at starts[i] + (t - offsets[i])
+        token_rows = np.repeat(np.arange(len(slots)), query_lens)  # [num_tokens]
+        positions = np.arange(num_tokens) + (starts - offsets[:-1])[token_rows]  # [num_tokens]
     # Each token's KV slot: its request's block for that position, offset within the block.
-    token_rows = np.repeat(np.arange(len(slots)), query_lens)  # [num_tokens]
-    token_blocks = block_tables[token_rows, positions_np // block_size].astype(np.int64)
-    slot_mapping = token_blocks * block_size + positions_np % block_size
+    token_blocks = block_tables[token_rows, positions // block_size].astype(np.int64)  # [num_tokens]
+    slot_mapping = token_blocks * block_size + positions % block_size  # [num_tokens]
     metadata = AttentionMetadata(
-        num_actual_tokens=len(flat.input_ids),
-        query_start_loc=torch.tensor(flat.token_offsets, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        num_actual_tokens=num_tokens,
+        query_start_loc=torch.from_numpy(offsets.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
         block_tables=torch.from_numpy(block_tables).to(device),
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=max_seq_len,
+        query_lens_cpu=query_lens.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
     )
-    return torch.from_numpy(positions_np).to(device), metadata
+    return torch.from_numpy(positions).to(device), metadata
