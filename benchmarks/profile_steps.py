@@ -1,13 +1,15 @@
 """Where one offline generate spends its time: per-step wall times, per-component totals, top torch ops.
 
-Runs the throughput workload (N random-token prompts, greedy, EOS ignored) through ``LLMEngine.step``
-and reports
-  * the wall time of every step (prefill-carrying steps vs the median decode step),
+Runs the throughput workload (N random-token prompts, greedy, EOS ignored, FINAL_ONLY outputs as
+``LLM.generate`` asks for; ``--output-kind cumulative`` for a streaming front end's per-step outputs)
+through ``LLMEngine.step`` and reports
+  * the wall time of every step (prefill-carrying steps vs the median decode step, with its
+    main-thread CPU time, steadier than wall time on a shared machine),
   * totals per component (scheduler, model forward, decode attention kernel, logits, sampling,
-    output processing), measured by wrapping those calls,
+    output processing), measured by wrapping those calls, and their mean per decode step,
   * the torch profiler's top operators over a window of decode steps.
 
-    python benchmarks/profile_steps.py --workload w2
+    python benchmarks/profile_steps.py --workload w2 --dtype float32 --repeat 3
     python benchmarks/profile_steps.py --model models/bench/w1-qwen2 --num-prompts 32 --input-len 256
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.peer_throughput import WORKLOADS, ensure_model, make_prompts  # noqa: E402
+from engine.sampling_params import RequestOutputKind  # noqa: E402
 
 
 def timed(totals: dict, key: str, fn):
@@ -47,18 +50,22 @@ def instrument(llm, totals: dict) -> None:
     scheduler.schedule = timed(totals, "scheduler.schedule", scheduler.schedule)
     scheduler.update_from_output = timed(totals, "scheduler.update_from_output", scheduler.update_from_output)
     batch = runner.input_batch
+    batch.apply_deltas = timed(totals, "runner.apply_deltas", batch.apply_deltas)
     batch.prepare_inputs = timed(totals, "runner.prepare_inputs", batch.prepare_inputs)
     runner._sample = timed(totals, "runner.sample", runner._sample)
+    metadata = getattr(runner, "sampling_metadata", None)  # absent before the metadata cache
+    if metadata is not None:
+        metadata.get = timed(totals, "runner.sample: metadata", metadata.get)
     runner.model.forward = timed(totals, "model.forward", runner.model.forward)
     runner.model.compute_logits = timed(totals, "model.compute_logits", runner.model.compute_logits)
     engine.output_processor.process_outputs = timed(totals, "output_processor", engine.output_processor.process_outputs)
     kernels = torch_paged.load_cpu_kernels()
     if kernels is not None:
-        decode = timed(totals, "attention.decode_kernel", kernels.paged_decode_attention)
+        decode = timed(totals, "model.forward: decode kernel", kernels.paged_decode_attention)
         torch_paged.load_cpu_kernels = lambda: type("Kernels", (), {"paged_decode_attention": staticmethod(decode)})
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS))
     parser.add_argument("--model")
@@ -66,7 +73,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--profile-steps", type=int, default=20, help="decode steps under the torch profiler")
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs of the workload (the machine is noisy)")
+    parser.add_argument("--profile-steps", type=int, default=20, help="decode steps under the torch profiler (0: none)")
+    parser.add_argument(
+        "--output-kind",
+        choices=[kind.name.lower() for kind in RequestOutputKind],
+        default="final_only",
+        help="final_only is what LLM.generate asks for (the throughput workloads); cumulative / delta stream",
+    )
     args = parser.parse_args()
     if args.workload:
         spec = WORKLOADS[args.workload]
@@ -74,37 +88,63 @@ def main() -> None:
         args.model = args.model or ensure_model(args.workload, args.dtype)
     if not args.model:
         parser.error("give --workload or --model")
+    return args
 
+
+def timed_run(engine, prompts: list[list[int]], params, totals: dict, tag: str) -> list[tuple[float, float, dict]]:
+    """Runs the prompts to completion; per step (wall s, main-thread CPU s, component seconds)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        before = dict(totals)
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        engine.step()
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
+        steps.append((wall, cpu, {key: value - before.get(key, 0.0) for key, value in totals.items()}))
+    return steps
+
+
+def report(steps: list[tuple[float, float, dict]], num_generated: int) -> None:
+    """Whole-run totals, then the decode-only steps (no prompt token in them) per step."""
+    total = sum(wall for wall, _, _ in steps)
+    print(f"{len(steps)} steps, {total:.3f} s, {num_generated / total:.0f} generated tok/s")
+    floor = min(wall for wall, _, _ in steps)
+    decodes = [step for step in steps if step[0] < 2 * floor + 0.005]
+    walls = sorted(wall for wall, _, _ in decodes)
+    cpus = sorted(cpu for _, cpu, _ in decodes)
+    print(
+        f"decode steps: {len(decodes)}, median {walls[len(walls) // 2] * 1e3:.2f} ms wall, "
+        f"{cpus[len(cpus) // 2] * 1e3:.2f} ms main-thread CPU; the other {len(steps) - len(decodes)} steps "
+        f"(prefill chunks) {total - sum(walls):.3f} s"
+    )
+    keys = sorted(steps[-1][2], key=lambda key: -sum(step[2].get(key, 0.0) for step in steps))
+    print(f"  {'component':32s} {'whole run':>9}  {'share':>6}  {'per decode step':>15}")
+    for key in keys:
+        value = sum(step[2].get(key, 0.0) for step in steps)
+        per_decode = sum(step[2].get(key, 0.0) for step in decodes) / len(decodes)
+        print(f"  {key:32s} {value:8.3f} s  {value / total:6.1%}  {per_decode * 1e3:12.3f} ms")
+
+
+def main() -> None:
+    args = parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype, max_model_len=4096, max_num_seqs=max(args.num_prompts, 8))
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    output_kind = RequestOutputKind[args.output_kind.upper()]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, output_kind=output_kind)
     prompts = make_prompts(llm.get_tokenizer().vocab_size, args.num_prompts, args.input_len)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
 
     totals: dict[str, float] = collections.defaultdict(float)
     instrument(llm, totals)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
-    step_times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        step_times.append(time.perf_counter() - start)
-    total = sum(step_times)
-    decode_times = sorted(t for t in step_times if t < 2 * min(step_times) + 0.005)
-    print(f"{len(step_times)} steps, {total:.3f} s, {args.num_prompts * args.output_len / total:.0f} generated tok/s")
-    print(
-        f"median decode step {decode_times[len(decode_times) // 2] * 1e3:.2f} ms "
-        f"({len(decode_times)} steps); the other {len(step_times) - len(decode_times)} steps "
-        f"(prefill chunks) {total - sum(decode_times):.3f} s"
-    )
-    for key, value in sorted(totals.items(), key=lambda item: -item[1]):
-        print(f"  {key:32s} {value:8.3f} s  {value / total:6.1%}")
-
+    for run in range(args.repeat):
+        report(timed_run(engine, prompts, params, totals, f"run{run}"), args.num_prompts * args.output_len)
+    if args.profile_steps <= 0:
+        return
     for i, prompt in enumerate(prompts):  # again, to profile decode steps once the prompts are in
         engine.add_request(f"again-{i}", {"prompt_token_ids": [t + 1 for t in prompt]}, params)
     scheduler = engine.engine_core.scheduler
