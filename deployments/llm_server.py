@@ -21,7 +21,6 @@ from deployments.llm_config import LLMConfig
 from deployments.metrics import RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from engine.async_llm import AsyncLLM
-from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 
 logger = logging.getLogger("ray.serve")
@@ -35,15 +34,10 @@ def route_engine_stats_log_to_replica_log() -> None:
     stats_logger.propagate = not stats_logger.handlers
 
 
-def engine_args_for_this_replica(llm_config: LLMConfig) -> EngineArgs:
-    """The config's engine arguments, with the engine's torch threads following this replica's CPU share
-    (its ``num_cpus``, rounded, at least 1) unless ``num_threads`` is set: left unset, torch would take
-    every core of the node, however many replicas share it."""
-    args = llm_config.engine_args()
-    if args.num_threads is not None:
-        return args
-    num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
-    return args.model_copy(update={"num_threads": max(1, int(num_cpus + 0.5))})
+def replica_num_cpus() -> int:
+    """This replica's CPU share (its ``num_cpus``), rounded, at least 1: what its engine may use. Left to
+    itself, torch would take every core of the node, however many replicas share it."""
+    return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0) + 0.5))
 
 
 class LLMServer:
@@ -56,8 +50,9 @@ class LLMServer:
         self.model_id = llm_config.model_id
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncLLM.from_engine_args(
-            engine_args_for_this_replica(llm_config),
+            llm_config.engine_args(),
             stat_loggers=[RayStatLogger(metrics_model_name or self.model_id, replica_id)],
+            num_cpus=replica_num_cpus(),
         )
         self.serving = OpenAIServing(self.engine, self.model_id)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
