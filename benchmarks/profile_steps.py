@@ -73,7 +73,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeat", type=int, default=1, help="timed runs of the workload (the machine is noisy)")
+    parser.add_argument("--repeat", type=int, default=1, choices=range(1, 10), help="timed runs (a noisy machine)")
     parser.add_argument("--profile-steps", type=int, default=20, help="decode steps under the torch profiler (0: none)")
     parser.add_argument(
         "--output-kind",
@@ -141,12 +141,13 @@ def main() -> None:
 
     totals: dict[str, float] = collections.defaultdict(float)
     instrument(llm, totals)
-    for run in range(args.repeat):
-        report(timed_run(engine, prompts, params, totals, f"run{run}"), args.num_prompts * args.output_len)
+    for run in range(args.repeat):  # each run's prompts shifted by one id: no prefix-cache hits across runs
+        shifted = [[t + run for t in prompt] for prompt in prompts]
+        report(timed_run(engine, shifted, params, totals, f"run{run}"), args.num_prompts * args.output_len)
     if args.profile_steps <= 0:
         return
     for i, prompt in enumerate(prompts):  # again, to profile decode steps once the prompts are in
-        engine.add_request(f"again-{i}", {"prompt_token_ids": [t + 1 for t in prompt]}, params)
+        engine.add_request(f"again-{i}", {"prompt_token_ids": [t + args.repeat for t in prompt]}, params)
     scheduler = engine.engine_core.scheduler
     while len(scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()
