@@ -64,8 +64,12 @@ class LLMEngine:
         arch = Architecture.from_dir(model_dir)
         if core_process:  # the core process loads the model while this one loads the tokenizer
             self.engine_core: EngineCore | EngineCoreProcess = EngineCoreProcess(config, executor_class)
-            self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
-            self.engine_core.wait_ready()
+            try:
+                self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+                self.engine_core.wait_ready()
+            except BaseException:
+                self.engine_core.shutdown()  # no core process outlives a failed start
+                raise
         else:
             self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
             self.engine_core = EngineCore(config, executor_class)
