@@ -46,6 +46,7 @@ NON_DEFAULTS = dict(
     num_cpus_per_worker=2.0,
     execute_timeout_s=10.0,
     ray_compiled_graph=False,
+    engine_core_process=False,
     device="cpu",
     num_threads=2,
     disable_log_stats=True,

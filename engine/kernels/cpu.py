@@ -45,9 +45,22 @@ _CFLAGS = [
 _FUSED_OPS = ("fused_add_rms_norm", "rms_norm", "silu_and_mul", "rotary_embedding_and_cache")
 
 _is_enabled = os.environ.get("SERVAL_DISABLE_CPU_KERNELS") != "1"
-# One build directory per checkout: torch keys its cache by name alone, and ninja rebuilds when the
-# source paths change, so two checkouts sharing a name would rebuild each other's module on every load.
-_MODULE_NAME = "serval_cpu_kernels_" + hashlib.sha1(str(_CSRC).encode()).hexdigest()[:8]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), which ``-march=native`` compiles for; "" where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+# One build directory per checkout and CPU kind: torch keys its cache by name alone, and ninja rebuilds
+# when the source paths change, so two checkouts sharing a name would rebuild each other's module on every
+# load; and a module built with -march=native for an AVX-512 CPU dies of an illegal instruction on an AVX2
+# one sharing the cache (an image, a home directory).
+_MODULE_NAME = "serval_cpu_kernels_" + hashlib.sha1(f"{_CSRC}\n{_cpu_flags()}".encode()).hexdigest()[:8]
 
 
 @functools.cache

@@ -5,8 +5,10 @@
   the matmul, and with one row far more. The weight is packed once into oneDNN's layout.
 * On a CPU without them (AVX2), oneDNN emulates bf16 products at about 15 GFLOP/s against 90-180 in
   float32 (``benchmarks/bench_matmul.py`` on cpu-2c-avx2): the layer keeps a float32 copy of its bf16
-  weight and computes in float32, rounding the output back to bf16 (the model's dtype stays bf16:
-  activations, KV cache; the products are more exact, not less).
+  weight, packed once into oneDNN's layout, and computes in float32, rounding the output back to bf16
+  (the model's dtype stays bf16: activations, KV cache; the products are more exact, not less). Packed,
+  the float32 products run 2-3x faster at decode sizes (tens of rows) than ``F.linear``'s MKL path
+  (896 x 9728 at 32 rows: 71 against 30 GFLOP/s) and about even at prefill sizes.
 
 Everything else (float32 models, GPUs) keeps ``F.linear``.
 """
@@ -43,8 +45,13 @@ def linear(
     if packed_weight is None:
         return F.linear(x, weight, bias)
     if packed_weight.dtype == torch.float32 and x.dtype != torch.float32:  # the float32 copy of a bf16 weight
-        return F.linear(x.float(), packed_weight, None if bias is None else bias.float()).to(x.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed_weight, _float(bias), "none", [], "")
+        return out.to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.float()
 
 
 def prepack_linears(model: nn.Module) -> int:
@@ -57,7 +64,7 @@ def prepack_linears(model: nn.Module) -> int:
         if can_prepack(module.weight):
             module.packed_weight = pack_weight(module.weight)
         elif computes_in_fp32(module.weight):
-            module.packed_weight = module.weight.float()
+            module.packed_weight = pack_weight(module.weight.float())
         else:
             continue
         num_packed += 1
