@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
+from engine.core.kv_cache_manager import PrefixCacheStats
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerStats
 from engine.core_proc import (
@@ -132,7 +133,7 @@ class EngineCoreProcess:
 
     def make_stats(self) -> SchedulerStats:
         if self._latest is None:
-            return SchedulerStats(0, 0, 0.0, 0, _empty_prefix_cache_stats())
+            return SchedulerStats(0, 0, 0.0, 0, PrefixCacheStats())
         return self._latest.scheduler_stats
 
     def kv_block_counts(self) -> tuple[int, int]:
@@ -207,9 +208,3 @@ def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:
         return process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return None
-
-
-def _empty_prefix_cache_stats():
-    from engine.core.kv_cache_manager import PrefixCacheStats
-
-    return PrefixCacheStats()

@@ -175,7 +175,6 @@ class EngineCoreLoop:
 
     def _apply(self, command) -> None:
         if isinstance(command, Request):
-            command.arrival_time = command.arrival_time or time.time()
             self.core.add_request(command)
         elif isinstance(command, AbortRequests):
             self.core.abort_requests(command.request_ids)
