@@ -61,15 +61,9 @@ def build_step_inputs(
     # The requests whose prompt is done with this batch get a token, read at their last row.
     is_sampled = seq_lens_np == np.array([len(s.token_ids) for s in states], dtype=np.int64)  # [num_reqs]
     sampled_rows = np.flatnonzero(is_sampled)  # [num_sampled]
+    slots = np.array([s.slot for s in states])  # [num_reqs]: each request's block-table row
     positions, metadata = _position_tensors(
-        block_table,
-        np.array([s.slot for s in states]),
-        starts_np,
-        query_lens_np,
-        seq_lens_np,
-        offsets_np,
-        block_size,
-        device,
+        block_table, slots, starts_np, query_lens_np, seq_lens_np, offsets_np, block_size, device
     )
     return StepInputs(
         req_ids=req_ids,

@@ -42,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", help="Sent as 'Authorization: Bearer KEY'.")
     add_dataset_arguments(parser)
-    load = parser.add_argument_group("load")
+    _add_load_arguments(parser.add_argument_group("load"))
+    _add_report_arguments(parser.add_argument_group("report"))
+
+
+def _add_load_arguments(load) -> None:
     load.add_argument(
         "--request-rate", type=float, default=math.inf, help="Requests per second (default inf: all at once)."
     )
@@ -67,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="Seconds to wait on a connection or between streamed chunks before a request fails.",
     )
-    report = parser.add_argument_group("report")
+
+
+def _add_report_arguments(report) -> None:
     report.add_argument(
         "--percentiles",
         type=parse_percentiles,
