@@ -5,9 +5,9 @@
 
 One ``LLMServer:<model id>`` deployment per model (its replicas are the
 data-parallel copies) behind one ``OpenAiIngress`` deployment that routes by
-the request's ``model``; an app of one model has no separate ingress (unless
-``separate_ingress`` says so): its ``LLMServer:<model id>`` replicas serve
-HTTP themselves (``IngressLLMServer``).
+the request's ``model``; with ``separate_ingress: false`` an app of one
+model has none: its ``LLMServer:<model id>`` replicas serve HTTP themselves
+(``IngressLLMServer``).
 
     import_path: deployments.app:build_pd_openai_app
     args: {prefill_config: {...}, decode_config: {...}, kv_transfer_config: {...}}
@@ -69,7 +69,7 @@ def build_llm_server(
 def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
     """Validates ``args`` (unknown keys are an error here, at deploy time) and builds the app."""
     serving_args = args if isinstance(args, LLMServingArgs) else LLMServingArgs.model_validate(args)
-    if not serving_args.uses_separate_ingress:  # one model: its LLM servers are the HTTP ingress
+    if not serving_args.separate_ingress:  # one model: its LLM servers are the HTTP ingress
         [llm_config] = serving_args.llm_configs
         return build_llm_server(llm_config, IngressLLMServer, None, serving_args.server_options())
     servers = {config.model_id: build_llm_server(config) for config in serving_args.llm_configs}

@@ -63,12 +63,12 @@ def _server_name(prefix: str, llm_config: dict) -> str:
 
 def _servers(builder: str, args: dict) -> tuple[list[tuple[str, dict]], bool]:
     """(name prefix, llm_config) of each LLM-server deployment an app builder makes, and whether it adds
-    the ``OpenAiIngress``: a pd app always; one model's servers are their own HTTP ingress unless
-    ``separate_ingress`` asks for the router."""
+    the ``OpenAiIngress``: a pd app always; one model's servers are their own HTTP ingress only with
+    ``separate_ingress: false``."""
     if builder == "build_openai_app":
         configs = args.get("llm_configs", [])
         servers = [("LLMServer:", c) for c in configs if isinstance(c, dict)]
-        return servers, len(configs) > 1 or bool(args.get("separate_ingress"))
+        return servers, len(configs) > 1 or args.get("separate_ingress", True) is not False
     if builder == "build_pd_openai_app":
         return [("PrefillServer:", args.get("prefill_config", {})), ("LLMServer:", args.get("decode_config", {}))], True
     return [], False

@@ -20,13 +20,18 @@ from tests.serve.cluster import LOOPBACK, deploy_and_wait, is_loopback, listenin
 
 LLAMA, QWEN = "tiny-llama", "tiny-qwen"
 PROMPT = "The quick brown fox"
-# A second app on the same cluster whose args set a key and a small body limit (the first stays open).
+# A second app on the same cluster whose args set a key and a small body limit (the first stays open); its
+# one model's LLM servers are its HTTP ingress (separate_ingress: false), which these tests cover too.
 GUARDED_KEY = "serve-test-key"
 GUARDED_APP = {
     "name": "guarded",
     "route_prefix": "/guarded",
     "import_path": "deployments.app:build_openai_app",
-    "args": {"api_keys": [GUARDED_KEY], "request_limits": {"max_request_body_bytes": 4096}},
+    "args": {
+        "api_keys": [GUARDED_KEY],
+        "request_limits": {"max_request_body_bytes": 4096},
+        "separate_ingress": False,
+    },
 }
 
 
