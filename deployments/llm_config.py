@@ -131,8 +131,8 @@ class LLMServingArgs(_StrictModel, ServerOptions):
         True,
         description="True: an OpenAiIngress deployment routes to the LLM servers (needed for several models). "
         "False (one model): its LLM-server replicas serve HTTP themselves, a hop less per streamed chunk "
-        "(+33 % output tok/s on 2 cores), but each change of their replica count reloads Serve's HAProxy, "
-        "which has cut streams in flight.",
+        "(+33 % output tok/s on a loaded 2-core machine), but each change of their replica count reloads "
+        "Serve's HAProxy, which has cut streams in flight.",
     )
 
     @model_validator(mode="after")
