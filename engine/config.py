@@ -168,6 +168,22 @@ class KVTransferConfig(_FrozenConfig):
     )
 
 
+class StructuredOutputsConfig(_FrozenConfig):
+    """Structured outputs (vLLM's ``structured_outputs_config``): the grammar backend and JSON's whitespace."""
+
+    backend: Literal["auto", "xgrammar"] = Field(
+        "auto", description="Grammar backend; auto: xgrammar (the one built in)."
+    )
+    disable_any_whitespace: bool = Field(
+        False,
+        description="JSON constraints (schemas, json_object, tool calls) allow no whitespace between tokens; "
+        "a request's structured_outputs.disable_any_whitespace overrides it.",
+    )
+    num_compile_threads: int = Field(
+        1, ge=1, le=64, description="Threads compiling grammars beside the busy loop (never on the step's path)."
+    )
+
+
 class DeviceConfig(_FrozenConfig):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     num_threads: int | None = Field(
@@ -191,3 +207,4 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     kv_transfer_config: KVTransferConfig | None = None  # disaggregated prefill only
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()

@@ -28,6 +28,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 # The configs whose every field is an EngineArgs field, in EngineArgs' field order.
@@ -51,6 +52,10 @@ UNROUTED_FIELDS: dict[str, tuple[Any, FieldInfo]] = {
     "disable_log_stats": (bool, Field(False, description="Front end: keep no statistics, log no throughput.")),
     # Disaggregated prefill: this engine's role and transport (the PD app sets it for each pool).
     "kv_transfer_config": (KVTransferConfig | None, Field(None, description="Disaggregated prefill only.")),
+    "structured_outputs_config": (
+        StructuredOutputsConfig,
+        Field(StructuredOutputsConfig(), description="Structured outputs: backend, disable_any_whitespace."),
+    ),
 }
 
 
@@ -117,6 +122,7 @@ class _EngineArgsBase(BaseModel):
             parallel_config=self.create_parallel_config(),
             device_config=DeviceConfig(**self._routed_values(DeviceConfig)),
             kv_transfer_config=self.kv_transfer_config,
+            structured_outputs_config=self.structured_outputs_config,
         )
 
 

@@ -8,7 +8,8 @@ the serving layer can turn it into a 400 without touching the engine.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+import json
+from dataclasses import dataclass, field, fields, replace
 
 # Temperatures below this sample greedily (vLLM's threshold); dividing by them would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -18,6 +19,89 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new since the last one
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+# The constraint kinds of ``StructuredOutputsParams``, in the order the grammar cache keys them.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One request's output constraint (vLLM's ``StructuredOutputsParams``): exactly one kind is set.
+
+    ``json``: a JSON schema (a dict, or its text); ``regex``: the output fully matches it; ``choice``:
+    the output is one of these strings; ``grammar``: an EBNF (GBNF) grammar whose ``root`` rule the
+    output matches; ``json_object``: any JSON object; ``structural_tag``: xgrammar's structural tag
+    (JSON text), which tool calls use. ``disable_any_whitespace`` makes JSON compact (no whitespace
+    between tokens), whatever the engine's default; None keeps the engine's
+    (``structured_outputs_config.disable_any_whitespace``).
+
+    Checked here: one kind, the right types, nothing empty, the schema is JSON. Whether the
+    backend can compile it is checked by the front end before the request is queued.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object is False:
+            object.__setattr__(self, "json_object", None)
+        kinds = [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) is not None]
+        _check(
+            len(kinds) == 1,
+            f"structured_outputs needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+            f"{', '.join(kinds) if kinds else 'none'}.",
+        )
+        self._validate_value(kinds[0])
+
+    def _validate_value(self, kind: str) -> None:
+        value = getattr(self, kind)
+        if kind == "json":
+            _check(
+                isinstance(value, (dict, str)), "structured_outputs.json must be a JSON schema (an object or its text)."
+            )
+            if isinstance(value, str):
+                try:
+                    _check(isinstance(json.loads(value), dict), "structured_outputs.json must be a JSON object.")
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
+        elif kind == "choice":
+            _check(len(value) > 0, "structured_outputs.choice must not be empty.")
+            _check(all(isinstance(c, str) for c in value), "structured_outputs.choice must be a list of strings.")
+        elif kind == "json_object":
+            _check(value is True, "structured_outputs.json_object must be true when given.")
+        else:
+            _check(isinstance(value, str) and value != "", f"structured_outputs.{kind} must be a non-empty string.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) is not None)
+
+    @property
+    def spec(self) -> str:
+        """The constraint as canonical text (a schema with sorted keys, choices as a JSON list): the cache key."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            return json.dumps(json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+        if self.kind == "choice":
+            return json.dumps(value)
+        return "" if self.kind == "json_object" else value
+
+    @classmethod
+    def from_dict(cls, values: dict) -> StructuredOutputsParams:
+        """From a request body's ``structured_outputs`` object; an unknown key is a ValueError naming it."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - names)
+        _check(not unknown, f"structured_outputs has unknown field(s): {', '.join(unknown)}.")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -56,6 +140,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -76,6 +161,8 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", list(self.allowed_token_ids))
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs))
         self._validate()
 
     def _validate(self) -> None:

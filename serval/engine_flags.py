@@ -1,8 +1,9 @@
 """The engine's arguments as command-line flags, generated from ``EngineArgs`` (vLLM's ``--max-model-len`` style).
 
 Every ``EngineArgs`` field but ``model`` and ``kv_transfer_config`` is a flag ``--field-name`` with the
-field's type, choices and description, so a knob added to ``engine/config.py`` is a flag of ``serval serve``
-and ``serval bench throughput`` / ``latency`` without another declaration. A flag left out stays None:
+field's type (a nested config as JSON), choices and description, so a knob added to ``engine/config.py``
+is a flag of ``serval serve`` and ``serval bench throughput`` / ``latency`` without another declaration.
+A flag left out stays None:
 ``EngineArgs``' own default applies, and pydantic checks the bounds (its error names the field).
 ``--engine-kwargs JSON`` takes any field as well; the flags win.
 """
@@ -14,6 +15,7 @@ import json
 import types
 import typing
 
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -60,6 +62,8 @@ def flag_options(info: FieldInfo) -> dict:
         options = {"type": typing.get_args(kind)[0], "nargs": "+"}
     elif kind in (int, float, str):
         options = {"type": kind}
+    elif isinstance(kind, type) and issubclass(kind, BaseModel):  # a nested config: vLLM's JSON form
+        options = {"type": json_object, "metavar": "JSON"}
     else:
         raise TypeError(f"EngineArgs field of type {kind!r} has no command-line form; add one here")
     help_text = info.description or ""
