@@ -23,8 +23,12 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.core.step_outputs import EngineCoreOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture
+from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# How long a core with only grammar-waiting requests blocks on their compiles per step (commands wait that long).
+GRAMMAR_WAIT_S = 0.02
 
 
 class EngineCore:
@@ -36,6 +40,7 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks)
         self.cache_config = cache_config.model_copy(update={"num_blocks": num_blocks})
         self.scheduler = Scheduler(config.scheduler_config, self.cache_config, config.kv_transfer_config)
+        self.structured_outputs = StructuredOutputManager(config)
         self.config = config
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batches_in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
@@ -48,23 +53,52 @@ class EngineCore:
         self._release.atexit = False  # at exit Ray tears its own cluster down
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        """Queues ``request``; one with structured outputs waits for its grammar first (never blocking a step)."""
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(request)
+        else:
+            self.structured_outputs.add_request(request)
 
     def abort_requests(self, request_ids) -> None:
-        self.scheduler.abort_requests(request_ids)
+        self.scheduler.abort_requests(self.structured_outputs.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.batches_in_flight)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.batches_in_flight)
+            or self.structured_outputs.has_waiting_requests()
+        )
 
     def step(self) -> list[EngineCoreOutput]:
         """Runs one step; returns what each request got from it."""
+        failed = self._admit_compiled() if self.structured_outputs.has_waiting_requests() else []
         if self.max_concurrent_batches > 1:
-            return self._step_pipelined()
+            return failed + self._step_pipelined()
         if not self.scheduler.has_unfinished_requests():
-            return []
-        scheduler_output = self.scheduler.schedule()
+            return failed
+        scheduler_output = self._schedule()
         model_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        return failed + self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        self.structured_outputs.attach_bitmask(scheduler_output, self.scheduler.requests)
+        return scheduler_output
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Moves requests whose grammar is ready to the scheduler; returns the outputs of those that failed.
+
+        With nothing else to run, first waits a little for a compile to end (not spinning meanwhile).
+        """
+        if not self.scheduler.has_unfinished_requests() and not self.batches_in_flight:
+            self.structured_outputs.wait(GRAMMAR_WAIT_S)
+        ready, failed = self.structured_outputs.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        return [
+            EngineCoreOutput(r.request_id, [], r.get_finish_reason(), r.stop_reason, num_cached_tokens=0)
+            for r in failed
+        ]
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Starts a micro-batch if a slot is free and there is one to run; else finishes the oldest.
@@ -73,7 +107,7 @@ class EngineCore:
         to ``max_concurrent_batches`` steps overlap.
         """
         if len(self.batches_in_flight) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             # An empty schedule still goes out when it carries finished or preempted ids (workers drop them).
             if (
                 scheduler_output.total_num_scheduled_tokens > 0
@@ -92,7 +126,9 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, future.result())
 
     def make_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        stats.num_waiting_reqs += self.structured_outputs.num_waiting_requests()  # waiting for their grammar
+        return stats
 
     def kv_block_counts(self) -> tuple[int, int]:
         """(usable KV blocks, free ones): the null block is not usable, and a block that only holds
@@ -114,6 +150,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Releases the workers (their weights and KV caches, Ray actors and placement group). Idempotent."""
+        self.structured_outputs.shutdown()
         self._release()
 
 

@@ -64,9 +64,17 @@ _SHUTDOWN = object()
 
 
 def _deliver(batch: list[tuple[RequestOutputCollector, RequestOutput]]) -> None:
-    """Runs on the event loop: one step's outputs into their collectors."""
+    """Runs on the event loop: one step's outputs into their collectors.
+
+    A completion the core finished with "error" (its grammar did not compile) ends its stream
+    with a ValueError carrying the core's reason instead (a 400 over HTTP).
+    """
     for collector, output in batch:
-        collector.put(output)
+        failed = next((c for c in output.outputs if c.finish_reason == "error"), None)
+        if failed is None:
+            collector.put(output)
+        else:
+            collector.put_error(ValueError(str(failed.stop_reason)))
 
 
 def _fail(collectors: list[RequestOutputCollector], reason: str, cause: BaseException | None) -> None:

@@ -87,10 +87,11 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as canonical text (a schema with sorted keys, choices as a JSON list): the cache key."""
+        """The constraint as text (a schema as compact JSON, choices as a JSON list): the grammar cache's key."""
         value = getattr(self, self.kind)
         if self.kind == "json":
-            return json.dumps(json.loads(value) if isinstance(value, str) else value, sort_keys=True)
+            # Not sorted: the schema's property order is the output's.
+            return json.dumps(json.loads(value) if isinstance(value, str) else value)
         if self.kind == "choice":
             return json.dumps(value)
         return "" if self.kind == "json_object" else value

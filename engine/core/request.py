@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from engine.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the core could not serve it (its grammar did not compile); stop_reason says why
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -32,7 +34,18 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+class Grammar(Protocol):
+    """A structured-output request's grammar as the scheduler drives it (``engine.structured_output``)."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advances past ``token_id``; False, changing nothing, if the grammar does not allow it."""
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and has accepted its stop token: the request is finished."""
 
 
 def check_prompt_not_empty(num_prompt_tokens: int) -> None:
@@ -95,6 +108,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 = not yet scheduled
         self.first_scheduled_time: float | None = None  # time.monotonic() when first admitted to run
         self.num_preemptions = 0
+        # Structured outputs: set by the engine core once the grammar is compiled, before scheduling.
+        self.grammar: Grammar | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -278,7 +278,7 @@ class Scheduler:
                 continue
             new_token_ids = self._append_until_stop(request, sampled) if sampled else sampled
             new_prompt_logprobs = prompt_logprobs.get(req_id)
-            if not new_token_ids and new_prompt_logprobs is None:
+            if not new_token_ids and new_prompt_logprobs is None and request.status == RequestStatus.RUNNING:
                 continue
             output = EngineCoreOutput(
                 request_id=req_id,
@@ -299,7 +299,18 @@ class Scheduler:
         return outputs
 
     def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
+        """Appends the tokens up to the first that finishes ``request``; returns those appended.
+
+        A structured-output request's grammar accepts each token first; one it refuses (only other
+        constraints masking every token it allows can cause that) is not appended and finishes the
+        request with an error.
+        """
+        grammar = request.grammar
         for num_accepted, token_id in enumerate(sampled_token_ids, start=1):
+            if grammar is not None and not grammar.accept_token(token_id):
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = f"The sampled token {token_id} is not allowed by the request's grammar."
+                return sampled_token_ids[: num_accepted - 1]
             request.append_output_token_id(token_id)
             if check_stop(request, self.max_model_len):
                 return sampled_token_ids[:num_accepted]

@@ -8,6 +8,7 @@ ids; the model runner builds tensors from them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.kv_transfer import KVConnectorMetadata, KVTransferOutput
 from engine.sampling_params import SamplingParams
@@ -52,6 +53,11 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     finished_req_ids: set[str]
     kv_connector_metadata: KVConnectorMetadata | None = None  # only with KV transfer configured
+    # Structured outputs: the requests sampled this step under a grammar, and the tokens each may
+    # sample: ``grammar_bitmask[i]`` (a CPU int32 tensor [len(ids), ceil(vocab / 32)], bit b of word w
+    # allowing token 32 * w + b) is ``structured_output_req_ids[i]``'s. Built by the engine core.
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

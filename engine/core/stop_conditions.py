@@ -12,12 +12,19 @@ from engine.core.request import Request, RequestStatus
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Marks ``request`` finished if its last token ends it; returns whether it did.
 
-    EOS (unless ``ignore_eos``) and ``stop_token_ids`` are honoured only once
-    ``min_tokens`` outputs exist; the length caps always apply. A stop token
-    wins over a length cap reached by the same token (finish_reason "stop").
+    A structured-output request whose grammar has ended stops first (its stop
+    token is the grammar's last). EOS (unless ``ignore_eos``) and
+    ``stop_token_ids`` are honoured only once ``min_tokens`` outputs exist; the
+    length caps always apply. A stop token wins over a length cap reached by
+    the same token (finish_reason "stop").
     """
     params = request.sampling_params
     num_output_tokens = len(request.output_token_ids)
+    if request.grammar is not None and request.grammar.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED
+        if request.output_token_ids[-1] in params.stop_token_ids:
+            request.stop_reason = request.output_token_ids[-1]
+        return True
     if num_output_tokens >= params.min_tokens:
         last_token_id = request.output_token_ids[-1]
         if not params.ignore_eos and last_token_id == request.eos_token_id:

@@ -58,6 +58,18 @@ class Processor:
         if bad_stop:
             raise ValueError(f"stop_token_ids contains ids outside the vocabulary: {bad_stop[:8]}.")
         check_prompt_fits(len(prompt_token_ids), self.max_model_len)
+        if params.structured_outputs is not None:
+            self._validate_structured_outputs(params)
+
+    def _validate_structured_outputs(self, params: SamplingParams) -> None:
+        """The constraint builds (xgrammar's reason otherwise), and nothing else decides where the output ends."""
+        from engine.structured_output.backend import check_constraint
+
+        if params.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the grammar decides where the output ends."
+            )
+        check_constraint(params.structured_outputs, self.config.structured_outputs_config)
 
     def make_request(
         self,

@@ -30,6 +30,7 @@ from engine.kv_transfer import KVConnectorWorker
 from engine.model import get_model
 from engine.model.layers.cpu_prepack import prepack_linears
 from engine.sample import Sampler
+from engine.sample.grammar_bitmask import apply_grammar_bitmask
 from engine.sample.prompt_logprobs import PromptLogprobs
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from engine.worker.input_batch import InputBatch
@@ -46,12 +47,10 @@ class ModelRunner:
     and the flattened batch (``InputBatch``), KV loads before the forward and
     saves after it (``KVConnectorWorker``), the forward (eager, or a replayed
     ``DecodeGraphRunner`` graph), prompt logprobs (``PromptLogprobs``), logits at
-    each sampled request's last token, then the ``Sampler``. Two seams are left
-    for features to come:
+    each sampled request's last token, the grammar bitmask of
+    structured-output requests (``apply_grammar_bitmask``), then the
+    ``Sampler``. One seam is left for a feature to come:
 
-    * a grammar bitmask (structured outputs) goes between ``compute_logits``
-      and the sampler, in ``_sample``: it masks the rows of ``sampled_req_ids``
-      before ``SamplingMetadata`` is applied;
     * a proposer (speculative decoding) goes after ``_sample``: it reads the
       step's hidden states and sampled tokens and proposes draft tokens for
       the next step, carried back in the ``ModelRunnerOutput``.
@@ -169,6 +168,13 @@ class ModelRunner:
         sampled_tokens: dict[str, list[int]] = {}
         logprobs = None
         if logits is not None:
+            if scheduler_output.structured_output_req_ids:
+                apply_grammar_bitmask(
+                    logits,
+                    inputs.sampled_req_ids,
+                    scheduler_output.structured_output_req_ids,
+                    scheduler_output.grammar_bitmask,
+                )
             sampled_tokens, logprobs = self._sample(inputs.sampled_req_ids, logits)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,

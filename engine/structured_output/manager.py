@@ -1,0 +1,146 @@
+"""``StructuredOutputManager``: the engine core's side of structured outputs (vLLM's manager of that name).
+
+A request with ``structured_outputs`` does not reach the scheduler until its grammar is compiled:
+``add_request`` starts the compile on a thread pool (keyed by the constraint, so ``n`` > 1 and
+repeated schemas compile once) and holds the request; ``take_ready`` hands over those whose
+grammar is ready, each with a fresh matcher (``Request.grammar``), and finishes those whose
+grammar failed (``FINISHED_ERROR``, xgrammar's reason in ``stop_reason``) before they take any KV.
+Every other request keeps stepping meanwhile: compiling never runs on the step's path.
+
+Each step, ``attach_bitmask`` writes the allowed tokens of every grammar request the step samples
+into the ``SchedulerOutput`` (one bitmask row each), which the output rank's sampler applies.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import OrderedDict
+
+from engine.config import EngineConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.step_outputs import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse, most recently used last (xgrammar keeps its own byte-bounded cache too).
+MAX_CACHED_GRAMMARS = 512
+
+
+class StructuredOutputManager:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config.structured_outputs_config
+        self._model_config = config.model_config
+        self._backend = None  # XgrammarBackend, built by the first compile (it loads the tokenizer)
+        self._backend_lock = threading.Lock()
+        # No thread starts until the first structured request.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.config.num_compile_threads, thread_name_prefix="grammar-compile"
+        )
+        self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        self._waiting: dict[str, tuple[Request, concurrent.futures.Future]] = {}
+        self._live: set[str] = set()  # ids of grammar requests handed to the scheduler, until they are gone
+
+    # -------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> None:
+        """Starts compiling ``request``'s grammar (or finds it compiled) and holds the request meanwhile."""
+        self._waiting[request.request_id] = (request, self._compile(request.sampling_params.structured_outputs))
+
+    def has_waiting_requests(self) -> bool:
+        return bool(self._waiting)
+
+    def num_waiting_requests(self) -> int:
+        return len(self._waiting)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        """Forgets the given waiting requests; returns the ids that were not waiting here."""
+        return [request_id for request_id in request_ids if self._waiting.pop(request_id, None) is None]
+
+    def take_ready(self) -> tuple[list[Request], list[Request]]:
+        """(requests whose grammar is ready, each with its matcher; requests whose compile failed, finished)."""
+        ready, failed = [], []
+        for request_id, (request, future) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[request_id]
+            error = future.exception()
+            if error is None:
+                request.grammar = self._backend.make_grammar(future.result(), _stop_token_ids(request))
+                self._live.add(request_id)
+                ready.append(request)
+            else:
+                request.status = RequestStatus.FINISHED_ERROR
+                request.stop_reason = str(error)
+                failed.append(request)
+        return ready, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Blocks until a waiting request's compile ends or ``timeout_s`` passes (when nothing else can run)."""
+        futures = [future for _, future in self._waiting.values()]
+        concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    # ------------------------------------------------------------------ step
+
+    def attach_bitmask(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Sets ``output``'s bitmask for the grammar requests it samples (those computing their last token)."""
+        if not self._live:
+            return
+        self._live = {request_id for request_id in self._live if request_id in requests}
+        sampled = []
+        for request_id in self._live:
+            request = requests[request_id]
+            if request_id in output.num_scheduled_tokens and request.num_computed_tokens >= request.num_tokens:
+                sampled.append(request)
+        if not sampled:
+            return
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(sampled), self._backend.vocab_size)  # [rows, ceil(vocab / 32)]
+        for row, request in enumerate(sampled):
+            request.grammar.fill_bitmask(bitmask, row)
+        output.structured_output_req_ids = [request.request_id for request in sampled]
+        output.grammar_bitmask = bitmask
+
+    # --------------------------------------------------------------- compile
+
+    def _compile(self, params) -> concurrent.futures.Future:
+        from engine.structured_output.backend import compact_json
+
+        key = (params.kind, params.spec, compact_json(params, self.config))
+        future = self._compiled.get(key)
+        if future is not None:
+            self._compiled.move_to_end(key)
+            return future
+        future = self._pool.submit(self._compile_in_pool, params)
+        self._compiled[key] = future
+        while len(self._compiled) > MAX_CACHED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _compile_in_pool(self, params):
+        with self._backend_lock:  # the first compile builds the backend (loads the tokenizer): off the busy loop too
+            if self._backend is None:
+                self._backend = self._make_backend()
+        return self._backend.compile(params)
+
+    def _make_backend(self):
+        from transformers import AutoTokenizer
+
+        from engine.model.architecture import Architecture
+        from engine.structured_output.backend import XgrammarBackend
+
+        tokenizer = AutoTokenizer.from_pretrained(self._model_config.tokenizer_path)
+        vocab_size = Architecture.from_dir(self._model_config.model).vocab_size
+        logger.info("Structured outputs: xgrammar over a vocabulary of %d tokens.", vocab_size)
+        return XgrammarBackend(tokenizer, vocab_size, self.config)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stop_token_ids(request: Request) -> list[int]:
+    """The tokens that may end the grammar: EOS (the grammar's end overrides ``ignore_eos``) and stop tokens."""
+    eos = [] if request.eos_token_id is None else [request.eos_token_id]
+    return eos + [t for t in request.sampling_params.stop_token_ids if t != request.eos_token_id]
