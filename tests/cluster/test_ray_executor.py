@@ -11,6 +11,7 @@ a worker killed mid-generation fails the engine promptly instead of hanging it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -149,3 +150,36 @@ def test_a_killed_worker_fails_streams_and_health(local_ray, tiny_checkpoint, co
         asyncio.run(scenario())
     finally:
         engine.shutdown()
+
+
+def test_structured_outputs_under_tp2_x_pp2_equal_single_device(local_ray, tiny_checkpoint):
+    """The step's grammar bitmask reaches the output rank (last stage, TP rank 0) with two micro-batches
+    in flight: greedy constrained outputs equal the single-device ones token for token, and validate."""
+    schema = {
+        "type": "object",
+        "properties": {"id": {"type": "integer", "maximum": 999}, "kind": {"enum": ["x", "y"]}},
+        "required": ["id", "kind"],
+        "additionalProperties": False,
+    }
+    constraints = [{"json": schema}, {"choice": ["left", "right"]}, {"regex": "[a-c]{2,5}"}] * 2
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={**c, "disable_any_whitespace": True})
+        for c in constraints
+    ]
+
+    def generate(**parallel) -> list[list[int]]:
+        llm = LLM(tiny_checkpoint("llama"), **parallel, **ENGINE_KWARGS)
+        try:
+            outputs = llm.generate(_prompts() + _prompts()[:1], params, use_tqdm=False)
+            assert_pool_clean(llm)
+        finally:
+            llm.shutdown()
+        for output in outputs:
+            assert output.outputs[0].finish_reason == "stop", output.outputs[0].text
+        assert json.loads(outputs[0].outputs[0].text)["kind"] in ("x", "y")
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+    distributed = generate(
+        tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray", num_cpus_per_worker=0.4
+    )
+    assert distributed == generate()
