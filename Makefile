@@ -49,9 +49,10 @@ lint: $(STAMP)
 test: venv prometheus lint
 	$(PY) -m pytest -q
 
-# The embedded default model: a deterministic random-weight checkpoint made locally (no downloads).
-$(MODELS)/tiny-llama/serval_model_spec.json: | venv
-	$(VENV)/bin/serval make-model $(MODELS)/tiny-llama --arch llama --size small
+# The embedded default model: a deterministic random-weight checkpoint made locally (no downloads); remade
+# when the tokenizer / chat template source is newer (--force: make-model's own check compares only the spec).
+$(MODELS)/tiny-llama/serval_model_spec.json: engine/tools/tokenizer_trainer.py | venv
+	$(VENV)/bin/serval make-model $(MODELS)/tiny-llama --arch llama --size small --force
 
 models: $(MODELS)/tiny-llama/serval_model_spec.json
 

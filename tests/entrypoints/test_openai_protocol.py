@@ -129,9 +129,9 @@ def test_empty_prompts_are_refused():
 
 def test_unknown_fields_are_ignored_with_a_debug_log(caplog):
     with caplog.at_level(logging.DEBUG, logger="engine.entrypoints.openai.protocol"):
-        request = CompletionRequest.model_validate({"prompt": "x", "frobnicate": 1, "guided_json": {}})
+        request = CompletionRequest.model_validate({"prompt": "x", "frobnicate": 1, "metadata": {}})
     assert not hasattr(request, "frobnicate")
-    assert "frobnicate" in caplog.text and "guided_json" in caplog.text
+    assert "frobnicate" in caplog.text and "metadata" in caplog.text
 
 
 def test_chat_request_contents_roles_and_token_limits():
@@ -162,14 +162,15 @@ def test_chat_request_contents_roles_and_token_limits():
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        ({"messages": [{"role": "developer", "content": "x"}]}, "role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "'image_url' are not"),
         ({"messages": [{"role": "user", "content": 7}]}, "content must be a string"),
         ({"messages": []}, "messages"),
         ({"messages": USER, "top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
-        ({"messages": USER, "response_format": {"type": "json_object"}}, "json_object"),
+        ({"messages": USER, "response_format": {"type": "json_schema"}}, "json_schema.schema"),
         ({"messages": USER, "continue_final_message": True}, "cannot both be true"),
     ],
 )

@@ -10,15 +10,16 @@ Response models live in ``responses.py``.
 from __future__ import annotations
 
 import json
-import logging
 import re
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from engine.sampling_params import RequestOutputKind, SamplingParams
-
-logger = logging.getLogger(__name__)
+from engine.entrypoints.openai.chat_messages import ChatMessage
+from engine.entrypoints.openai.protocol_base import OpenAIBaseModel
+from engine.entrypoints.openai.structured import StructuredOutputFields
+from engine.entrypoints.openai.tool_calls import ToolFields, ToolList
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs, and vLLM's default max_logprobs
 MAX_N = 128  # completions per prompt one request may ask for
@@ -47,25 +48,12 @@ def parse_json_object(body: bytes) -> dict:
     return data
 
 
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
-
-    @model_validator(mode="before")
-    @classmethod
-    def _log_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields))
-            if unknown:
-                logger.debug("%s: ignoring unknown fields %s", cls.__name__, unknown)
-        return data
-
-
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
+class SamplingRequest(StructuredOutputFields):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras, then the constraint's)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -104,6 +92,10 @@ class SamplingRequest(OpenAIBaseModel):
     def is_usage_streamed(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """What constrains the output (``structured.StructuredOutputFields``); ValueError (-> 400) on a bad one."""
+        return self.structured_outputs_params()
+
     def to_sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
@@ -137,6 +129,7 @@ class SamplingRequest(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.output_constraint(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
@@ -195,41 +188,8 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class TextContentPart(OpenAIBaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart]
-    name: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _check_content_shape(cls, content: Any) -> Any:
-        # One clear message instead of pydantic's error per union member.
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            for part in content:
-                part_type = part.get("type") if isinstance(part, dict) else None
-                if part_type != "text":
-                    raise ValueError(
-                        f"content parts of type {part_type!r} are not supported; only "
-                        "{'type': 'text', 'text': ...} parts are."
-                    )
-            return content
-        raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts.")
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)  # vLLM joins text parts with newlines
-
-
-class ChatTemplateFields(OpenAIBaseModel):
-    """How messages become a prompt (chat completions and chat tokenize share them)."""
+class ChatTemplateFields(ToolList):
+    """How messages (and the tools they may call) become a prompt (chat completions and chat tokenize share them)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -243,30 +203,29 @@ class ChatTemplateFields(OpenAIBaseModel):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
         return self
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": message.role, "content": message.text()} for message in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [message.template_dict() for message in self.messages]
 
 
-class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields, ToolFields):
     """``POST /v1/chat/completions``."""
 
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check_unsupported(self):
+    def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true.")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported.")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise ValueError("tools and tool_choice are not supported.")
         return self
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """The request's own constraint, or the one a required / named ``tool_choice`` imposes (not both)."""
+        tool_constraint = self.tool_constraint()
+        extra = [] if tool_constraint is None else [(f"tool_choice ({self.tool_mode})", tool_constraint)]
+        return self.structured_outputs_params(extra)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -87,9 +87,23 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the call's arguments as JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """The assistant's message: its text, or (``content`` null) the tool calls it made."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -109,15 +123,41 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of one tool call: the first of a call has ``id``, ``type`` and ``function.name`` (and
+    ``arguments: ""``), later ones only argument fragments; ``index`` says which call (OpenAI's deltas)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer
+    def _without_nones(self) -> dict:
+        head = {key: value for key, value in (("id", self.id), ("type", self.type)) if value is not None}
+        function = {key: value for key, value in self.function if value is not None}
+        return {"index": self.index, **head, "function": function}
+
+
 class DeltaMessage(BaseModel):
     """A streamed piece of the assistant's message; unset parts are left out (``{}`` on the last chunk)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
     def _without_nones(self) -> dict:
-        return {key: value for key, value in (("role", self.role), ("content", self.content)) if value is not None}
+        parts = (("role", self.role), ("content", self.content))
+        delta: dict = {key: value for key, value in parts if value is not None}
+        if self.tool_calls:
+            delta["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return delta
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -72,18 +72,21 @@ class ServingBase:
             )
 
     def render_chat(self, request: ChatTemplateFields) -> tuple[str, list[int]]:
-        """The conversation rendered by the tokenizer's chat template, and its token ids."""
+        """The conversation (and its tools, when the request has any) rendered by the tokenizer's chat template,
+        and its token ids."""
         template_kwargs = {
             key: value
             for key, value in (request.chat_template_kwargs or {}).items()
             if key not in _RESERVED_TEMPLATE_KWARGS
         }
+        tools = request.tool_dicts()
         try:
             text = self.tokenizer.apply_chat_template(
                 request.conversation(),
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                tools=tools,
                 **template_kwargs,
             )
         except Exception as exc:  # noqa: BLE001 - a template failing on this input (jinja raises its own types)

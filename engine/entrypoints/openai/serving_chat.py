@@ -4,6 +4,11 @@ responses or SSE chunks.
 A stream opens every choice with a ``{"role": "assistant", "content": ""}``
 delta, then sends content deltas; the chunk that finishes a choice carries
 its ``finish_reason``.
+
+With tools, each choice's text goes through a ``tool_parsers`` parser: the
+message's ``tool_calls`` (``delta.tool_calls`` when streamed, one chunk per
+call delta) and ``finish_reason: "tool_calls"`` where the engine's was
+``stop``; a ``length`` finish stays ``length``.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from engine.entrypoints.openai.responses import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
+    DeltaToolCall,
     UsageInfo,
     unix_time,
 )
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
+from engine.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser, make_tool_parser, parse_completion
 from engine.request_output import CompletionOutput, RequestOutput
 
 
@@ -66,16 +73,19 @@ class ChatServing(ServingBase):
     def _response(
         self, request: ChatCompletionRequest, request_id: str, output: RequestOutput
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=completion.index,
-                message=ChatResponseMessage(content=completion.text),
-                logprobs=self.make_logprobs(request, completion),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in output.outputs:
+            parser = make_tool_parser(request)
+            content, tool_calls = (completion.text, []) if parser is None else parse_completion(parser, completion.text)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=completion.index,
+                    message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                    logprobs=self.make_logprobs(request, completion),
+                    finish_reason=finish_reason(completion.finish_reason, bool(tool_calls)),
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in output.outputs
-        ]
         num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         return ChatCompletionResponse(
             id=request_id,
@@ -83,6 +93,11 @@ class ChatServing(ServingBase):
             choices=choices,
             usage=UsageInfo.of(len(output.prompt_token_ids), num_completion_tokens),
         )
+
+
+def finish_reason(engine_reason: str | None, made_tool_calls: bool) -> str | None:
+    """OpenAI's ``tool_calls`` for a choice that ended calling tools; the engine's reason otherwise."""
+    return "tool_calls" if made_tool_calls and engine_reason == "stop" else engine_reason
 
 
 class _ChatStream:
@@ -98,6 +113,7 @@ class _ChatStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_completion_tokens = 0
         self.is_role_sent = False
+        self.parsers: dict[int, ToolParser | None] = {}  # choice index -> its tool-call parser
 
     def format_batch(self, batch: list[tuple[int, RequestOutput]]) -> str:
         events = [] if self.is_role_sent else [self._role_event()]
@@ -105,9 +121,7 @@ class _ChatStream:
         for _, output in batch:
             for completion in output.outputs:
                 self.num_completion_tokens += len(completion.token_ids)
-                has_tokens = self.request.logprobs and completion.token_ids
-                if completion.text or completion.finish_reason or has_tokens:
-                    events.append(sse_event(self._chunk([self._choice(completion)])))
+                events.extend(sse_event(self._chunk([choice])) for choice in self._choices(completion))
         return "".join(events)
 
     def _role_event(self) -> str:
@@ -119,15 +133,37 @@ class _ChatStream:
             for index in range(self.request.n)
         )
 
-    def _choice(self, completion: CompletionOutput) -> ChatCompletionStreamChoice:
-        delta = DeltaMessage(content=completion.text if completion.text else None)
-        return ChatCompletionStreamChoice(
-            index=completion.index,
-            delta=delta,
-            logprobs=self.serving.make_logprobs(self.request, completion),
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
+    def _choices(self, completion: CompletionOutput) -> list[ChatCompletionStreamChoice]:
+        """This output's chunks for its choice: content (and logprobs) first, then one per tool-call delta;
+        the last carries the finish reason. None when there is nothing to send yet."""
+        if completion.index not in self.parsers:
+            self.parsers[completion.index] = make_tool_parser(self.request)
+        parser = self.parsers[completion.index]
+        if parser is None:
+            parsed = ParsedDelta(content=completion.text)
+        else:
+            parsed = parser.feed(completion.text)
+            if completion.finish_reason is not None:
+                parsed.extend(parser.finish())
+        has_tokens = self.request.logprobs and completion.token_ids
+        if not (parsed.content or parsed.tool_calls or completion.finish_reason or has_tokens):
+            return []
+        calls: list[DeltaToolCall | None] = parsed.tool_calls or [None]
+        choices = [
+            ChatCompletionStreamChoice(
+                index=completion.index,
+                delta=DeltaMessage(
+                    content=parsed.content or None if position == 0 else None,
+                    tool_calls=None if call is None else [call],
+                ),
+            )
+            for position, call in enumerate(calls)
+        ]
+        choices[0].logprobs = self.serving.make_logprobs(self.request, completion)
+        made_calls = parser is not None and parser.num_calls > 0
+        choices[-1].finish_reason = finish_reason(completion.finish_reason, made_calls)
+        choices[-1].stop_reason = completion.stop_reason
+        return choices
 
     def format_end(self) -> str:
         if not self.request.is_usage_streamed:
