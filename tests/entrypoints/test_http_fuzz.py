@@ -68,7 +68,7 @@ def test_openapi_documents_the_real_request_bodies(base_url):
         assert set(schema["properties"]) == set(model.model_fields), path
         assert set(schema["required"]) == {name for name, field in model.model_fields.items() if field.is_required()}
     message = _body_schema(openapi, "/v1/chat/completions")["properties"]["messages"]["items"]
-    assert message["properties"]["role"]["enum"] == ["system", "user", "assistant"]
+    assert message["properties"]["role"]["enum"] == ["system", "user", "assistant", "tool"]
     assert [set(variant["required"]) for variant in _body_schema(openapi, "/tokenize")["anyOf"]] == [
         {"prompt"},
         {"messages"},
