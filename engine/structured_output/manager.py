@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 from collections import OrderedDict
 
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse, most recently used last (xgrammar keeps its own byte-bounded cache too).
 MAX_CACHED_GRAMMARS = 512
+# The compile threads' nice value: they run on what the step leaves of the CPU.
+COMPILE_THREAD_NICE = 19
 
 
 class StructuredOutputManager:
@@ -36,7 +39,9 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         # No thread starts until the first structured request.
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.config.num_compile_threads, thread_name_prefix="grammar-compile"
+            max_workers=self.config.num_compile_threads,
+            thread_name_prefix="grammar-compile",
+            initializer=_lower_thread_priority,
         )
         self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._waiting: dict[str, tuple[Request, concurrent.futures.Future]] = {}
@@ -138,6 +143,15 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower_thread_priority() -> None:
+    """The compile threads yield the CPU to the busy loop: on a node whose cores the forward already uses,
+    a compile at the same priority slows every step it overlaps (Linux: a thread's nice value is its own)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_THREAD_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: compile at the process's priority
+        pass
 
 
 def _stop_token_ids(request: Request) -> list[int]:
