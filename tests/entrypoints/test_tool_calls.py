@@ -52,6 +52,27 @@ HERMES_REGEX = (
     r'\{"city": "(Paris|Rome)", "days": [1-3], "metric": (true|false)\}\}</tool_call>'
 )
 
+# The same through xgrammar's structural tag (vLLM's response_format type): the tag around a call's JSON.
+# ``max_whitespace_cnt`` 1 bounds that JSON (the engine's disable_any_whitespace is for JSON constraints only).
+HERMES_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tag",
+        "begin": "<tool_call>",
+        "content": {
+            "type": "json_schema",
+            "json_schema": {
+                "type": "object",
+                "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER_PARAMETERS},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            },
+            "max_whitespace_cnt": 1,
+        },
+        "end": "</tool_call>",
+    },
+}
+
 
 @pytest.fixture(autouse=True)
 def engine_left_idle(engine):
@@ -116,6 +137,20 @@ def test_auto_parses_hermes_blocks_and_keeps_the_text_before_them(client):
     response = create(client, tool_choice="auto", extra_body={"structured_outputs": {"regex": HERMES_REGEX}})
     [choice] = response.choices
     assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+    [(name, arguments)] = calls_of(choice.message)
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)
+
+
+@pytest.mark.parametrize(
+    "extra_body",
+    [{"response_format": HERMES_TAG}, {"structured_outputs": {"structural_tag": HERMES_TAG}}],
+    ids=["response_format", "structured_outputs"],
+)
+def test_auto_parses_a_block_a_structural_tag_forces(client, extra_body):
+    response = create(client, extra_body=extra_body)
+    [choice] = response.choices
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
     [(name, arguments)] = calls_of(choice.message)
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), WEATHER_PARAMETERS)

@@ -4,7 +4,9 @@ Field names, defaults and bounds follow the OpenAI API and vLLM's server.
 Unknown fields are accepted and ignored (as vLLM does), with a debug log.
 Cross-field rules that OpenAI rejects (``suffix``, ``stream_options``
 without ``stream``, ...) raise here, so they surface as pydantic errors -> 400.
-Response models live in ``responses.py``.
+The output-constraint fields come from ``structured.py``, the chat tool fields
+from ``tool_calls.py``, chat messages from ``chat_messages.py``; response
+models live in ``responses.py``.
 """
 
 from __future__ import annotations
