@@ -185,6 +185,19 @@ def test_streamed_deltas_reassemble_into_the_non_streamed_calls(client, kwargs):
         assert (content, calls, finish_reason) == (message.content, calls_of(message), "tool_calls")
 
 
+def test_the_openai_clients_stream_helper_assembles_the_same_call(client):
+    whole = create(client, tool_choice=NAMED, extra_body=COMPACT)
+    strict_tools = [{**tool, "function": {**tool["function"], "strict": True}} for tool in TOOLS]
+    kwargs = {"max_completion_tokens": 300, "temperature": 1.0, "seed": 7, "extra_body": COMPACT}
+    with client.chat.completions.stream(
+        model=MODEL, messages=MESSAGES, tools=strict_tools, tool_choice=NAMED, **kwargs
+    ) as stream:
+        final = stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls
+    assert calls_of(final.choices[0].message) == calls_of(whole.choices[0].message)
+    assert call.function.parsed_arguments == json.loads(call.function.arguments)
+
+
 def tool_call_turn(arguments) -> dict:
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
     return {"role": "assistant", "content": None, "tool_calls": [call]}

@@ -135,7 +135,7 @@ class _ChatStream:
 
     def _choices(self, completion: CompletionOutput) -> list[ChatCompletionStreamChoice]:
         """This output's chunks for its choice: content (and logprobs) first, then one per tool-call delta;
-        the last carries the finish reason. None when there is nothing to send yet."""
+        the last carries the finish reason. Empty when there is nothing to send yet (text held back)."""
         if completion.index not in self.parsers:
             self.parsers[completion.index] = make_tool_parser(self.request)
         parser = self.parsers[completion.index]
@@ -153,7 +153,7 @@ class _ChatStream:
             ChatCompletionStreamChoice(
                 index=completion.index,
                 delta=DeltaMessage(
-                    content=parsed.content or None if position == 0 else None,
+                    content=(parsed.content or None) if position == 0 else None,
                     tool_calls=None if call is None else [call],
                 ),
             )
