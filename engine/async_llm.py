@@ -27,6 +27,7 @@ import os
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig, ModelConfig
+from engine.core.kv_events import KVEventBatch
 from engine.core_client import EngineCoreProcess
 from engine.engine_args import EngineArgs
 from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError  # errors re-exported
@@ -90,12 +91,16 @@ class AsyncLLM(EngineClient):
         executor_class: type[Executor] | None = None,
         stat_loggers: list[StatLogger] | None = None,
         num_cpus: int | None = None,
+        kv_events: bool = False,
     ) -> None:
-        """``num_cpus``: the CPUs this engine may use, front end included (default: the machine's)."""
+        """``num_cpus``: the CPUs this engine may use, front end included (default: the machine's).
+        ``kv_events``: keep the prefix cache's changes for ``take_kv_events`` (a KV-aware router's feed)."""
         core_process = uses_core_process(config)
         config = with_torch_threads(config, num_cpus, core_process)
         self.config = config
-        engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers, core_process=core_process)
+        engine = LLMEngine(
+            config, executor_class, stat_loggers=stat_loggers, core_process=core_process, kv_events=kv_events
+        )
         # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self._vocab_size = engine.vocab_size
@@ -104,11 +109,15 @@ class AsyncLLM(EngineClient):
 
     @classmethod
     def from_engine_args(
-        cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None, num_cpus: int | None = None
+        cls,
+        args: EngineArgs,
+        stat_loggers: list[StatLogger] | None = None,
+        num_cpus: int | None = None,
+        kv_events: bool = False,
     ) -> AsyncLLM:
         """``stat_loggers`` join vLLM's periodic throughput log line; ``disable_log_stats`` turns all off."""
         loggers = [] if args.disable_log_stats else [LoggingStatLogger(), *(stat_loggers or [])]
-        return cls(args.create_engine_config(), stat_loggers=loggers, num_cpus=num_cpus)
+        return cls(args.create_engine_config(), stat_loggers=loggers, num_cpus=num_cpus, kv_events=kv_events)
 
     @property
     def max_model_len(self) -> int:
@@ -187,6 +196,10 @@ class AsyncLLM(EngineClient):
         executor's error if a worker is gone (pinging workers may block: done off the event loop)."""
         self._engine_thread.check_alive()
         await asyncio.to_thread(self._engine_thread.engine.check_health)
+
+    def take_kv_events(self) -> KVEventBatch:
+        """The prefix cache's changes since the last call (``engine.core.kv_events``); cheap, any thread."""
+        return self._engine_thread.take_kv_events()
 
     def get_stats(self) -> EngineStats:
         """The snapshot published after the latest step (or command); cheap, from any thread."""

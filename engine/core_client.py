@@ -2,7 +2,7 @@
 
 ``EngineCoreProcess`` offers the front end (``LLMEngine``) what it calls on an
 in-process ``EngineCore``: ``add_request``, ``abort_requests``, ``make_stats``,
-``kv_block_counts``, ``take_kv_load_latencies``, ``check_health``,
+``kv_block_counts``, ``take_kv_load_latencies``, ``take_kv_events``, ``check_health``,
 ``shutdown``. It differs in one way: the core steps on its own, so there is
 no ``step()``; each step's ``CoreStep`` goes to the sink given to
 ``attach`` (the busy-loop thread's queue), from a reader thread, in order.
@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import PrefixCacheStats
+from engine.core.kv_events import KVEventBatch
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerStats
 from engine.core_proc import (
@@ -57,10 +58,11 @@ class EngineCoreProcess:
     read the latest ``CoreStep`` passed to ``take_step`` (the busy-loop thread's).
     """
 
-    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type | None = None, kv_events: bool = False) -> None:
+        """``kv_events``: the core reports its prefix cache's changes (``take_kv_events``)."""
         self._send_lock = threading.Lock()
         self._conn, self.process = _spawn_core_process()
-        self._send(EngineCoreStart(config, executor_class))
+        self._send(EngineCoreStart(config, executor_class, kv_events))
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._reader: threading.Thread | None = None
@@ -68,6 +70,7 @@ class EngineCoreProcess:
         self.num_blocks: int | None = None  # known once ready
         self._latest: CoreStep | None = None
         self._kv_load_latencies: list[float] = []
+        self._kv_events = KVEventBatch()
 
     def wait_ready(self) -> None:
         """Blocks until the core has loaded its model (the caller sets itself up meanwhile).
@@ -129,6 +132,8 @@ class EngineCoreProcess:
         """Makes ``step`` the state the readers below see; returns its outputs (busy-loop thread)."""
         self._latest = step
         self._kv_load_latencies.extend(step.kv_load_latencies)
+        if step.kv_events:
+            self._kv_events.merge(step.kv_events)
         return step.outputs
 
     def make_stats(self) -> SchedulerStats:
@@ -142,6 +147,11 @@ class EngineCoreProcess:
     def take_kv_load_latencies(self) -> list[float]:
         latencies, self._kv_load_latencies = self._kv_load_latencies, []
         return latencies
+
+    def take_kv_events(self) -> KVEventBatch:
+        """The prefix cache's changes in the steps taken since the last call (empty without ``kv_events``)."""
+        batch, self._kv_events = self._kv_events, KVEventBatch()
+        return batch
 
     # ---------------------------------------------------------------- lifetime
 

@@ -10,7 +10,8 @@ The protocol, over one duplex pipe (pickled messages, in order both ways):
                      UtilityResult for each UtilityCall.
 
 One ``CoreStep`` carries the outputs of all requests of one step plus the
-scheduler's statistics as they stand after it, so the parent learns everything
+scheduler's statistics as they stand after it (and, with
+``EngineCoreStart.kv_events``, the prefix cache's changes, ``engine.core.kv_events``), so the parent learns everything
 in one message per step, never one per token. The core steps while it has
 work and blocks on the pipe when it has none; commands are applied between
 steps (continuous batching). The process exits when told to, when its parent
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
+from engine.core.kv_events import KVEventBatch
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerStats
 from engine.core.step_outputs import EngineCoreOutput
@@ -50,6 +52,7 @@ class EngineCoreStart:
 
     config: EngineConfig
     executor_class: type | None = None  # None: the config's
+    kv_events: bool = False  # report the prefix cache's changes in each CoreStep (a KV-aware router's feed)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class CoreStep:
     scheduler_stats: SchedulerStats
     kv_block_counts: tuple[int, int]  # (usable blocks, free blocks)
     kv_load_latencies: list[float] = field(default_factory=list)
+    kv_events: KVEventBatch | None = None  # the prefix cache's changes since the last CoreStep (if asked)
 
 
 def exit_with_parent(parent_pid: int, interval_s: float = 1.0) -> None:
@@ -126,7 +130,8 @@ def run_engine_core(conn: Connection, parent_pid: int) -> None:
         return
     conn.send(CoreReady(os.getpid(), core.cache_config.num_blocks))
     try:
-        EngineCoreLoop(core, conn).run()
+        kv_feed = core.scheduler.kv_cache_manager.kv_event_feed() if start.kv_events else None
+        EngineCoreLoop(core, conn, kv_feed).run()
     except BaseException:
         logger.exception("The engine core process died.")
         try:
@@ -140,9 +145,11 @@ def run_engine_core(conn: Connection, parent_pid: int) -> None:
 class EngineCoreLoop:
     """The busy loop of the core process: apply commands, step while there is work, report each step."""
 
-    def __init__(self, core, conn: Connection) -> None:
+    def __init__(self, core, conn: Connection, kv_feed=None) -> None:
+        """``kv_feed``: a ``KVEventFeed`` whose batches ride in each CoreStep (None: no events)."""
         self.core = core
         self.conn = conn
+        self.kv_feed = kv_feed
 
     def run(self) -> None:
         while True:
@@ -191,7 +198,10 @@ class EngineCoreLoop:
 
     def _report(self, outputs: list[EngineCoreOutput]) -> None:
         core = self.core
-        self.conn.send(CoreStep(outputs, core.make_stats(), core.kv_block_counts(), core.take_kv_load_latencies()))
+        kv_events = None if self.kv_feed is None else self.kv_feed.take()
+        self.conn.send(
+            CoreStep(outputs, core.make_stats(), core.kv_block_counts(), core.take_kv_load_latencies(), kv_events)
+        )
 
 
 if __name__ == "__main__":  # python -m engine.core_proc <socket fd> <parent pid> (engine.core_client starts it)

@@ -18,6 +18,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from engine.core.kv_events import KVEventBatch
 from engine.core_client import CoreDied, EngineCoreProcess
 from engine.core_proc import CoreStep
 from engine.engine_client import EngineDeadError, EngineOverloadedError
@@ -114,6 +115,7 @@ class EngineThread:
         self._num_unapplied_reqs = 0  # core requests (n per add) in the queue, not yet in the scheduler
         self._collector_of: dict[str, RequestOutputCollector] = {}  # busy-loop thread only: requests in the engine
         self.stats: EngineStats = engine.get_stats()  # the latest snapshot; replaced whole, never mutated
+        self._kv_events = KVEventBatch()  # the prefix cache's changes not taken yet (guarded by _lock)
         # A core process steps on its own: its steps arrive in the command queue, in order with the commands.
         self._core_steps_itself = isinstance(engine.engine_core, EngineCoreProcess)
         if self._core_steps_itself:
@@ -142,6 +144,12 @@ class EngineThread:
         with self._lock:
             if self._dead_reason is None:
                 self._commands.put(_AbortCommand(request_id))
+
+    def take_kv_events(self) -> KVEventBatch:
+        """The prefix cache's changes published since the last call (empty unless the engine keeps them)."""
+        with self._lock:
+            batch, self._kv_events = self._kv_events, KVEventBatch()
+        return batch
 
     def check_alive(self) -> None:
         """Raises EngineDeadError if the loop died, was stopped, or its thread is gone."""
@@ -182,9 +190,12 @@ class EngineThread:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs to their streams."""
         batches = self._route(outputs)
+        kv_events = self.engine.take_kv_events()
         # Stats first: a consumer that sees a step's output sees that step's stats too.
         with self._lock:
             self.stats = self.engine.get_stats()
+            if kv_events:
+                self._kv_events.merge(kv_events)
         for loop, batch in batches.items():
             self._post(loop, _deliver, batch)
 

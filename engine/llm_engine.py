@@ -11,6 +11,7 @@ import os
 import time
 
 from engine.config import EngineConfig
+from engine.core.kv_events import KVEventBatch
 from engine.core.step_outputs import EngineCoreOutput
 from engine.core_client import EngineCoreProcess
 from engine.core_proc import CoreStep
@@ -53,9 +54,11 @@ class LLMEngine:
         stat_loggers: list[StatLogger] | None = None,
         log_interval_s: float = 10.0,
         core_process: bool = False,
+        kv_events: bool = False,
     ) -> None:
         """``core_process``: the core runs in a child process (``engine.core_client``), which steps on its
-        own: its steps come through ``process_core_step``, and ``step()`` is not called."""
+        own: its steps come through ``process_core_step``, and ``step()`` is not called. ``kv_events``:
+        the prefix cache's changes are kept for ``take_kv_events`` (a KV-aware router's feed)."""
         self.config = config
         self.stat_loggers = list(stat_loggers or [])
         self.log_interval_s = log_interval_s
@@ -63,7 +66,7 @@ class LLMEngine:
         model_dir = config.model_config.model
         arch = Architecture.from_dir(model_dir)
         if core_process:  # the core process loads the model while this one loads the tokenizer
-            self.engine_core: EngineCore | EngineCoreProcess = EngineCoreProcess(config, executor_class)
+            self.engine_core: EngineCore | EngineCoreProcess = EngineCoreProcess(config, executor_class, kv_events)
             try:
                 self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
                 self.engine_core.wait_ready()
@@ -73,6 +76,10 @@ class LLMEngine:
         else:
             self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
             self.engine_core = EngineCore(config, executor_class)
+        # In process the feed is read here; a core process sends its batches with each step.
+        self._kv_feed = (
+            self.engine_core.scheduler.kv_cache_manager.kv_event_feed() if kv_events and not core_process else None
+        )
         self.processor = Processor(config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch))
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self.core_ids_of: dict[str, list[str]] = {}  # user request id -> the core's ids (n of them)
@@ -193,6 +200,15 @@ class LLMEngine:
             self._last_log_time = iteration_stats.now
             for stat_logger in self.stat_loggers:
                 stat_logger.log()
+
+    def take_kv_events(self) -> KVEventBatch:
+        """The prefix cache's changes since the last call (``engine.core.kv_events``); empty unless
+        built with ``kv_events``."""
+        if self._kv_feed is not None:
+            return self._kv_feed.take()
+        if isinstance(self.engine_core, EngineCoreProcess):
+            return self.engine_core.take_kv_events()
+        return KVEventBatch()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

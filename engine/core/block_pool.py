@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.core.block_hash import BlockHash
+from engine.core.kv_events import KVEventSink
 
 NULL_BLOCK_ID = 0
 
@@ -98,6 +99,8 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # Told of every hash that enters or leaves the prefix cache (a KV-aware router's feed); None: nobody asks.
+        self.event_sink: KVEventSink | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -147,9 +150,13 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.event_sink is not None:
+            self.event_sink.stored(block_hash)
 
     def _evict(self, block: KVCacheBlock) -> None:
         del self.cached_blocks[block.block_hash]
+        if self.event_sink is not None:
+            self.event_sink.removed(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -159,4 +166,6 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.event_sink is not None:
+            self.event_sink.cleared()
         return True

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from engine.config import CacheConfig
 from engine.core.block_hash import extend_block_hashes, get_hash_function
 from engine.core.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
+from engine.core.kv_events import KVEventFeed
 from engine.core.request import Request
 
 
@@ -132,6 +133,10 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def kv_event_feed(self) -> KVEventFeed:
+        """Starts reporting this manager's prefix-cache changes (``engine.core.kv_events``); call once."""
+        return KVEventFeed(self.block_pool)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
