@@ -5,15 +5,18 @@ replica and rank 0). Greedy completions over HTTP equal the single-device
 offline engine. A worker
 process killed mid-stream ends the stream with an error event (no hang), the
 replica reports unhealthy, Serve replaces it (new workers in a new placement
-group), and requests succeed again afterwards.
+group), and requests succeed again afterwards. Structured outputs (the step's
+grammar bitmask reaching the output rank) equal the single-device engine's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
+import jsonschema
 import openai
 import pytest
 
@@ -108,3 +111,29 @@ def test_a_killed_worker_errors_the_stream_and_serve_replaces_the_replica(ray_he
     new_pids = worker_pids()
     assert len(new_pids) == WORLD_SIZE and not set(new_pids) & set(pids)
     assert [complete(client, prompt) for prompt in PROMPTS] == offline_texts
+
+
+ORDER = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "maximum": 999}, "paid": {"type": "boolean"}, "tag": {"enum": ["a", "b"]}},
+    "required": ["id", "paid", "tag"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_through_the_tp2_pp2_replica_equal_the_single_device_engine(client, tiny_checkpoint):
+    from engine import LLM, SamplingParams
+
+    constraint = {"json": ORDER, "disable_any_whitespace": True}
+    texts = []
+    for prompt in PROMPTS:
+        response = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=60, temperature=0, extra_body={"structured_outputs": constraint}
+        )
+        assert response.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(response.choices[0].text), ORDER)
+        texts.append(response.choices[0].text)
+    llm = LLM(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=constraint)
+    assert texts == [output.outputs[0].text for output in llm.generate(PROMPTS, params, use_tqdm=False)]
+    llm.shutdown()

@@ -10,10 +10,12 @@ both pools end with every KV block free.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from ray import serve
@@ -227,3 +229,40 @@ def test_the_dashboard_row_reads_series_the_apps_export(base_url):
         assert time.monotonic() < deadline, f"series missing from /metrics: {missing}"
         time.sleep(2)
     assert f'model_name="{MODEL}:prefill"' in text
+
+
+def test_structured_outputs_are_decoded_on_the_decode_side(base_url, offline):
+    """The prefill pool runs its own unconstrained one-token prefill; the decode side owns the grammar:
+    the response validates, and equals the colocated engine's greedy constrained output."""
+    from engine import SamplingParams
+
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    token_ids = list(range(10, 63))  # several KV blocks cross over
+    response = client_for(base_url).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "As JSON please."}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}, "guided_decoding_backend": "xgrammar"},
+    )
+    assert response.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+    completion = client_for(base_url).completions.create(
+        model=MODEL,
+        prompt=[token_ids],
+        max_tokens=40,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+    )
+    constraint = {"json": schema, "disable_any_whitespace": True}
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint)
+    expected = offline.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0].outputs[0].text
+    assert completion.choices[0].text == expected
+    jsonschema.validate(json.loads(expected), schema)
+    wait_all_blocks_free("llm")
