@@ -168,14 +168,7 @@ class ModelRunner:
         sampled_tokens: dict[str, list[int]] = {}
         logprobs = None
         if logits is not None:
-            if scheduler_output.structured_output_req_ids:
-                apply_grammar_bitmask(
-                    logits,
-                    inputs.sampled_req_ids,
-                    scheduler_output.structured_output_req_ids,
-                    scheduler_output.grammar_bitmask,
-                )
-            sampled_tokens, logprobs = self._sample(inputs.sampled_req_ids, logits)
+            sampled_tokens, logprobs = self._sample(inputs.sampled_req_ids, logits, scheduler_output)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=[sampled_tokens.get(r, []) for r in inputs.req_ids],
@@ -199,9 +192,14 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
 
     def _sample(
-        self, req_ids: list[str], logits: torch.Tensor
+        self, req_ids: list[str], logits: torch.Tensor, scheduler_output: SchedulerOutput
     ) -> tuple[dict[str, list[int]], dict[str, LogprobsLists] | None]:
-        """One token per request (logits row ``i`` is ``req_ids[i]``'s), and the logprobs they asked for."""
+        """One token per request (logits row ``i`` is ``req_ids[i]``'s, grammar rows masked first),
+        and the logprobs they asked for."""
+        if scheduler_output.structured_output_req_ids:
+            apply_grammar_bitmask(
+                logits, req_ids, scheduler_output.structured_output_req_ids, scheduler_output.grammar_bitmask
+            )
         states = [self.requests[req_id] for req_id in req_ids]
         output = self.sampler(logits, self.sampling_metadata.get(states))
         token_ids = output.sampled_token_ids.tolist()
