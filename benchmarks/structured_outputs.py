@@ -209,7 +209,7 @@ async def _serve_load(args) -> None:
             pass
 
     async with httpx.AsyncClient(base_url=args.base_url, timeout=600) as client:
-        await one(client, -1)  # warm-up: the schema compiles once
+        await one(client, args.num_requests)  # warm-up: the schema compiles once
         latencies.clear(), tokens.clear()
         valid = 0
         start = time.perf_counter()

@@ -198,3 +198,21 @@ def test_a_grammar_that_fails_to_compile_in_the_core_finishes_its_request_with_t
     assert output.finish_reason == "error" and "parenthesis" in output.stop_reason
     assert output.new_token_ids == []
     assert_pool_clean(llm)
+
+
+def test_a_matcher_rolls_back_accepted_tokens_and_accepts_again(model_path):
+    """Speculative decoding takes rejected draft tokens back: the matcher returns to the earlier state."""
+    from transformers import AutoTokenizer
+
+    from engine.config import StructuredOutputsConfig
+    from engine.structured_output.backend import XgrammarBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    backend = XgrammarBackend(tokenizer, len(tokenizer), StructuredOutputsConfig())
+    grammar = backend.make_grammar(backend.compile(StructuredOutputsParams(choice=["ab", "cd"])), [1])
+    a, b, c, d = (tokenizer.convert_tokens_to_ids(t) for t in "abcd")
+    assert grammar.accept_token(a) and grammar.accept_token(b) and not grammar.accept_token(c)
+    grammar.rollback(2)
+    assert grammar.num_accepted_tokens == 0
+    assert grammar.accept_token(c) and grammar.accept_token(d) and grammar.accept_token(1)
+    assert grammar.is_terminated()
