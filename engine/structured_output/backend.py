@@ -43,16 +43,31 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
 
 
-def _structural_tag(spec: str):
-    """vLLM's legacy form ({"structures": [{"begin", "schema", "end"}], "triggers"}) or xgrammar's own JSON."""
+def structural_tag_json(spec: str, compact: bool) -> str:
+    """A structural tag as xgrammar's JSON (vLLM's legacy form, {"structures": [{"begin", "schema", "end"}],
+    "triggers"}, converted); with ``compact``, whitespace runs inside its JSON contents are capped at one
+    character (xgrammar's least: structural tags have no separators option)."""
     value = json.loads(spec)
     if isinstance(value, dict) and "structures" in value:
         tags = [
             xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
             for s in value["structures"]
         ]
-        return (tags, value.get("triggers", []))
-    return (spec,)
+        value = xgr.StructuralTag.from_legacy_structural_tag(tags, value.get("triggers", [])).model_dump(mode="json")
+    if compact:
+        _cap_json_whitespace(value)
+    return json.dumps(value)
+
+
+def _cap_json_whitespace(node) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and node.get("max_whitespace_cnt") is None:
+            node["max_whitespace_cnt"] = 1
+        for child in node.values():
+            _cap_json_whitespace(child)
+    elif isinstance(node, list):
+        for child in node:
+            _cap_json_whitespace(child)
 
 
 # xgrammar (0.2.x) lets a length-bounded JSON string hold raw control characters, which JSON forbids
@@ -87,7 +102,7 @@ def check_constraint(params: StructuredOutputsParams, config: StructuredOutputsC
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(spec)
         elif kind == "structural_tag":
-            xgr.Grammar.from_structural_tag(*_structural_tag(spec))
+            xgr.Grammar.from_structural_tag(structural_tag_json(spec, compact_json(params, config)))
     except (RuntimeError, ValueError, TypeError, KeyError) as error:
         raise ValueError(f"Invalid structured_outputs.{kind}: {_reason(error)}") from None
 
@@ -116,7 +131,7 @@ class XgrammarBackend:
                 return compiler.compile_grammar(choice_ebnf(params.choice))
             if kind == "grammar":
                 return compiler.compile_grammar(spec)
-            return compiler.compile_structural_tag(*_structural_tag(spec))
+            return compiler.compile_structural_tag(structural_tag_json(spec, compact_json(params, self.config)))
         except (RuntimeError, ValueError, TypeError, KeyError) as error:
             raise ValueError(f"Invalid structured_outputs.{kind}: {_reason(error)}") from None
 
