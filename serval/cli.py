@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     ("bench", "throughput"): "serval.bench.throughput",
     ("bench", "latency"): "serval.bench.latency",
     ("bench", "tune"): "serval.bench.tune",
+    ("bench", "soak"): "serval.bench.soak",
     ("dashboard", "push"): "serval.dashboard",
 }
 GROUP_HELP = {
