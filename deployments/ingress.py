@@ -14,6 +14,7 @@ the cores), which is why one-model apps use it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -29,18 +30,48 @@ from deployments.llm_config import LLMConfig
 from deployments.llm_server import LLMServer
 from deployments.metrics_export import scrape_serval_metrics
 from deployments.node_address import bind_replica_grpc_to_node_ip
+from deployments.routing_hints import PromptTokenizer, make_hint, session_middleware
 from engine.entrypoints.openai import api_server
 from engine.entrypoints.openai.api_server import LocalModelRouter
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
 from engine.entrypoints.openai.server_options import ServerOptions
+from engine.llm_engine import load_tokenizer
 
 
 class RayModelRouter:
-    """``api_server.ModelRouter`` over Serve handles, one LLM-server deployment per model id."""
+    """``api_server.ModelRouter`` over Serve handles, one LLM-server deployment per model id.
+
+    For a deployment whose router is ``KVAwareRouter`` each chat / completion call carries a
+    ``RoutingHint`` (``deployments.routing_hints``); the first call asks the deployment whether it is one.
+    """
 
     def __init__(self, servers: dict[str, DeploymentHandle]) -> None:
         self.servers = servers
         self.streams = {model_id: handle.options(stream=True) for model_id, handle in servers.items()}
+        self._tokenizers: dict[str, asyncio.Task] = {}  # model id -> its PromptTokenizer, or None: no hints
+
+    async def _prompt_tokenizer(self, model_id: str) -> PromptTokenizer | None:
+        if model_id not in self._tokenizers:
+            self._tokenizers[model_id] = asyncio.ensure_future(self._load_prompt_tokenizer(model_id))
+        try:
+            return await asyncio.shield(self._tokenizers[model_id])
+        except Exception:  # noqa: BLE001 - no replica answered yet: no hint this time, ask again next time
+            self._tokenizers.pop(model_id, None)
+            return None
+
+    async def _load_prompt_tokenizer(self, model_id: str) -> PromptTokenizer | None:
+        info = await self.servers[model_id].routing_info.remote()
+        if not info["kv_routed"]:
+            return None
+        return PromptTokenizer(await asyncio.to_thread(load_tokenizer, info["tokenizer_path"]))
+
+    async def _routing_kwargs(self, model_id: str, method_name: str, request: BaseModel) -> dict[str, Any]:
+        if method_name not in ("chat", "completions"):
+            return {}
+        tokenizer = await self._prompt_tokenizer(model_id)
+        if tokenizer is None:
+            return {}
+        return {"routing_hint": make_hint(tokenizer, method_name, request)}
 
     def model_ids(self) -> list[str]:
         return list(self.servers)
@@ -48,7 +79,8 @@ class RayModelRouter:
     async def call(self, model_id: str, method_name: str, request: BaseModel) -> AsyncGenerator[Any, None]:
         """The LLM server's items. Failing to reach it is one error item (503 when Serve sheds load);
         closing this generator cancels the call on the replica, which aborts its engine requests."""
-        response = self.streams[model_id].call.remote(method_name, request)
+        routing_kwargs = await self._routing_kwargs(model_id, method_name, request)
+        response = self.streams[model_id].call.remote(method_name, request, **routing_kwargs)
         try:
             async for item in response:
                 yield item
@@ -77,6 +109,7 @@ def build_http_app(router: api_server.ModelRouter, server_options: ServerOptions
     """The engine's OpenAI app over ``router``, plus ``GET /metrics`` (every replica's, not one's)."""
     app = api_server.build_app(router, server_options)
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_middleware(session_middleware)  # x-session-id, for KVAwareRouter
     return app
 
 

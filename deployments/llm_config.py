@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.kv_index import KVRouterOptions
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.server_options import ServerOptions
 
@@ -61,6 +62,32 @@ class AutoscalingConfig(_StrictModel):
     look_back_period_s: float = Field(30.0, gt=0)
 
 
+KV_ROUTER_CLASS = "deployments.routing:KVAwareRouter"
+
+
+class RequestRouterConfig(_StrictModel):
+    """Serve's ``request_router_config`` (its names; see ray.serve.config.RequestRouterConfig)."""
+
+    request_router_class: str = Field(KV_ROUTER_CLASS, description="module:Class of a Serve RequestRouter.")
+    request_router_kwargs: dict[str, Any] = Field(default_factory=dict, description="The router's options.")
+    request_routing_stats_period_s: float = Field(
+        0.5, gt=0, description="How often Serve polls each replica's record_routing_stats (KV events, load)."
+    )
+    request_routing_stats_timeout_s: float = Field(10.0, gt=0)
+
+    def is_kv_router(self) -> bool:
+        return self.request_router_class.replace(":", ".") == KV_ROUTER_CLASS.replace(":", ".")
+
+    @model_validator(mode="after")
+    def _check_kv_router_options(self) -> RequestRouterConfig:
+        if self.is_kv_router():
+            try:
+                KVRouterOptions.model_validate(self.request_router_kwargs)
+            except ValueError as exc:
+                raise ValueError(f"Bad request_router_kwargs for {KV_ROUTER_CLASS}: {exc}") from None
+        return self
+
+
 class DeploymentConfig(_StrictModel):
     """Options of one Serve deployment, passed to ``Deployment.options`` under the same names."""
 
@@ -68,6 +95,7 @@ class DeploymentConfig(_StrictModel):
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one replica takes at once.")
     max_queued_requests: int = Field(-1, ge=-1, description="Requests a caller queues per deployment; -1: no cap.")
     autoscaling_config: AutoscalingConfig | None = None
+    request_router_config: RequestRouterConfig | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
@@ -88,6 +116,9 @@ class DeploymentConfig(_StrictModel):
             options["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
         return options
 
+    def uses_kv_router(self) -> bool:
+        return self.request_router_config is not None and self.request_router_config.is_kv_router()
+
 
 class LLMConfig(_StrictModel):
     """One served model: where it comes from, how its engine runs and how it is deployed."""
@@ -105,6 +136,26 @@ class LLMConfig(_StrictModel):
         # Field-level check only (no checkpoint access: the deploying machine may not hold the model).
         EngineArgs.model_validate({"model": "-", **engine_kwargs})
         return engine_kwargs
+
+    @model_validator(mode="after")
+    def _kv_router_follows_the_engine(self) -> LLMConfig:
+        """``KVAwareRouter`` hashes prompts as the engine does: its block size and hash come from
+        ``engine_kwargs`` (set there, not in the router's options), and it needs prefix caching."""
+        if not self.deployment_config.uses_kv_router():
+            return self
+        router = self.deployment_config.request_router_config
+        engine_args = EngineArgs.model_validate({"model": "-", **self.engine_kwargs})
+        if not engine_args.enable_prefix_caching:
+            raise ValueError(f"{KV_ROUTER_CLASS} routes on prefix-cache hits; enable_prefix_caching is off.")
+        kwargs = router.request_router_kwargs
+        for key, value in (("block_size", engine_args.block_size), ("hash_algo", engine_args.prefix_caching_hash_algo)):
+            if key in kwargs and kwargs[key] != value:
+                raise ValueError(f"request_router_kwargs.{key} comes from engine_kwargs; leave it out.")
+            kwargs[key] = value  # the dict is ours (validated copy); the model stays frozen
+        return self
+
+    def uses_kv_router(self) -> bool:
+        return self.deployment_config.uses_kv_router()
 
     @property
     def model_id(self) -> str:
@@ -139,6 +190,10 @@ class LLMServingArgs(_StrictModel, ServerOptions):
     def _check_ingress_choice(self) -> LLMServingArgs:
         if not self.separate_ingress and len(self.llm_configs) > 1:
             raise ValueError("separate_ingress: false serves one model; several need the OpenAiIngress deployment.")
+        if not self.separate_ingress and any(c.uses_kv_router() for c in self.llm_configs):
+            raise ValueError(
+                "KVAwareRouter runs in the OpenAiIngress (it needs the prompt's tokens); separate_ingress is false."
+            )
         if not self.separate_ingress and "ingress_deployment_config" in self.model_fields_set:
             raise ValueError("ingress_deployment_config configures the separate ingress; separate_ingress is false.")
         return self

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 from ray import serve
 
+from deployments.kv_index import PUBLISHED_BATCHES, publication
 from deployments.llm_config import LLMConfig
 from deployments.metrics import RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
@@ -49,20 +51,27 @@ class LLMServer:
         route_engine_stats_log_to_replica_log()
         self.model_id = llm_config.model_id
         replica_id = serve.get_replica_context().replica_id.unique_id
+        self.kv_routed = llm_config.uses_kv_router()
         self.engine = AsyncLLM.from_engine_args(
             llm_config.engine_args(),
             stat_loggers=[RayStatLogger(metrics_model_name or self.model_id, replica_id)],
             num_cpus=replica_num_cpus(),
+            kv_events=self.kv_routed,
         )
+        self.tokenizer_path = self.engine.model_config.tokenizer_path
+        # The last few numbered KV event batches, repeated in each publication (a router may miss a poll).
+        self._kv_batches: deque = deque(maxlen=PUBLISHED_BATCHES)
+        self._kv_seq = 0
         self.serving = OpenAIServing(self.engine, self.model_id)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 
-    async def call(self, method_name: str, request: Any) -> AsyncIterator[Any]:
+    async def call(self, method_name: str, request: Any, routing_hint: Any = None) -> AsyncIterator[Any]:
         """Streams the items of one ``OpenAIServing`` endpoint (one item for non-streamed calls).
 
         The caller closing the stream (a client disconnect cancels the ingress
         request, and Serve cancels this call) closes the serving generator,
-        which aborts the engine request and frees its KV blocks.
+        which aborts the engine request and frees its KV blocks. ``routing_hint`` is for the
+        deployment's request router (``deployments.routing``); the replica does not read it.
         """
         if method_name not in ENDPOINT_METHODS:
             raise ValueError(f"Unknown serving method {method_name!r}.")
@@ -81,6 +90,22 @@ class LLMServer:
             "engine_core_pid": self.engine.engine_core_pid,
             **dataclasses.asdict(self.engine.get_stats()),
         }
+
+    async def routing_info(self) -> dict:
+        """What the ingress needs to give ``KVAwareRouter`` its hints: whether this deployment uses it,
+        and the tokenizer to tokenize prompts with."""
+        return {"kv_routed": self.kv_routed, "tokenizer_path": self.tokenizer_path}
+
+    def record_routing_stats(self) -> dict:
+        """Serve polls this every ``request_routing_stats_period_s`` and hands the result to every
+        handle's router: this replica's load and its KV event batches (``deployments.kv_index.publication``)."""
+        stats = self.engine.get_stats()
+        if self.kv_routed:
+            batch = self.engine.take_kv_events()
+            if batch:  # no new number for an empty batch: an unchanged publication is not broadcast again
+                self._kv_seq += 1
+                self._kv_batches.append((self._kv_seq, batch))
+        return publication(list(self._kv_batches), stats.num_running_reqs, stats.num_waiting_reqs)
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and Serve replaces it."""

@@ -228,3 +228,61 @@ class RemotePrefillMetrics:
 
     def count_failure(self) -> None:
         self.failures.inc(1, self.tags)
+
+
+ROUTER_TAG_KEYS = ("deployment", "replica")
+
+
+class RouterMetrics:
+    """``KVAwareRouter``'s view, per target replica: decisions (by reason), prompt tokens it routed and how
+    many of them it predicted the replica's prefix cache held (compare ``serval_prefix_cache_hits``, the
+    realized hits, by the same ``replica`` tag), the load it saw and the blocks it believes each holds."""
+
+    def __init__(self, deployment: str) -> None:
+        self.deployment = deployment
+        self.decisions = metrics.Counter(
+            "serval_router_decisions",
+            "Requests routed, by reason (prefix, load, session, fallback: Serve took a lower-ranked replica).",
+            tag_keys=(*ROUTER_TAG_KEYS, "reason"),
+        )
+        self.prompt_tokens = metrics.Counter(
+            "serval_router_prompt_tokens", "Prompt tokens of the requests routed.", tag_keys=ROUTER_TAG_KEYS
+        )
+        self.predicted_hit_tokens = metrics.Counter(
+            "serval_router_predicted_hit_tokens",
+            "Prompt tokens the router predicted the replica's prefix cache held.",
+            tag_keys=ROUTER_TAG_KEYS,
+        )
+        self.replica_load = metrics.Gauge(
+            "serval_router_replica_load",
+            "Requests running or waiting on the replica, as the router sees them.",
+            tag_keys=ROUTER_TAG_KEYS,
+        )
+        self.indexed_blocks = metrics.Gauge(
+            "serval_router_indexed_blocks", "KV blocks the router believes the replica holds.", tag_keys=ROUTER_TAG_KEYS
+        )
+        self.routing_seconds = metrics.Histogram(
+            "serval_router_choose_seconds",
+            "Time to hash and score one request.",
+            boundaries=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
+            tag_keys=("deployment",),
+        )
+        self.routing_seconds.set_default_tags({"deployment": deployment})
+
+    def _tags(self, replica: str) -> dict:
+        return {"deployment": self.deployment, "replica": replica}
+
+    def record_prompt(self, replica: str, num_prompt_tokens: int, num_predicted_hit_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens, self._tags(replica))
+        if num_predicted_hit_tokens:
+            self.predicted_hit_tokens.inc(num_predicted_hit_tokens, self._tags(replica))
+
+    def record_decision(self, replica: str, reason: str, load: int) -> None:
+        self.decisions.inc(1, {**self._tags(replica), "reason": reason})
+        self.replica_load.set(load, self._tags(replica))
+
+    def record_index(self, index) -> None:
+        """``index``: a ``deployments.kv_index.KVIndex``."""
+        for replica, view in index.replicas.items():
+            self.indexed_blocks.set(len(view.held), self._tags(replica))
+            self.replica_load.set(view.load, self._tags(replica))

@@ -1,0 +1,69 @@
+"""The ingress's half of KV-aware routing: a ``RoutingHint`` for each chat / completion request.
+
+``RoutingHints`` tokenizes the prompt as the LLM server will (the same
+tokenizer; chat requests through the same chat template,
+``ServingBase.render_chat``), once per request, in the ingress, so
+``KVAwareRouter`` can hash its blocks; ``session_middleware`` reads the
+``x-session-id`` header into a context variable that the request's handle
+call reads. A prompt the ingress cannot render gets no hint: the replica
+answers its error, and the router falls back to load.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+from deployments.kv_index import RoutingHint
+from engine.entrypoints.openai.serving_base import ServingBase
+
+SESSION_HEADER = b"x-session-id"
+session_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("serval_session_id", default=None)
+
+
+def session_middleware(app):
+    """ASGI middleware: ``session_id`` holds the request's ``x-session-id`` while it is served."""
+
+    async def with_session(scope, receive, send):
+        value = None
+        if scope["type"] == "http":
+            value = next((v.decode("latin-1") for k, v in scope["headers"] if k == SESSION_HEADER), None)
+        token = session_id.set(value)
+        try:
+            await app(scope, receive, send)
+        finally:
+            session_id.reset(token)
+
+    return with_session
+
+
+class PromptTokenizer(ServingBase):
+    """The servings' prompt rendering without an engine: only ``tokenizer`` is set."""
+
+    def __init__(self, tokenizer: Any) -> None:  # noqa: D107 - no engine, no context-length check
+        self.tokenizer = tokenizer
+
+    def prompt_token_ids(self, method_name: str, request: Any) -> list[int] | None:
+        """The first prompt's token ids as the serving will compute them; None for other endpoints."""
+        if method_name == "chat":
+            return self.render_chat(request)[1]
+        if method_name == "completions":
+            prompt = request.prompts()[0]
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+            return list(prompt)
+        return None
+
+
+def make_hint(tokenizer: PromptTokenizer | None, method_name: str, request: Any) -> RoutingHint | None:
+    """The request's hint (None when it has neither a prompt to hash nor a session)."""
+    token_ids = None
+    if tokenizer is not None:
+        try:
+            token_ids = tokenizer.prompt_token_ids(method_name, request)
+        except Exception:  # noqa: BLE001 - a bad prompt: the replica reports it, routing falls back to load
+            token_ids = None
+    session = session_id.get()
+    if token_ids is None and session is None:
+        return None
+    return RoutingHint(token_ids, getattr(request, "cache_salt", None), session)

@@ -1,0 +1,178 @@
+"""KVAwareRouter on a real cluster: two tiny-llama replicas behind the ingress (configs/serve/kv_routing.yaml's
+shape). Requests sharing a long prefix land on the replica that holds it (its prefix-hit counters say so);
+without shared prefixes the load decides; routing never changes greedy tokens; a session stays on its
+replica; a killed replica leaves the index; bad router options fail the deploy."""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import ray
+from ray import serve
+from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+
+from deployments import launcher
+from deployments.kv_index import KVRouterOptions, RoutingHint, prompt_block_hashes
+from tests.conftest import make_llm
+from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
+
+pytestmark = pytest.mark.slow
+
+LLAMA = "tiny-llama"
+SERVER = f"LLMServer:{LLAMA}"
+BLOCK_SIZE = 16
+PREFIX_TOKENS = 320  # 20 blocks
+ROUTER = {
+    "request_router_class": "deployments.routing:KVAwareRouter",
+    "request_router_kwargs": {"prefix_weight": 3.0, "load_weight": 2.0},
+    "request_routing_stats_period_s": 0.5,
+}
+
+
+def kv_llm_config(checkpoint: str, router: dict = ROUTER) -> dict:
+    config = llm_config(LLAMA, checkpoint, num_replicas=2, block_size=BLOCK_SIZE, max_model_len=1024)
+    config["deployment_config"]["request_router_config"] = copy.deepcopy(router)
+    config["deployment_config"]["ray_actor_options"] = {"num_cpus": 0.5}
+    return config
+
+
+@pytest.fixture(scope="module")
+def app(ray_head, tiny_checkpoint):
+    checkpoint = tiny_checkpoint("llama")
+    deploy_and_wait(ray_head, serve_config(ray_head.http_port, [kv_llm_config(checkpoint)]))
+    return ray_head, checkpoint
+
+
+def replica_stats(num_calls: int = 30) -> dict[str, dict]:
+    """Stats per replica id (the calls carry no hint, so the router spreads them by load, ties at random)."""
+    handle = serve.get_deployment_handle(SERVER, app_name="llm")
+    stats: dict[str, dict] = {}
+    for _ in range(num_calls):
+        result = handle.stats.remote().result()
+        stats[result["replica_id"]] = result
+    return stats
+
+
+def deltas(before: dict, after: dict, key: str) -> dict[str, int]:
+    return {rid: s[key] - before.get(rid, {}).get(key, 0) for rid, s in after.items()}
+
+
+def complete(base_url: str, prompt, max_tokens: int = 8, headers: dict | None = None) -> list[int]:
+    """A greedy completion's text."""
+    response = httpx.post(
+        f"{base_url}/v1/completions",
+        json={"model": LLAMA, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        headers=headers or {},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def driver_router_index():
+    """The KV index of this process's own handle router (it learns only from the replicas' publications).
+    Reaches into Serve's private router: there is no public accessor."""
+    handle = serve.get_deployment_handle(SERVER, app_name="llm")
+    handle.stats.remote().result()  # makes sure the handle's router exists
+    return handle._router._asyncio_router.request_router.index
+
+
+def test_shared_prefix_requests_land_on_the_replica_holding_it(app):
+    head, checkpoint = app
+    rng = random.Random(1)
+    prefix = [rng.randrange(5, 500) for _ in range(PREFIX_TOKENS)]
+    prompts = [prefix + [rng.randrange(5, 500) for _ in range(20)] for _ in range(6)]
+    before = replica_stats()
+    texts = [complete(head.base_url, prompts[0])]
+    first_done = time.monotonic()
+    hashes = prompt_block_hashes(KVRouterOptions(block_size=BLOCK_SIZE), RoutingHint(prompts[0]))
+    index = driver_router_index()
+    while not any(set(hashes) <= view.held for view in index.replicas.values()):
+        assert time.monotonic() - first_done < 15, "the replica's KV events never reached the router"
+        time.sleep(0.05)
+    print(f"KV events reached a router {time.monotonic() - first_done:.2f} s after the request ended")
+    texts += [complete(head.base_url, prompt) for prompt in prompts[1:]]
+    after = replica_stats()
+    hits = deltas(before, after, "prefix_cache_hits")
+    holder = max(hits, key=hits.get)
+    assert hits[holder] >= 5 * PREFIX_TOKENS, hits  # every later request hit the whole prefix there
+    assert all(count == 0 for rid, count in hits.items() if rid != holder), hits
+    finished = deltas(before, after, "num_finished_reqs_total")
+    assert finished[holder] == len(prompts), finished
+    # Routing never changes the tokens: the same greedy completions as one engine in this process.
+    llm = make_llm(checkpoint, max_model_len=1024, block_size=BLOCK_SIZE)
+    from engine import SamplingParams
+
+    reference = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    )
+    assert texts == [output.outputs[0].text for output in reference]
+
+
+def test_without_shared_prefixes_the_load_decides(app):
+    head, _ = app
+    rng = random.Random(2)
+    prompts = [[rng.randrange(5, 500) for _ in range(40)] for _ in range(16)]
+    before = replica_stats()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda prompt: complete(head.base_url, prompt, max_tokens=48), prompts))
+    finished = deltas(before, replica_stats(), "num_finished_reqs_total")
+    views = {rid: (v.reported_load, v.in_flight, v.last_seq) for rid, v in driver_router_index().replicas.items()}
+    assert sum(finished.values()) == len(prompts) and all(count >= 3 for count in finished.values()), (finished, views)
+
+
+def test_a_session_stays_on_its_replica_across_turns(app):
+    head, _ = app
+    before = replica_stats()
+    messages = [{"role": "system", "content": "You are terse."}]
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Turn {turn}: tell me more."})
+        response = httpx.post(
+            f"{head.base_url}/v1/chat/completions",
+            json={"model": LLAMA, "messages": messages, "max_tokens": 8, "temperature": 0},
+            headers={"x-session-id": "conversation-7"},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
+    finished = deltas(before, replica_stats(), "num_finished_reqs_total")
+    assert sorted(finished.values()) == [0, 4], finished
+
+
+def test_a_killed_replica_leaves_the_index_and_requests_still_succeed(app):
+    head, _ = app
+    rng = random.Random(3)
+    prefix = [rng.randrange(5, 500) for _ in range(PREFIX_TOKENS)]
+    complete(head.base_url, prefix + [7, 8, 9])
+    hashes = set(prompt_block_hashes(KVRouterOptions(block_size=BLOCK_SIZE), RoutingHint(prefix + [7, 8, 9])))
+    index = driver_router_index()
+    deadline = time.monotonic() + 15
+    while not (holders := [rid for rid, view in index.replicas.items() if hashes <= view.held]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    [holder] = holders
+    victim = ray.get_actor(f"{REPLICA_ID_FULL_ID_STR_PREFIX}llm#{SERVER}#{holder}", namespace="serve")
+    ray.kill(victim, no_restart=True)
+    deadline = time.monotonic() + 30
+    while holder in index.replicas:
+        assert time.monotonic() < deadline, "the killed replica is still in the router's index"
+        time.sleep(0.1)
+    for suffix in range(4):  # the ingress's router forgets it too: every request is answered
+        complete(head.base_url, prefix + [suffix + 20])
+    deadline = time.monotonic() + 240  # Serve brings a replacement up (the app is UNHEALTHY meanwhile)
+    while [r["state"] for r in app_status(head)["deployments"][SERVER]["replicas"]] != ["RUNNING"] * 2:
+        assert time.monotonic() < deadline, app_status(head)
+        time.sleep(1)
+
+
+def test_bad_router_options_fail_the_deploy(app):
+    head, checkpoint = app
+    bad_router = {**ROUTER, "request_router_kwargs": {"prefix_wieght": 3.0}}
+    launcher.deploy(serve_config(head.http_port, [kv_llm_config(checkpoint, bad_router)]), head.dashboard_url)
+    with pytest.raises(RuntimeError, match="prefix_wieght"):
+        launcher.wait_until_running(head.dashboard_url, ["llm"], timeout_s=120)
