@@ -3,13 +3,12 @@
     python -m deployments.launcher up [--config configs/serve/default.yaml]
     python -m deployments.launcher down
 
-``up`` starts a Ray head bound to 127.0.0.1 (unless one already answers on
-the dashboard port), deploys the config through the dashboard's REST API
-(what ``serve deploy`` does), waits until every application is RUNNING while
-printing progress, and prints the endpoint with ready-to-paste examples.
-``up`` fails early, naming what to change, when the config's deployments can never fit
-the cluster's CPUs/GPUs, and while it waits prints Serve's own messages (unschedulable
-resources, a slow or failing constructor) and what starting replicas are doing.
+``up`` starts a Ray head bound to 127.0.0.1 (unless one already answers on the dashboard port),
+deploys the config through the dashboard's REST API (what ``serve deploy`` does), waits until every
+application is RUNNING while printing progress, then how long each phase took (``launcher_timings``)
+and the endpoint with ready-to-paste examples. It fails early, naming what to change, when the
+config's deployments can never fit the cluster's CPUs/GPUs, and while it waits prints Serve's own
+messages (unschedulable resources, a slow or failing constructor) and what starting replicas do.
 ``down`` lets in-flight HTTP streams finish (HAProxy's sessions drain), shuts Serve down
 and stops this head's processes by id (``ray_processes``): never ``ray stop``, which
 would end every Ray cluster on the machine.
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments import haproxy_admin, launcher_status, ray_processes
+from deployments import haproxy_admin, launcher_status, launcher_timings, ray_processes
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_CONFIG = "configs/serve/default.yaml"
@@ -69,6 +68,8 @@ def ray_env() -> dict[str, str]:
         "RAY_SERVE_SLOW_STARTUP_WARNING_S": os.environ.get("RAY_SERVE_SLOW_STARTUP_WARNING_S", "10"),
         "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": os.environ.get("RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S", "10"),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
+        # Replicas serve on plain torch ops while a kernel build runs (`make serve` starts it in the background).
+        "SERVAL_CPU_KERNELS_NO_WAIT": "1",
     }
 
 
@@ -254,12 +255,16 @@ def wait_until_running(
 
 def up(args: argparse.Namespace) -> int:
     """Starts a head unless one answers on the dashboard port, checks the config fits, deploys, waits."""
-    if is_dashboard_up(args.dashboard_port):
-        print(f"Using the Ray cluster already running at {dashboard_url(args.dashboard_port)}.", flush=True)
-    else:
+    marks = {"start": time.time()}
+    head_started = not is_dashboard_up(args.dashboard_port)
+    if head_started:
         start_ray_head(
             args.gcs_port, args.dashboard_port, args.num_cpus, args.object_store_bytes, args.metrics_export_port
         )
+        print(f"  Ray head up in {time.time() - marks['start']:.1f} s.", flush=True)
+    else:
+        print(f"Using the Ray cluster already running at {dashboard_url(args.dashboard_port)}.", flush=True)
+    marks["head"] = time.time()
     dashboard = dashboard_url(args.dashboard_port)
     config = load_config(args.config)
     if args.http_port is not None:
@@ -269,6 +274,7 @@ def up(args: argparse.Namespace) -> int:
         print(f"Not deploying {args.config}: {unfit} (The Ray head stays up: `make stop` ends it.)", file=sys.stderr)
         return 1
     print(f"Deploying {args.config} ...", flush=True)
+    marks["deploy"] = time.time()
     deploy(config, dashboard)
     names = [app["name"] for app in config["applications"]]
     try:
@@ -278,6 +284,11 @@ def up(args: argparse.Namespace) -> int:
             f"{error}\n(The Ray head stays up for `serve status` and its logs: `make stop` ends it.)", file=sys.stderr
         )
         return 1
+    marks["running"] = time.time()
+    session = ray_processes.session_dir(ray_processes.gcs_port_of_dashboard(args.dashboard_port) or args.gcs_port)
+    print("\n".join(launcher_timings.start_up_lines(session, names, marks, head_started)), flush=True)
+    if kernel_state := launcher_status.kernel_build_state():
+        print(f"Note: {kernel_state}.", flush=True)
     launcher_status.print_usage(config, dashboard, ray_bin("serve"))
     return 0
 
@@ -325,12 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-port", type=int, default=None, help="Serve's HTTP port (default: the config's).")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all).")
     parser.add_argument("--object-store-bytes", type=int, default=512 * 1024 * 1024)
-    parser.add_argument(
-        "--metrics-export-port",
-        type=int,
-        default=8080,
-        help="the node's Prometheus endpoint (Ray's and Serval's metrics)",
-    )
+    parser.add_argument("--metrics-export-port", type=int, default=8080, help="the node's Prometheus endpoint")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument(
         "--drain-timeout-s", type=float, default=60.0, help="down: how long in-flight streams may take to finish."

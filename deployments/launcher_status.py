@@ -28,6 +28,7 @@ MESSAGE_LINES = 6  # lines of a deployment's message shown while waiting (a trac
 FAILURE_LINES = 20  # lines of each message shown when the deploy failed
 KERNEL_BUILDERS = ("cc1plus", "/ninja ")  # processes of a torch C++ extension build
 CHECKOUT_CSRC = Path(__file__).resolve().parents[1] / "engine" / "kernels" / "csrc"  # this checkout's kernels
+KERNELS_LOG = Path(__file__).resolve().parents[1] / ".venv" / "kernels-build.log"  # make serve's background build
 
 
 @dataclass(frozen=True)
@@ -219,12 +220,13 @@ def kernel_build_state(
     compiling = [c for c in commands if str(csrc) in c and any(b in c + " " for b in KERNEL_BUILDERS)]
     if compiling:
         return (
-            "Serval's native CPU kernels are being compiled (once per checkout, about a minute;"
-            " `make venv` builds them ahead): a replica that loads them waits for the build"
+            "Serval's native CPU kernels are being compiled in the background (once per checkout, minutes on a"
+            f" busy machine; log: {KERNELS_LOG}): replicas started meanwhile run on"
+            " plain torch ops, slower; `make stop && make serve` once it is done uses the kernels"
         )
     return (
-        f"{locks[0]} is left from a kernel build that was killed midway: replicas wait on it forever."
-        f" Remove the file (rm {locks[0]}); the next load rebuilds"
+        f"{locks[0]} is left from a kernel build that was killed midway: replicas run on plain torch ops"
+        f" while it is there. Remove the file (rm {locks[0]}); the next load rebuilds"
     )
 
 

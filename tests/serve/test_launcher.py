@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments import haproxy_admin, launcher, launcher_status, ray_processes
+from deployments import haproxy_admin, launcher, launcher_status, launcher_timings, ray_processes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
 TWO_CPUS = [{"CPU": 2.0, "memory": 1e10}]
@@ -223,3 +223,51 @@ def test_stop_head_ends_that_heads_processes_and_their_children_only():
         other.kill()
         head.kill()
         other.wait()
+
+
+CONTROLLER_LOG = """\
+INFO 2026-12-01 14:46:02,482 controller 3720 -- Controller starting (version='2.60.0').
+INFO 2026-12-01 14:46:06,160 controller 3720 -- Importing and building app 'llm'.
+INFO 2026-12-01 14:46:12,544 controller 3720 -- Imported and built app 'llm' successfully.
+INFO 2026-12-01 14:46:12,677 controller 3720 -- Starting Replica(id='wenafzfx', deployment='LLMServer:m', app='llm').
+INFO 2026-12-01 14:46:26,663 controller 3720 -- Replica(id='k5hzwlnz', deployment='OpenAiIngress', app='llm') \
+started successfully on node 'f87' after 14.0s (PID: 3965). Replica constructor, reconfigure method, and initial \
+health check took 0.4s.
+INFO 2026-12-01 14:46:36,397 controller 3720 -- Replica(id='wenafzfx', deployment='LLMServer:m', app='llm') \
+started successfully on node 'f87' after 23.7s (PID: 3867). Replica constructor, reconfigure method, and initial \
+health check took 11.0s.
+INFO 2026-12-01 14:46:37,000 controller 3720 -- Replica(id='other', deployment='X', app='another') started \
+successfully on node 'f87' after 3.0s (PID: 1).
+"""
+
+
+def test_start_up_lines_split_the_deploy_by_serves_controller_log(tmp_path):
+    """Serve's own figures: the build window, each replica's process-and-import and constructor times."""
+    logs = tmp_path / "logs"
+    (logs / "serve").mkdir(parents=True)
+    (logs / "serve" / "controller_3720.log").write_text(CONTROLLER_LOG)
+    for name, stamp in (("gcs_server.out", "14:45:33,127"), ("raylet.out", "14:45:46,185")):
+        (logs / name).write_text(f"[2026-12-01 {stamp} I 1 1] (x) main.cc:1: started\n")
+    at = launcher_timings.parse_time
+    marks = {
+        "start": at("2026-12-01 14:45:28,300"),
+        "head": at("2026-12-01 14:45:57,300"),
+        "deploy": at("2026-12-01 14:45:58,000"),
+        "running": at("2026-12-01 14:46:36,500"),
+    }
+    lines = launcher_timings.start_up_lines(tmp_path, ["llm"], marks, head_started=True)
+    assert lines == [
+        "Up in 68.2 s:",
+        "  Ray head: 29.0 s (ray CLI 4.8 s, GCS and dashboard 13.1 s, raylet and agents 11.1 s)",
+        "  Serve controller and HTTP proxy: 8.2 s",
+        "  app 'llm' imported and built: 6.4 s",
+        "  replica LLMServer:m 23.7 s (process and imports 12.7 s, constructor 11.0 s)",
+        "  replica OpenAiIngress 14.0 s (process and imports 13.6 s, constructor 0.4 s)",
+    ]
+    # A deploy onto a running head, after this log's events: only the total and the deploy as one phase.
+    later = {key: value + 3600 for key, value in marks.items()}
+    assert launcher_timings.start_up_lines(tmp_path, ["llm"], later, head_started=False) == [
+        "Up in 68.2 s:",
+        "  deploy until RUNNING: 38.5 s",
+    ]
+    assert launcher_timings.start_up_lines(None, ["llm"], marks, head_started=True)[1] == "  Ray head: 29.0 s"
