@@ -74,12 +74,17 @@ class ReplicaKV:
 
     held: set[BlockHash] = field(default_factory=set)
     last_seq: int = 0
-    reported_load: int = 0  # running + waiting, as of its last publication
+    ongoing: int | None = None  # Serve's count of its ongoing requests (probed, kept by sends and completions)
+    reported_load: int = 0  # its engine's running + waiting, as of its last publication (a period old)
     in_flight: int = 0  # requests this router sent that have not completed
     lost_batches: int = 0
 
     @property
     def load(self) -> int:
+        """Its requests running or waiting: Serve's fresh count when it has one (a publication is up to a
+        period old, and a stale high count would repel traffic from a replica already idle)."""
+        if self.ongoing is not None:
+            return self.ongoing
         return max(self.reported_load, self.in_flight)
 
     def matched_blocks(self, hashes: list[BlockHash]) -> int:

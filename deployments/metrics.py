@@ -230,7 +230,7 @@ class RemotePrefillMetrics:
         self.failures.inc(1, self.tags)
 
 
-ROUTER_TAG_KEYS = ("deployment", "replica")
+ROUTER_TAG_KEYS = TAG_KEYS  # model_name: the deployment's model; replica: the target replica (as the engine's)
 
 
 class RouterMetrics:
@@ -238,8 +238,8 @@ class RouterMetrics:
     many of them it predicted the replica's prefix cache held (compare ``serval_prefix_cache_hits``, the
     realized hits, by the same ``replica`` tag), the load it saw and the blocks it believes each holds."""
 
-    def __init__(self, deployment: str) -> None:
-        self.deployment = deployment
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.decisions = metrics.Counter(
             "serval_router_decisions",
             "Requests routed, by reason (prefix, load, session, fallback: Serve took a lower-ranked replica).",
@@ -265,12 +265,12 @@ class RouterMetrics:
             "serval_router_choose_seconds",
             "Time to hash and score one request.",
             boundaries=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
-            tag_keys=("deployment",),
+            tag_keys=("model_name",),
         )
-        self.routing_seconds.set_default_tags({"deployment": deployment})
+        self.routing_seconds.set_default_tags({"model_name": model_name})
 
     def _tags(self, replica: str) -> dict:
-        return {"deployment": self.deployment, "replica": replica}
+        return {"model_name": self.model_name, "replica": replica}
 
     def record_prompt(self, replica: str, num_prompt_tokens: int, num_predicted_hit_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens, self._tags(replica))

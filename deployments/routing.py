@@ -32,6 +32,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from deployments.kv_index import Choice, KVIndex, KVRouterOptions, RoutingHint, choose, prompt_block_hashes
+from deployments.llm_config import SERVER_NAME_PREFIX
 from deployments.metrics import RouterMetrics
 
 logger = logging.getLogger("ray.serve")
@@ -55,7 +56,7 @@ class KVAwareRouter(RequestRouter):
         """``kwargs``: ``KVRouterOptions`` (refused if unknown; ``LLMConfig`` refuses them at deploy time)."""
         self.options = KVRouterOptions.model_validate(kwargs)
         self.index = KVIndex()
-        self.metrics = RouterMetrics(self._deployment_id.name)
+        self.metrics = RouterMetrics(self._deployment_id.name.removeprefix(SERVER_NAME_PREFIX))
         self._choices: dict[str, Choice] = {}
 
     async def choose_replicas(
@@ -65,6 +66,10 @@ class KVAwareRouter(RequestRouter):
         if hint is None:  # control calls (stats, health, ...): Serve's own choice, least queued of a shuffle
             return [random.sample(candidate_replicas, len(candidate_replicas))]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        for replica in candidate_replicas:
+            self.index.replica(replica.replica_id.unique_id).ongoing = self.replica_queue_len_cache.get(
+                replica.replica_id
+            )
         request_id = pending_request.metadata.internal_request_id  # a hint comes with a request
         earlier = self._choices.get(request_id)  # a retry: the prompt is hashed already
         start = time.perf_counter()

@@ -19,9 +19,9 @@ from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
 from deployments import launcher
 from deployments.kv_index import KVRouterOptions, RoutingHint, prompt_block_hashes
 from tests.conftest import make_llm
-from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
+from tests.serve.cluster import deploy_and_wait, llm_config, serve_config
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # ~3 min on the shared 2-core machine, most of it two replicas starting
 
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
@@ -164,10 +164,7 @@ def test_a_killed_replica_leaves_the_index_and_requests_still_succeed(app):
         time.sleep(0.1)
     for suffix in range(4):  # the ingress's router forgets it too: every request is answered
         complete(head.base_url, prefix + [suffix + 20])
-    deadline = time.monotonic() + 240  # Serve brings a replacement up (the app is UNHEALTHY meanwhile)
-    while [r["state"] for r in app_status(head)["deployments"][SERVER]["replicas"]] != ["RUNNING"] * 2:
-        assert time.monotonic() < deadline, app_status(head)
-        time.sleep(1)
+    # Serve starts a replacement meanwhile; nothing here waits for it (the next test redeploys).
 
 
 def test_bad_router_options_fail_the_deploy(app):
