@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-PAD_SLOT_ID = -1
+from engine.attention.metadata import PAD_SLOT_ID  # noqa: F401 - re-exported: callers of this kernel name it here
 
 
 @triton.jit

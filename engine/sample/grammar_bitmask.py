@@ -7,7 +7,6 @@ Runs before the sampler, so masked tokens are out of reach of every later stage:
 from __future__ import annotations
 
 import torch
-import xgrammar as xgr
 
 
 def apply_grammar_bitmask(
@@ -19,6 +18,8 @@ def apply_grammar_bitmask(
     ``bitmask`` ``[len(bitmask_req_ids), ceil(vocab / 32)]`` int32: row ``j`` is
     ``bitmask_req_ids[j]``'s, each of which is sampled this step.
     """
+    import xgrammar as xgr  # here, not at the top: 1-2 s (transformers) at every engine start otherwise
+
     row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
     rows = [row_of[req_id] for req_id in bitmask_req_ids]
     if rows != list(range(len(sampled_req_ids))):  # the grammar rows are not every row in order: spread them

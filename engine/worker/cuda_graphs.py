@@ -19,9 +19,8 @@ import logging
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from engine.config import EngineConfig
-from engine.kernels.triton_cache import PAD_SLOT_ID
 
 logger = logging.getLogger(__name__)
 
