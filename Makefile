@@ -23,13 +23,19 @@ $(STAMP): pyproject.toml
 
 # Serval's native CPU kernels (engine/kernels/), compiled here rather than in the first replica's constructor,
 # and again whenever their sources change; cached under ~/.cache/torch_extensions. Without a compiler Serval
-# uses plain torch (the loader's warning says why).
+# uses plain torch (the loader's warning says why). `make serve` does not wait for the compiler (minutes on a
+# fresh machine): it starts the build in the background and the replicas use plain torch until it is done.
 KERNELS := $(VENV)/.kernels-built
+KERNELS_LOG := $(VENV)/kernels-build.log
 $(KERNELS): $(STAMP) engine/kernels/cpu.py $(wildcard engine/kernels/csrc/*)
-	@echo "Building Serval's native CPU kernels (engine/kernels/csrc; about a minute the first time) ..."
-	@$(PY) -c "import time; t = time.monotonic(); from engine.kernels.cpu import load_cpu_kernels; \
-	  k = load_cpu_kernels(); print(f'  built in {time.monotonic() - t:.0f} s: {k.__file__}' if k else \
-	  '  not built: Serval runs with plain torch ops')"
+	@if [ "$(KERNELS_BUILD)" = background ]; then \
+	  echo "Building Serval's native CPU kernels in the background (log: $(KERNELS_LOG)); until they are built" \
+	    "the replicas use plain torch ops (make serve says so)"; \
+	  setsid $(PY) -m engine.kernels.cpu </dev/null >$(KERNELS_LOG) 2>&1 & \
+	else \
+	  echo "Building Serval's native CPU kernels (engine/kernels/csrc; about a minute the first time) ..."; \
+	  $(PY) -m engine.kernels.cpu; \
+	fi
 	@touch $@
 
 venv: $(STAMP) $(KERNELS)
@@ -59,6 +65,7 @@ models: $(MODELS)/tiny-llama/serval_model_spec.json
 # The main job: a local Ray head on loopback serving configs/serve/default.yaml; `make stop` ends it
 # (in-flight streams finish first; only this head's processes are stopped, never other Ray clusters here).
 SERVE_CONFIG ?= configs/serve/default.yaml
+serve: KERNELS_BUILD = background
 serve: venv models
 	$(PY) -m deployments.launcher up --config $(SERVE_CONFIG)
 

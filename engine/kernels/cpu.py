@@ -13,6 +13,11 @@ when ``x`` can use them, else None.
 ``SERVAL_DISABLE_CPU_KERNELS=1`` (read once) or ``use_cpu_kernels(False)``
 switches every native op off, so the plain-torch path can run and be tested
 anywhere.
+
+``python -m engine.kernels.cpu`` builds them (``make venv``; ``make serve`` runs it in the
+background, so that the server need not wait minutes for a compiler). A process with
+``SERVAL_CPU_KERNELS_NO_WAIT=1`` (the launcher's Ray head) does not wait for a build another
+process is running: it uses plain torch, and the kernels from its next start on.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import functools
 import hashlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -63,8 +69,22 @@ def _cpu_flags() -> str:
 _MODULE_NAME = "serval_cpu_kernels_" + hashlib.sha1(f"{_CSRC}\n{_cpu_flags()}".encode()).hexdigest()[:8]
 
 
+_NO_WAIT_ENV = "SERVAL_CPU_KERNELS_NO_WAIT"
+
+
+def build_directory() -> Path:
+    """Where torch's loader builds and caches this checkout's module (its ``lock`` file is held while it builds)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(_MODULE_NAME, verbose=False))
+
+
 @functools.cache
 def _build():
+    lock = build_directory() / "lock"
+    if os.environ.get(_NO_WAIT_ENV) == "1" and lock.exists():
+        logger.warning("Serval's CPU kernels are being built by another process (%s); using plain torch.", lock)
+        return None
     try:
         import ninja  # the pip package carries the binary torch's loader looks for on PATH
 
@@ -130,3 +150,20 @@ def product_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if dtype == torch.bfloat16 and device.type == "cpu" and not has_bf16_matmul():
         return torch.float32
     return dtype
+
+
+def main() -> int:
+    """Builds the kernels here, or finds them built; says which (``make venv``)."""
+    import time
+
+    started = time.monotonic()
+    kernels = _build()
+    took = time.monotonic() - started
+    print(
+        f"  built in {took:.0f} s: {kernels.__file__}" if kernels else "  not built: Serval runs with plain torch ops"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
