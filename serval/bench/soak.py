@@ -174,20 +174,47 @@ async def soak(args: argparse.Namespace, app: ServeApp | None) -> tuple[list[Out
 
 
 async def run_faults(state: SoakState, app: ServeApp | None, faults: list[Fault], records: list[FaultRecord]) -> None:
-    """Applies each fault at its time (in a thread: the dashboard and Ray calls block) and records it; a
-    fault that fails is recorded with its error, never raised. Faults past the duration do not run."""
-    for fault in sorted(faults, key=lambda f: f.at_s):
-        if fault.at_s >= state.args.duration_s:
-            break
-        await asyncio.sleep(max(0.0, fault.at_s - state.elapsed()))
-        record = FaultRecord(fault.label, fault.action, fault.at_s, started_s=state.elapsed())
-        records.append(record)
+    """Applies each fault at its time (in a thread: the dashboard and Ray calls block) and records it, then
+    watches Serve's status until the app has settled; a fault that fails is recorded with its error, never
+    raised. Faults past the duration do not run. Cancelled when the clients are done."""
+    watchers = []
+    try:
+        for fault in sorted(faults, key=lambda f: f.at_s):
+            if fault.at_s >= state.args.duration_s:
+                break
+            await asyncio.sleep(max(0.0, fault.at_s - state.elapsed()))
+            for watcher in watchers:  # a new fault changes what "settled" means for the earlier ones
+                watcher.cancel()
+            record = FaultRecord(fault.label, fault.action, fault.at_s, started_s=state.elapsed())
+            records.append(record)
+            try:
+                record.detail, settled = await asyncio.to_thread(app.run, fault)
+                watchers.append(asyncio.create_task(watch_settled(state, app, record, settled)))
+            except Exception as exc:  # noqa: BLE001 - a fault that cannot run is part of the record
+                record.error = f"{type(exc).__name__}: {exc}"
+            record.finished_s = state.elapsed()
+            print(f"[{record.started_s:7.1f} s] fault {fault.label}: {record.error or record.detail}", flush=True)
+        await asyncio.gather(*watchers, return_exceptions=True)  # the cancelled ones too
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+
+
+async def watch_settled(state: SoakState, app: ServeApp, record: FaultRecord, settled) -> None:
+    """Sets ``record.settled_after_s`` once ``settled`` holds for Serve's status of the deployment (and
+    ``record.last_states`` to the replica states each poll saw)."""
+    while True:
         try:
-            record.detail = await asyncio.to_thread(app.run, fault)
-        except Exception as exc:  # noqa: BLE001 - a fault that cannot run is part of the record
-            record.error = f"{type(exc).__name__}: {exc}"
-        record.finished_s = state.elapsed()
-        print(f"[{record.started_s:7.1f} s] fault {fault.label}: {record.error or record.detail}", flush=True)
+            replicas = await asyncio.to_thread(app.replicas)
+        except OSError:  # the dashboard busy or restarting: ask again
+            replicas = None
+        if replicas is not None:
+            record.last_states = [replica.get("state", "?") for replica in replicas]
+            if settled(replicas):
+                record.settled_after_s = state.elapsed() - record.started_s
+                print(f"[{state.elapsed():7.1f} s] settled after {record.label} ({record.settled_after_s:.1f} s)")
+                return
+        await asyncio.sleep(0.5)
 
 
 async def progress_loop(state: SoakState, faults: list[Fault]) -> None:

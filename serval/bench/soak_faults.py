@@ -19,11 +19,13 @@ import random
 import signal
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 from deployments import launcher
 
 ACTIONS = ("kill-replica", "kill-worker", "scale", "redeploy")
+Settled = Callable[[list[dict]], bool]  # the deployment's replicas (Serve's status) -> has the app settled?
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ def parse_fault(text: str) -> Fault:
 @dataclass
 class FaultRecord:
     """What happened when a fault ran: its start and end (seconds since the soak started), what it did
-    (``detail``), or why it could not (``error``)."""
+    (``detail``) or why it could not (``error``), and how long after its start Serve's status showed the
+    deployment settled (``settled_after_s``: the replicas it should have, all RUNNING, a killed one
+    replaced; None when that did not happen before the soak ended)."""
 
     label: str
     action: str
@@ -65,7 +69,8 @@ class FaultRecord:
     finished_s: float = 0.0
     detail: str = ""
     error: str | None = None
-    extra: dict = field(default_factory=dict)
+    settled_after_s: float | None = None
+    last_states: list[str] | None = None  # the replica states Serve's status showed last while watching
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,24 +89,31 @@ class ServeApp:
             # Ray's state API presents the cluster's token only when the mode says so.
             os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-    def run(self, fault: Fault) -> str:
-        """Runs ``fault``; returns what it did. Raises ``RuntimeError`` when there is nothing to act on."""
+    def run(self, fault: Fault) -> tuple[str, Settled]:
+        """Runs ``fault``; returns what it did and the test of the deployment's replicas (Serve's status)
+        that says the app has settled after it. Raises ``RuntimeError`` when there is nothing to act on."""
+        before = self.replicas()
+        running = {r["replica_id"] for r in before if r.get("state") == "RUNNING"}
         if fault.action == "kill-replica":
-            return self._kill_one(f"ServeReplica:{self.app_name}:{self.deployment}")
+            detail, pid = self._kill_one(f"ServeReplica:{self.app_name}:{self.deployment}")
+            return detail, lambda now: _steady(now, len(running)) and pid not in {r.get("pid") for r in now}
         if fault.action == "kill-worker":
-            return self._kill_one("RayWorker")
+            detail, _ = self._kill_one("RayWorker")  # the replica owning it is replaced: a new replica id
+            return detail, lambda now: _steady(now, len(running)) and _ids(now) != running
         if fault.action == "scale":
-            return self._put_changed(lambda app: _set_num_replicas(app, self.deployment, fault.arg))
+            detail = self._put_changed(lambda app: _set_num_replicas(app, self.deployment, fault.arg))
+            return detail, lambda now: _steady(now, fault.arg)
         self._redeploys += 1
-        return self._put_changed(lambda app: _bump_max_num_seqs(app, 1 if self._redeploys % 2 else -1))
+        detail = self._put_changed(lambda app: _bump_max_num_seqs(app, 1 if self._redeploys % 2 else -1))
+        return detail, lambda now: _steady(now, len(running)) and not _ids(now) & running
 
-    def _kill_one(self, class_name: str) -> str:
+    def _kill_one(self, class_name: str) -> tuple[str, int]:
         actors = local_actors(self.dashboard_url, class_name)
         if not actors:
             raise RuntimeError(f"no ALIVE {class_name} actor on this machine")
         actor = self.rng.choice(actors)
         os.kill(actor["pid"], signal.SIGKILL)
-        return f"SIGKILL pid {actor['pid']} ({class_name}, actor {actor['actor_id'][:12]})"
+        return f"SIGKILL pid {actor['pid']} ({class_name}, actor {actor['actor_id'][:12]})", actor["pid"]
 
     def _put_changed(self, change) -> str:
         status = launcher.http_json("GET", f"{self.dashboard_url}/api/serve/applications/")
@@ -113,12 +125,14 @@ class ServeApp:
         launcher.deploy(config, self.dashboard_url, timeout_s=30.0)
         return detail
 
-    def num_running_replicas(self) -> int:
-        """The deployment's RUNNING replicas, per Serve's status."""
+    def replicas(self) -> list[dict]:
+        """The deployment's replicas per Serve's status (``replica_id``, ``state``, ``pid``, ...)."""
         status = launcher.http_json("GET", f"{self.dashboard_url}/api/serve/applications/")
         app = status.get("applications", {}).get(self.app_name, {})
-        replicas = app.get("deployments", {}).get(self.deployment, {}).get("replicas", [])
-        return sum(replica.get("state") == "RUNNING" for replica in replicas)
+        return app.get("deployments", {}).get(self.deployment, {}).get("replicas", [])
+
+    def num_running_replicas(self) -> int:
+        return sum(replica.get("state") == "RUNNING" for replica in self.replicas())
 
     def replica_stats(self, num_replicas: int, max_calls: int = 60) -> dict[str, dict]:
         """Each replica's ``stats()`` by replica id, calling the deployment handle until ``num_replicas``
@@ -149,6 +163,15 @@ class ServeApp:
                     "replicas": {k: _brief(s) for k, s in stats.items()},
                 }
             time.sleep(0.5)
+
+
+def _ids(replicas: list[dict]) -> set[str]:
+    return {replica["replica_id"] for replica in replicas}
+
+
+def _steady(replicas: list[dict], count: int) -> bool:
+    """Exactly ``count`` replicas, all RUNNING (none starting or stopping)."""
+    return len(replicas) == count and all(replica.get("state") == "RUNNING" for replica in replicas)
 
 
 def is_idle(stats: dict) -> bool:

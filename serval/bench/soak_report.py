@@ -1,9 +1,12 @@
 """The soak's record: counts by fate, fault windows and recovery times, the one-screen summary and the
 timeline plot.
 
-A fault's window runs from the moment the fault was applied to its recovery: the start of the first
-``ok`` request started after it (the soak's end if none was). A failed request (error, cut or hung) is
-inside a window when it was in flight at some point of that window, else outside.
+A fault's window runs from the moment the fault began to its recovery: the start of the first ``ok``
+request started after the fault was applied (the soak's end if none was; a kill lands somewhere between
+the fault's start and end); ``recover_s`` is that window's length. A
+failed request (error, cut or hung) is inside a window when it was in flight at some point of that
+window, else outside. ``settled_after_s`` (from the fault's record) is when Serve's status showed the
+deployment back in shape: the replicas it should have, all RUNNING.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ def fault_windows(outcomes: list[Outcome], faults: list[FaultRecord], end_s: flo
     ok_starts = sorted(o.start for o in outcomes if o.fate == "ok")
     windows = []
     for fault in faults:
-        recovered = next((start for start in ok_starts if start >= fault.started_s), None)
+        # After the fault was applied: a kill lands somewhere between its start and its end.
+        recovered = next((start for start in ok_starts if start >= fault.finished_s), None)
         windows.append(
             {
                 "fault": fault.label,
@@ -87,8 +91,14 @@ def format_summary(record: dict) -> str:
     ]
     for fault in record["faults"]:
         recover = "never" if fault["recover_s"] is None else f"{fault['recover_s']:.2f} s"
+        settled = (
+            f"not by the next fault or the end ({fault['last_states']})"
+            if fault["settled_after_s"] is None
+            else f"{fault['settled_after_s']:.1f} s"
+        )
         status = f"FAILED: {fault['error']}" if fault["error"] else fault["detail"]
-        lines.append(f"  {fault['label']:<18} at {fault['started_s']:6.1f} s, recovered {recover}: {status}")
+        lines.append(f"  {fault['label']:<16} at {fault['started_s']:6.1f} s: recovered {recover}, settled {settled}")
+        lines.append(f"  {'':<16} {status[:100]}")
         if fault["failures"]:
             lines.append(f"  {'':<18} failures in its window: {_counts_text(fault['failures'])}")
     after = record.get("after")
@@ -129,8 +139,9 @@ def plot_timeline(record: dict, path: Path) -> None:
         if any(heights):
             fates_axes.bar(edges[:-1], heights, BIN_S, bottom=bottom, align="edge", color=COLORS[fate], label=fate)
             bottom = [b + h for b, h in zip(bottom, heights)]
-    flight = [sum(o["start"] <= t < o["end"] for o in outcomes) for t in edges[:-1]]
-    flight_axes.step(edges[:-1], flight, where="post")
+    middles = [t + BIN_S / 2 for t in edges[:-1]]
+    flight = [sum(o["start"] <= t < o["end"] for o in outcomes) for t in middles]
+    flight_axes.plot(middles, flight, marker=".")
     for fault in record["faults"]:
         for axes in (fates_axes, flight_axes):
             axes.axvline(fault["started_s"], color="tab:purple", linestyle="--", linewidth=1)
@@ -139,7 +150,7 @@ def plot_timeline(record: dict, path: Path) -> None:
                         transform=fates_axes.get_xaxis_transform())  # fmt: skip
     fates_axes.set_ylabel("requests ended per second")
     fates_axes.legend(loc="upper right", fontsize=8)
-    flight_axes.set_ylabel("requests in flight")
+    flight_axes.set_ylabel("requests in flight (mid-second)")
     flight_axes.set_xlabel("time since start (s)")
     for axes in (fates_axes, flight_axes):
         axes.grid(alpha=0.3)
