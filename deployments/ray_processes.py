@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -124,3 +125,23 @@ def stop_head(gcs_port: int, grace_s: float = STOP_GRACE_S) -> int:
     stop_processes(members, grace_s)
     stop_processes(head_processes(gcs_port), grace_s)  # anything started meanwhile (a worker being spawned)
     return len(members)
+
+
+def start_head(command: list[str], env: dict[str, str], gcs_port: int) -> None:
+    """Runs ``command`` (a ``ray start --head`` on ``gcs_port``); if it fails where no head ran on that port
+    before, stops what it started (by id) and runs it once more; raises CalledProcessError if that fails too.
+
+    Why: on a loaded 2-core machine ``ray start`` gives up when the raylet takes more than 30 s to
+    register with the GCS (fixed in Ray), leaving the GCS and the dashboard running.
+    """
+    theirs = head_processes(gcs_port)  # a head already on the port: its failure to bind is not ours to clean up
+    try:
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+        return
+    except subprocess.CalledProcessError:
+        if theirs:
+            raise
+    print(
+        f"  `ray start` failed (above); stopped the {stop_head(gcs_port)} processes it left; once more ...", flush=True
+    )
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)

@@ -271,3 +271,29 @@ def test_start_up_lines_split_the_deploy_by_serves_controller_log(tmp_path):
         "  deploy until RUNNING: 38.5 s",
     ]
     assert launcher_timings.start_up_lines(None, ["llm"], marks, head_started=True)[1] == "  Ray head: 29.0 s"
+
+
+def test_a_failed_ray_start_is_cleaned_up_and_run_once_more_unless_another_head_has_the_port(tmp_path, capsys):
+    port = launcher.free_port()
+    runs = tmp_path / "runs"
+    # Fails on its first run, leaving a process of "its head" behind (named by the GCS address), like a
+    # `ray start` whose raylet did not register in time; succeeds on the second.
+    script = (
+        "import pathlib, subprocess, sys; runs = pathlib.Path(sys.argv[1]); n = len(runs.read_text()) "
+        "if runs.exists() else 0; runs.write_text('x' * (n + 1)); "
+        f"n or subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', '127.0.0.1:{port} gcs']); "
+        "sys.exit(0 if n else 1)"
+    )
+    ray_processes.start_head([sys.executable, "-c", script, str(runs)], dict(os.environ), port)
+    assert runs.read_text() == "xx" and "stopped the 1 processes it left" in capsys.readouterr().out
+    assert not ray_processes.head_processes(port)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"127.0.0.1:{port} theirs"])
+    try:
+        while not ray_processes.head_processes(port):
+            time.sleep(0.05)
+        with pytest.raises(subprocess.CalledProcessError):
+            ray_processes.start_head([sys.executable, "-c", "raise SystemExit(1)"], dict(os.environ), port)
+        assert other.poll() is None  # another head's process on that port is never stopped
+    finally:
+        other.kill()
+        other.wait()
