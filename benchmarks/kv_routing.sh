@@ -64,7 +64,7 @@ report() {  # report NAME HIT_RATE
 import json, sys
 r = json.load(open(sys.argv[1]))
 print(f"{sys.argv[2]:<16} {r['output_throughput']:7.0f} output tok/s, median TTFT {r['median_ttft_ms']:7.1f} ms, "
-      f"p90 TTFT {r['p90_ttft_ms'] if 'p90_ttft_ms' in r else float('nan'):7.1f} ms, "
+      f"p90 TTFT {r['p90_ttft_ms']:7.1f} ms, "
       f"prefix hit rate {sys.argv[3]}, load average {sys.argv[4]}", flush=True)
 EOF
 }
@@ -80,7 +80,8 @@ for router in default kv; do
     --prefix-repetition-num-prefixes "$NUM_PREFIXES" --prefix-repetition-output-len 32 --percentile-metrics ttft,tpot \
     --metric-percentiles 50,90
   report "$router-shared" "$(hit_rate)"
-  bench "$router-unique" --dataset-name random --random-input-len 1024 --random-output-len 32 --num-prompts 120
+  bench "$router-unique" --dataset-name random --random-input-len 1024 --random-output-len 32 --num-prompts 120 \
+    --percentile-metrics ttft,tpot --metric-percentiles 50,90
   report "$router-unique" "-"
   launcher down > /dev/null 2>&1
   trap - EXIT
