@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI
@@ -30,7 +31,7 @@ from deployments.llm_config import LLMConfig
 from deployments.llm_server import LLMServer
 from deployments.metrics_export import scrape_serval_metrics
 from deployments.node_address import bind_replica_grpc_to_node_ip
-from deployments.routing_hints import PromptTokenizer, make_hint, session_middleware
+from deployments.routing_hints import PromptTokenizer, make_hint, session_id, session_middleware
 from engine.entrypoints.openai import api_server
 from engine.entrypoints.openai.api_server import LocalModelRouter
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
@@ -49,6 +50,7 @@ class RayModelRouter:
         self.servers = servers
         self.streams = {model_id: handle.options(stream=True) for model_id, handle in servers.items()}
         self._tokenizers: dict[str, asyncio.Task] = {}  # model id -> its PromptTokenizer, or None: no hints
+        self._tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="routing-hints")
 
     async def _prompt_tokenizer(self, model_id: str) -> PromptTokenizer | None:
         if model_id not in self._tokenizers:
@@ -71,7 +73,12 @@ class RayModelRouter:
         tokenizer = await self._prompt_tokenizer(model_id)
         if tokenizer is None:
             return {}
-        return {"routing_hint": make_hint(tokenizer, method_name, request)}
+        # Off the event loop (a long prompt takes milliseconds), on one thread: a fast tokenizer used from
+        # several threads at once can raise "Already borrowed".
+        hint = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_thread, make_hint, tokenizer, method_name, request, session_id.get()
+        )
+        return {"routing_hint": hint}
 
     def model_ids(self) -> list[str]:
         return list(self.servers)

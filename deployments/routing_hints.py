@@ -55,15 +55,16 @@ class PromptTokenizer(ServingBase):
         return None
 
 
-def make_hint(tokenizer: PromptTokenizer | None, method_name: str, request: Any) -> RoutingHint | None:
-    """The request's hint (None when it has neither a prompt to hash nor a session)."""
+def make_hint(
+    tokenizer: PromptTokenizer | None, method_name: str, request: Any, session: str | None
+) -> RoutingHint | None:
+    """The request's hint (None when it has neither a prompt to hash nor a ``session`` id)."""
     token_ids = None
     if tokenizer is not None:
         try:
             token_ids = tokenizer.prompt_token_ids(method_name, request)
         except Exception:  # noqa: BLE001 - a bad prompt: the replica reports it, routing falls back to load
             token_ids = None
-    session = session_id.get()
     if token_ids is None and session is None:
         return None
     return RoutingHint(token_ids, getattr(request, "cache_salt", None), session)
