@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--stream-fraction", type=float, default=0.7)
     load.add_argument("--chat-fraction", type=float, default=0.4)
     load.add_argument("--disconnect-fraction", type=float, default=0.1, help="Share of streams that hang up early.")
+    load.add_argument(
+        "--error-backoff-s",
+        type=float,
+        default=0.25,
+        help="A client waits this long after an error before its next request (as a real client would).",
+    )
     load.add_argument("--seed", type=int, default=0)
     faults = parser.add_argument_group("faults and checks")
     faults.add_argument(
@@ -159,9 +165,12 @@ async def soak(args: argparse.Namespace, app: ServeApp | None) -> tuple[list[Out
             while (spec := state.next_spec()) is not None:
                 state.in_flight += 1
                 try:
-                    state.outcomes.append(await send(client, base_url, args.model, spec, state.start, headers))
+                    outcome = await send(client, base_url, args.model, spec, state.start, headers)
                 finally:
                     state.in_flight -= 1
+                state.outcomes.append(outcome)
+                if outcome.fate == "error":  # a fast-failing server would otherwise be flooded
+                    await asyncio.sleep(args.error_backoff_s)
 
         progress = asyncio.create_task(progress_loop(state, args.fault))
         schedule = asyncio.create_task(run_faults(state, app, args.fault, records))
