@@ -45,11 +45,17 @@ class KVRouterOptions(BaseModel):
 
 @dataclass
 class RoutingHint:
-    """What the ingress tells the router about one request (the replica ignores it)."""
+    """What the ingress tells the router about one request; the replica serves its prompt from it
+    (``deployments.routing_hints.precomputed_prompt``) instead of tokenizing it again.
+
+    ``prompt_token_ids``: the first prompt's tokens; ``prompt_text``: for chat, the rendered conversation they
+    are the tokens of (None for completions).
+    """
 
     prompt_token_ids: list[int] | None = None
     cache_salt: str | None = None
     session_id: str | None = None
+    prompt_text: str | None = None
 
 
 def prompt_block_hashes(options: KVRouterOptions, hint: RoutingHint) -> list[BlockHash]:

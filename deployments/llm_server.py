@@ -22,6 +22,7 @@ from deployments.kv_index import PUBLISHED_BATCHES, publication
 from deployments.llm_config import LLMConfig
 from deployments.metrics import RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
+from deployments.routing_hints import precomputed_prompt
 from engine.async_llm import AsyncLLM
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 
@@ -71,11 +72,16 @@ class LLMServer:
         The caller closing the stream (a client disconnect cancels the ingress
         request, and Serve cancels this call) closes the serving generator,
         which aborts the engine request and frees its KV blocks. ``routing_hint`` is for the
-        deployment's request router (``deployments.routing``); the replica does not read it.
+        deployment's request router (``deployments.routing``); the replica serves the prompt the ingress
+        tokenized for it (``precomputed_prompt``), so chat templates and tokenizers run once per request.
         """
         if method_name not in ENDPOINT_METHODS:
             raise ValueError(f"Unknown serving method {method_name!r}.")
-        async for item in getattr(self.serving, method_name)(request):
+        endpoint = getattr(self.serving, method_name)
+        precomputed = precomputed_prompt(method_name, routing_hint)
+        # Only chat and completions take a precomputed prompt (it is None for the other endpoints).
+        items = endpoint(request) if precomputed is None else endpoint(request, precomputed)
+        async for item in items:
             yield item
 
     async def model_card(self) -> Any:

@@ -3,7 +3,8 @@
 ``RoutingHints`` tokenizes the prompt as the LLM server will (the same
 tokenizer; chat requests through the same chat template,
 ``ServingBase.render_chat``), once per request, in the ingress, so
-``KVAwareRouter`` can hash its blocks; ``session_middleware`` reads the
+``KVAwareRouter`` can hash its blocks and the replica can serve the prompt
+without tokenizing it again (``precomputed_prompt``); ``session_middleware`` reads the
 ``x-session-id`` header into a context variable that the request's handle
 call reads. A prompt the ingress cannot render gets no hint: the replica
 answers its error, and the router falls back to load.
@@ -15,7 +16,7 @@ import contextvars
 from typing import Any
 
 from deployments.kv_index import RoutingHint
-from engine.entrypoints.openai.serving_base import ServingBase
+from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase
 
 SESSION_HEADER = b"x-session-id"
 session_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("serval_session_id", default=None)
@@ -43,15 +44,17 @@ class PromptTokenizer(ServingBase):
     def __init__(self, tokenizer: Any) -> None:  # noqa: D107 - no engine, no context-length check
         self.tokenizer = tokenizer
 
-    def prompt_token_ids(self, method_name: str, request: Any) -> list[int] | None:
-        """The first prompt's token ids as the serving will compute them; None for other endpoints."""
+    def prompt(self, method_name: str, request: Any) -> PrecomputedPrompt | None:
+        """The first prompt as the serving would render (chat: ``text``) and tokenize it; None for other
+        endpoints."""
         if method_name == "chat":
-            return self.render_chat(request)[1]
+            text, token_ids = self.render_chat(request)
+            return PrecomputedPrompt(token_ids, text)
         if method_name == "completions":
             prompt = request.prompts()[0]
             if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
-            return list(prompt)
+                return PrecomputedPrompt(self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
+            return PrecomputedPrompt(list(prompt))
         return None
 
 
@@ -59,12 +62,26 @@ def make_hint(
     tokenizer: PromptTokenizer | None, method_name: str, request: Any, session: str | None
 ) -> RoutingHint | None:
     """The request's hint (None when it has neither a prompt to hash nor a ``session`` id)."""
-    token_ids = None
+    prompt = None
     if tokenizer is not None:
         try:
-            token_ids = tokenizer.prompt_token_ids(method_name, request)
+            prompt = tokenizer.prompt(method_name, request)
         except Exception:  # noqa: BLE001 - a bad prompt: the replica reports it, routing falls back to load
-            token_ids = None
-    if token_ids is None and session is None:
+            prompt = None
+    if prompt is None and session is None:
         return None
-    return RoutingHint(token_ids, getattr(request, "cache_salt", None), session)
+    token_ids, text = (None, None) if prompt is None else (prompt.token_ids, prompt.text)
+    return RoutingHint(token_ids, getattr(request, "cache_salt", None), session, text)
+
+
+def precomputed_prompt(method_name: str, hint: Any) -> PrecomputedPrompt | None:
+    """What the replica's serving may use of ``hint`` (a ``RoutingHint`` from ``make_hint``, or None) instead of
+    rendering and tokenizing the prompt again: the token ids, and for chat the rendered text as well (a chat
+    hint without it is not used)."""
+    if not isinstance(hint, RoutingHint) or hint.prompt_token_ids is None:
+        return None
+    if method_name == "chat":
+        return None if hint.prompt_text is None else PrecomputedPrompt(hint.prompt_token_ids, hint.prompt_text)
+    if method_name == "completions":
+        return PrecomputedPrompt(hint.prompt_token_ids)
+    return None

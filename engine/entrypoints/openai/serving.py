@@ -33,6 +33,7 @@ from engine.entrypoints.openai.responses import (
     ModelCard,
     TokenizeResponse,
 )
+from engine.entrypoints.openai.serving_base import PrecomputedPrompt
 from engine.entrypoints.openai.serving_chat import ChatServing
 from engine.entrypoints.openai.serving_completion import CompletionServing
 from engine.entrypoints.openai.serving_tokenize import TokenizationServing
@@ -57,13 +58,17 @@ class OpenAIServing:
         self._chat = ChatServing(engine, model_id)
         self._tokenization = TokenizationServing(engine, model_id)
 
-    def completions(self, request: CompletionRequest) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
+    def completions(
+        self, request: CompletionRequest, precomputed: PrecomputedPrompt | None = None
+    ) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
         """``/v1/completions`` (see CompletionServing.completions)."""
-        return self._completion.completions(request)
+        return self._completion.completions(request, precomputed)
 
-    def chat(self, request: ChatCompletionRequest) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
+    def chat(
+        self, request: ChatCompletionRequest, precomputed: PrecomputedPrompt | None = None
+    ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
         """``/v1/chat/completions`` (see ChatServing.chat)."""
-        return self._chat.chat(request)
+        return self._chat.chat(request, precomputed)
 
     def tokenize(self, request: TokenizeRequest) -> AsyncIterator[ErrorResponse | TokenizeResponse]:
         """vLLM's ``/tokenize`` (see TokenizationServing.tokenize)."""

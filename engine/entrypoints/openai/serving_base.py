@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engine.core.request import check_prompt_not_empty
@@ -37,6 +38,21 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class PrecomputedPrompt:
+    """A request's prompt already rendered and tokenized by its caller with this model's tokenizer and the
+    servings' own rendering (``ServingBase.render_chat``; a router that tokenizes to route, such as the Ray
+    ingress): the serving uses it instead of rendering and tokenizing again.
+
+    Chat: ``text`` is the rendered conversation and ``token_ids`` its tokens. Completions: ``token_ids`` are the
+    tokens of the request's first prompt when that prompt is text (``text`` unused). The serving trusts it: a
+    caller must pass the prompt of this very request, or answer for a different prompt.
+    """
+
+    token_ids: list[int]
+    text: str | None = None
 
 
 class ServingBase:

@@ -31,20 +31,26 @@ from engine.entrypoints.openai.responses import (
     UsageInfo,
     unix_time,
 )
-from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
+from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
 from engine.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser, make_tool_parser, parse_completion
 from engine.request_output import CompletionOutput, RequestOutput
 
 
 class ChatServing(ServingBase):
-    async def chat(self, request: ChatCompletionRequest) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
+    async def chat(
+        self, request: ChatCompletionRequest, precomputed: PrecomputedPrompt | None = None
+    ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
         """Not streamed: one ChatCompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
 
-        Closing the iterator aborts the engine request.
+        ``precomputed`` (with its ``text``): the conversation as the caller rendered and tokenized it, used
+        instead of the chat template and the tokenizer. Closing the iterator aborts the engine request.
         """
         try:
-            text, token_ids = self.render_chat(request)
+            if precomputed is not None and precomputed.text is not None:
+                text, token_ids = precomputed.text, precomputed.token_ids
+            else:
+                text, token_ids = self.render_chat(request)
             self.check_context_length(len(token_ids), request.requested_max_tokens)
             params = request.to_sampling_params(request.requested_max_tokens, request.num_logprobs)
         except ValueError as exc:

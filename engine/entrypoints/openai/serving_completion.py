@@ -20,20 +20,23 @@ from engine.entrypoints.openai.responses import (
     UsageInfo,
     unix_time,
 )
-from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
+from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
 from engine.request_output import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 class CompletionServing(ServingBase):
-    async def completions(self, request: CompletionRequest) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
+    async def completions(
+        self, request: CompletionRequest, precomputed: PrecomputedPrompt | None = None
+    ) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
         """Not streamed: one CompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
 
-        Closing the iterator aborts the engine requests.
+        ``precomputed``: the first prompt's token ids as the caller tokenized them, used instead of the
+        tokenizer when that prompt is text. Closing the iterator aborts the engine requests.
         """
         try:
-            prompts = self._tokenize_prompts(request)
+            prompts = self._tokenize_prompts(request, precomputed)
             params = self._sampling_params(request, prompts)
         except ValueError as exc:
             yield from_exception(exc)
@@ -51,12 +54,15 @@ class CompletionServing(ServingBase):
             async for item in items:
                 yield item
 
-    def _tokenize_prompts(self, request: CompletionRequest) -> list[dict]:
+    def _tokenize_prompts(self, request: CompletionRequest, precomputed: PrecomputedPrompt | None) -> list[dict]:
         """Engine prompts with their token ids (so lengths are checked here, before the engine)."""
         prompts = []
-        for prompt in request.prompts():
+        for index, prompt in enumerate(request.prompts()):
             if isinstance(prompt, str):
-                token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
+                if index == 0 and precomputed is not None:
+                    token_ids = precomputed.token_ids
+                else:
+                    token_ids = self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
                 prompts.append({"prompt": prompt, "prompt_token_ids": token_ids})
             else:
                 prompts.append({"prompt_token_ids": list(prompt)})
