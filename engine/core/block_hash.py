@@ -10,7 +10,7 @@ a fast non-cryptographic hash is not an acceptable default.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Callable, Sequence
 
 BlockHash = bytes
@@ -38,12 +38,20 @@ def get_hash_function(name: str) -> HashFunction:
         raise ValueError(f"Unknown prefix-caching hash {name!r}; choose one of {sorted(HASH_FUNCTIONS)}.") from None
 
 
+_TOKEN_BYTES = struct.calcsize("@q")
+
+
+def _encode_tokens(token_ids: Sequence[int]) -> bytes:
+    """The token ids as native int64s: a fixed-width, unambiguous encoding (struct packs a list about twice as
+    fast as array does)."""
+    return struct.pack(f"@{len(token_ids)}q", *token_ids)
+
+
 def hash_block_tokens(
     hash_fn: HashFunction, parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: tuple = ()
 ) -> BlockHash:
     """The hash of one full block given its parent's hash."""
-    # 'q' (int64) is a fixed-width, unambiguous encoding of the token ids.
-    payload = parent_hash + array("q", token_ids).tobytes()
+    payload = parent_hash + _encode_tokens(token_ids)
     if extra_keys:
         payload += repr(extra_keys).encode()
     return hash_fn(payload)
@@ -56,11 +64,23 @@ def extend_block_hashes(
     block_size: int,
     cache_salt: str | None,
 ) -> None:
-    """Appends the hash of every full block of ``token_ids`` not hashed yet."""
+    """Appends the hash of every full block of ``token_ids`` not hashed yet (the prefix cache's and the
+    KV-aware router's hashes): each block's is ``hash_block_tokens`` of its parent's, its tokens and, for the
+    first block only, the salt.
+
+    One pass: the unhashed tokens are encoded once and each block hashes a slice of that (encoding block by
+    block made hashing a 4k-token prompt about twice as slow); decoding hashes only the blocks it filled.
+    """
     num_full_blocks = len(token_ids) // block_size
-    for block_index in range(len(block_hashes), num_full_blocks):
-        parent = block_hashes[-1] if block_hashes else ROOT_HASH
-        start = block_index * block_size
+    if len(block_hashes) >= num_full_blocks:
+        return
+    if not block_hashes and cache_salt is not None:
         # The salt goes into the first block only; chaining carries it to every later block.
-        extra_keys = (cache_salt,) if block_index == 0 and cache_salt is not None else ()
-        block_hashes.append(hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], extra_keys))
+        block_hashes.append(hash_block_tokens(hash_fn, ROOT_HASH, token_ids[:block_size], (cache_salt,)))
+    start = len(block_hashes) * block_size
+    encoded = _encode_tokens(token_ids[start : num_full_blocks * block_size])
+    block_bytes = block_size * _TOKEN_BYTES
+    parent = block_hashes[-1] if block_hashes else ROOT_HASH
+    for offset in range(0, len(encoded), block_bytes):
+        parent = hash_fn(parent + encoded[offset : offset + block_bytes])
+        block_hashes.append(parent)
