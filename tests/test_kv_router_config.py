@@ -1,5 +1,6 @@
 """The LLM config's ``request_router_config`` (deployments/llm_config.py): KVAwareRouter's options are checked
-at deploy time, its block size and hash come from the engine's arguments, and it needs what it routes on."""
+at deploy time (by the app builder), its block size and hash come from the engine's arguments, and it needs
+what it routes on."""
 
 import pytest
 from pydantic import ValidationError
@@ -48,3 +49,14 @@ def test_other_routers_options_are_theirs_to_check():
 def test_the_kv_router_needs_the_separate_ingress():
     with pytest.raises(ValidationError, match="separate_ingress"):
         LLMServingArgs.model_validate({"llm_configs": [config(KV_ROUTER)], "separate_ingress": False})
+
+
+def test_the_app_builder_refuses_bad_router_options_by_name():
+    """Where a deploy refuses them: Serve's controller runs this builder on the config's ``args`` before any
+    replica starts, and its error is the app's DEPLOY_FAILED message, which the launcher raises (that path,
+    on a real cluster: tests/serve/test_scaling.py::test_an_unknown_key_fails_the_deploy_with_its_name)."""
+    from deployments.app import build_openai_app
+
+    bad = config({**KV_ROUTER, "request_router_kwargs": {"prefix_wieght": 3.0}})
+    with pytest.raises(ValidationError, match="prefix_wieght"):
+        build_openai_app({"llm_configs": [bad]})

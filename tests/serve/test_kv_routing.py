@@ -1,7 +1,8 @@
 """KVAwareRouter on a real cluster: two tiny-llama replicas behind the ingress (configs/serve/kv_routing.yaml's
 shape). Requests sharing a long prefix land on the replica that holds it (its prefix-hit counters say so);
 without shared prefixes the load decides; routing never changes greedy tokens; a session stays on its
-replica; a killed replica leaves the index; bad router options fail the deploy."""
+replica; a killed replica leaves the index. (Bad router options are refused by the app builder, before any
+replica starts: tests/test_kv_router_config.py.)"""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ import ray
 from ray import serve
 from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
 
-from deployments import launcher
 from deployments.kv_index import KVRouterOptions, RoutingHint, prompt_block_hashes
 from tests.conftest import make_llm
 from tests.serve.cluster import deploy_and_wait, llm_config, serve_config
 
-pytestmark = pytest.mark.slow  # ~3 min on the shared 2-core machine, most of it two replicas starting
+# ~76 s alone on the shared 2-core machine at load 4, ~58 s of it the Ray head and two replicas starting.
+pytestmark = pytest.mark.slow
 
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
@@ -34,10 +35,13 @@ ROUTER = {
 }
 
 
-def kv_llm_config(checkpoint: str, router: dict = ROUTER) -> dict:
+def kv_llm_config(checkpoint: str) -> dict:
     config = llm_config(LLAMA, checkpoint, num_replicas=2, block_size=BLOCK_SIZE, max_model_len=1024)
-    config["deployment_config"]["request_router_config"] = copy.deepcopy(router)
+    config["deployment_config"]["request_router_config"] = copy.deepcopy(ROUTER)
     config["deployment_config"]["ray_actor_options"] = {"num_cpus": 0.5}
+    # Serve learns of a killed replica at its next health check (every 10 s by default): the killed-replica
+    # test would mostly wait for it.
+    config["deployment_config"]["health_check_period_s"] = 1.0
     return config
 
 
@@ -48,13 +52,16 @@ def app(ray_head, tiny_checkpoint):
     return ray_head, checkpoint
 
 
-def replica_stats(num_calls: int = 30) -> dict[str, dict]:
-    """Stats per replica id (the calls carry no hint, so the router spreads them by load, ties at random)."""
+def replica_stats(num_replicas: int = 2, max_calls: int = 40) -> dict[str, dict]:
+    """Stats per replica id, asked until every replica answered (the calls carry no hint, so the router spreads
+    them by load, ties at random: two replicas answer within a few calls)."""
     handle = serve.get_deployment_handle(SERVER, app_name="llm")
     stats: dict[str, dict] = {}
-    for _ in range(num_calls):
+    for _ in range(max_calls):
         result = handle.stats.remote().result()
         stats[result["replica_id"]] = result
+        if len(stats) == num_replicas:
+            break
     return stats
 
 
@@ -158,18 +165,11 @@ def test_a_killed_replica_leaves_the_index_and_requests_still_succeed(app):
     [holder] = holders
     victim = ray.get_actor(f"{REPLICA_ID_FULL_ID_STR_PREFIX}llm#{SERVER}#{holder}", namespace="serve")
     ray.kill(victim, no_restart=True)
-    deadline = time.monotonic() + 30
+    killed = time.monotonic()
     while holder in index.replicas:
-        assert time.monotonic() < deadline, "the killed replica is still in the router's index"
+        assert time.monotonic() - killed < 30, "the killed replica is still in the router's index"
         time.sleep(0.1)
+    print(f"The killed replica left a router's index {time.monotonic() - killed:.2f} s after the kill")
     for suffix in range(4):  # the ingress's router forgets it too: every request is answered
         complete(head.base_url, prefix + [suffix + 20])
-    # Serve starts a replacement meanwhile; nothing here waits for it (the next test redeploys).
-
-
-def test_bad_router_options_fail_the_deploy(app):
-    head, checkpoint = app
-    bad_router = {**ROUTER, "request_router_kwargs": {"prefix_wieght": 3.0}}
-    launcher.deploy(serve_config(head.http_port, [kv_llm_config(checkpoint, bad_router)]), head.dashboard_url)
-    with pytest.raises(RuntimeError, match="prefix_wieght"):
-        launcher.wait_until_running(head.dashboard_url, ["llm"], timeout_s=120)
+    # Serve starts a replacement meanwhile; nothing here waits for it (the module's last test).
