@@ -194,8 +194,9 @@ def test_paged_decode_attention_matches_dense_reference(dtype, head_dim, num_hea
     out = load_cpu_kernels().paged_decode_attention(q, cache, tables, lens, head_dim**-0.5, None)
     assert out.dtype == dtype and out.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out.double(), _decode_reference(q, cache, tables, lens, head_dim**-0.5),
-                               atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(
+        out.double(), _decode_reference(q, cache, tables, lens, head_dim**-0.5), atol=tolerance, rtol=tolerance
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -213,8 +214,9 @@ def test_paged_decode_attention_reads_strided_q_and_writes_into_out(dtype, head_
     assert torch.equal(out[1:4], kernels.paged_decode_attention(q_view.contiguous(), cache, tables, lens, 0.3, None))
     assert (out[0] == 7).all() and (out[4] == 7).all()
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out[1:4].double(), _decode_reference(q_view, cache, tables, lens, 0.3),
-                               atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(
+        out[1:4].double(), _decode_reference(q_view, cache, tables, lens, 0.3), atol=tolerance, rtol=tolerance
+    )
 
 
 def test_use_cpu_kernels_switches_everything_off():

@@ -109,42 +109,17 @@ namespace simd = serval::simd;
 using simd::kLanes;  // one slice of the fast path: kLanes tokens, scored by one transpose-sum
 using simd::vfloat;
 
-// Software prefetch of `count` rows (`row_bytes` each, `row_stride` elements apart) into L1/L2:
-// decode reads blocks scattered over the cache from DRAM, and the hardware prefetcher cannot guess
-// the next block.
-template <typename scalar_t>
-inline void prefetch_rows(const scalar_t* rows, int64_t count, int64_t row_stride, int64_t row_bytes) {
-#ifdef SERVAL_NO_PREFETCH
-  return;
-#endif
-  for (int64_t t = 0; t < count; ++t) {
-    const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-  }
-}
-
 alignas(64) constexpr float kZeros[128] = {};  // a zero key row (head_dim <= 128, any dtype)
 
 struct FastScratch {
   std::vector<float> q, scores, rows, acc;
-};
-
-// Softmax numerators of one score row in place; returns their sum (the caller divides at the end).
-// The row is padded to whole vectors: the padding is set to -inf, whose exp is 0 (adds nothing).
-inline float exp_minus_max(float* scores, int64_t n) {
-  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
-  for (int64_t p = n; p < padded; ++p) scores[p] = -std::numeric_limits<float>::infinity();
-  vfloat max_v = simd::set1(-std::numeric_limits<float>::infinity());
-  for (int64_t p = 0; p < padded; p += kLanes) max_v = simd::max(max_v, simd::load(scores + p));
-  const vfloat max_b = simd::set1(simd::reduce_max(max_v));
-  vfloat sum_v = simd::set1(0.f);
-  for (int64_t p = 0; p < padded; p += kLanes) {
-    const vfloat e = simd::exp(simd::sub(simd::load(scores + p), max_b));
-    sum_v = simd::add(sum_v, e);
-    simd::store(scores + p, e);
+  void size_for(int64_t group, int64_t head_dim, int64_t padded_len) {  // acc zeroed
+    q.resize(group * head_dim);
+    scores.resize(group * padded_len);
+    rows.resize(kLanes * head_dim);
+    acc.assign(group * head_dim, 0.f);
   }
-  return simd::reduce_add(sum_v);
-}
+};
 
 #if SERVAL_AVX512 && defined(__AVX512BF16__)
 // Scores of up to 16 tokens for every query head of the group, bf16 cache and query: the dot
@@ -175,7 +150,8 @@ template <typename scalar_t, int kChunks>
 inline void widen_rows(const scalar_t* src, int64_t count, int64_t row_stride, float* __restrict rows) {
   constexpr int64_t D = kChunks * kLanes;
   for (int64_t t = 0; t < count; ++t)
-    for (int c = 0; c < kChunks; ++c) simd::store(rows + t * D + c * kLanes, simd::load(src + t * row_stride + c * kLanes));
+    for (int c = 0; c < kChunks; ++c)
+      simd::store(rows + t * D + c * kLanes, simd::load(src + t * row_stride + c * kLanes));
 }
 
 // Scores of one slice (its widened rows, `count` of them real) for every query head of the group.
@@ -189,12 +165,12 @@ inline void score_slice(const float* __restrict q_scaled, const float* __restric
   static_assert(kChunks % kQChunks == 0, "query chunks come in equal register loads");
   for (int64_t g = 0; g < group; ++g) {
     vfloat partial[kLanes];
-    for (int64_t t = 0; t < kLanes; ++t) partial[t] = simd::set1(0.f);
     for (int c0 = 0; c0 < kChunks; c0 += kQChunks) {
       vfloat qv[kQChunks];
       for (int c = 0; c < kQChunks; ++c) qv[c] = simd::load(q_scaled + g * D + (c0 + c) * kLanes);
       for (int64_t t = 0; t < kLanes; ++t) {  // rows past `count` read zeros: no branches in the unrolled loop
         const float* row = (t < count ? rows + t * D : kZeros) + c0 * kLanes;
+        if (c0 == 0) partial[t] = simd::set1(0.f);
         for (int c = 0; c < kQChunks; ++c) partial[t] = simd::fmadd(qv[c], simd::load(row + c * kLanes), partial[t]);
       }
     }
@@ -234,10 +210,7 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
                         float scale, scalar_t* out, FastScratch& s) {
   constexpr int64_t D = kChunks * kLanes;
   const int64_t padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
-  s.q.resize(group * D);
-  s.scores.resize(group * padded_len);
-  s.rows.resize(kLanes * D);
-  s.acc.assign(group * D, 0.f);
+  s.size_for(group, D, padded_len);
   // Raw pointers: stores through float* could alias the vectors' own pointers and force reloads.
   float* __restrict q_scaled = s.q.data();
   float* __restrict scores = s.scores.data();
@@ -252,9 +225,9 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
   for (int64_t start = 0; start < seq_len; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, seq_len - start);
     if (start + kLanes < seq_len)  // the next slice's keys and this slice's values, ahead of their use
-      prefetch_rows(slice_rows(k_base, start + kLanes), std::min<int64_t>(kLanes, seq_len - start - kLanes),
-                    row_stride, D * sizeof(scalar_t));
-    prefetch_rows(slice_rows(v_base, start), count, row_stride, D * sizeof(scalar_t));
+      serval::prefetch_rows(slice_rows(k_base, start + kLanes), std::min<int64_t>(kLanes, seq_len - start - kLanes),
+                            row_stride, D * sizeof(scalar_t));
+    serval::prefetch_rows(slice_rows(v_base, start), count, row_stride, D * sizeof(scalar_t));
 #if SERVAL_AVX512 && defined(__AVX512BF16__) && !defined(SERVAL_NO_DPBF16)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bf16 pairs straight from the cache
       score_slice_bf16<kChunks>(q, slice_rows(k_base, start), count, row_stride, group, scale_v, scores + start,
@@ -266,7 +239,7 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
     score_slice<kChunks>(q_scaled, rows, count, group, scores + start, padded_len);
   }
   float inv_sums[64];  // group <= 64 (checked by the caller)
-  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / exp_minus_max(scores + g * padded_len, seq_len);
+  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / simd::exp_minus_max(scores + g * padded_len, seq_len);
   // Pass 2: acc[g] += p[g, t] * v[t], the slice's value rows widened to float once for all heads.
   for (int64_t start = 0; start < seq_len; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, seq_len - start);
@@ -311,19 +284,6 @@ bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   return true;
 }
 
-template <typename scalar_t>
-bool try_decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
-                     const int32_t* lens, int64_t n, int64_t max_blocks, int64_t block_size, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride,
-                     int64_t q_stride) {
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    return false;
-  } else {
-    return decode_fast<scalar_t>(q, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
-                                 num_kv_heads, head_dim, scale, out, out_stride, q_stride);
-  }
-}
-
 #endif  // SERVAL_SIMD
 
 }  // namespace
@@ -358,9 +318,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t out_stride = out.stride(0), q_stride = q.stride(0);
 #if SERVAL_SIMD
-    if (try_decode_fast<scalar_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
-                                  num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride, q_stride))
-      return;
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (decode_fast<scalar_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
+                                num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride, q_stride))
+        return;
+    }
 #endif
     auto run = [&](auto head_dim_constant) {
       constexpr int64_t kHeadDim = decltype(head_dim_constant)::value;

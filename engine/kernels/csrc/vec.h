@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 // float, bfloat16 and half (the dtypes a model runs in); other dtypes raise.
@@ -150,6 +151,24 @@ inline __m256 round_to8(__m256 v) {
 
 #endif  // SERVAL_AVX2
 
+namespace serval {
+
+// Software prefetch of `count` rows (`row_bytes` each, `row_stride` elements apart) into L1/L2:
+// decode reads blocks scattered over the cache from DRAM, and the hardware prefetcher cannot guess
+// the next block.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* rows, int64_t count, int64_t row_stride, int64_t row_bytes) {
+#ifdef SERVAL_NO_PREFETCH
+  return;
+#endif
+  for (int64_t t = 0; t < count; ++t) {
+    const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+}  // namespace serval
+
 // serval::simd: the vector type of this build and the few operations the native ops need. A load or
 // store of `remaining` elements touches min(remaining, kLanes) of them; lanes past the end read 0.
 // Without `remaining`, a load or store covers a full vector.
@@ -259,6 +278,25 @@ inline vfloat transpose_sum(const vfloat* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
 }
 
+#endif
+
+#if SERVAL_SIMD
+// Softmax numerators of one score row in place; returns their sum (the caller divides at the end).
+// `scores` has room for n rounded up to whole vectors: that padding is set to -inf, whose exp is 0.
+inline float exp_minus_max(float* scores, int64_t n) {
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t p = n; p < padded; ++p) scores[p] = -std::numeric_limits<float>::infinity();
+  vfloat max_v = set1(-std::numeric_limits<float>::infinity());
+  for (int64_t p = 0; p < padded; p += kLanes) max_v = max(max_v, load(scores + p));
+  const vfloat max_b = set1(reduce_max(max_v));
+  vfloat sum_v = set1(0.f);
+  for (int64_t p = 0; p < padded; p += kLanes) {
+    const vfloat e = exp(sub(load(scores + p), max_b));
+    sum_v = add(sum_v, e);
+    store(scores + p, e);
+  }
+  return reduce_add(sum_v);
+}
 #endif
 
 }  // namespace serval::simd
