@@ -10,6 +10,7 @@ bf16 activations, a float32 model float32 ones).
     python benchmarks/bench_kernels.py --workload w2
     python benchmarks/bench_kernels.py --workload w2 --dtype float32 --skip-attention
     python benchmarks/bench_kernels.py --workload w1 --threads 1
+    python benchmarks/bench_kernels.py --workload w1 --skip-elementwise
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="of the elementwise ops")
     parser.add_argument("--skip-attention", action="store_true", help="only the fused elementwise ops")
+    parser.add_argument("--skip-elementwise", action="store_true", help="only decode attention")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -154,7 +156,8 @@ def main() -> None:
     )
     if not args.skip_attention:
         decode_attention(SHAPES[args.workload], kernels, args.reps)
-    elementwise(SHAPES[args.workload], kernels, args.reps, getattr(torch, args.dtype))
+    if not args.skip_elementwise:
+        elementwise(SHAPES[args.workload], kernels, args.reps, getattr(torch, args.dtype))
 
 
 if __name__ == "__main__":

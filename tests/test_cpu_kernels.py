@@ -1,4 +1,5 @@
-"""The fused native CPU ops (engine/kernels/csrc/elementwise.cpp) against the plain-torch layers they replace.
+"""The fused native CPU ops (engine/kernels/csrc/elementwise.cpp) against the plain-torch layers they replace,
+and the paged decode attention kernel (csrc/decode_attention.cpp) against a dense float64 reference.
 
 bf16 and float16: SiLU*mul and rope are bit-identical to torch, RMSNorm within one unit in the last
 place (its mean of squares is summed in another order, so the normalised value can round the other
@@ -155,6 +156,67 @@ def test_rotary_embedding_and_cache_rejects_bad_slots_before_writing(ops):
             torch.tensor([0, 1, 64]), q, k, v, rotary.table(63, q.device), cache, torch.tensor([0, 1, 2])
         )
     assert torch.equal(q, before[0]) and torch.equal(k, before[1]) and not cache.any()
+
+
+def _paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, seed):
+    """A KV cache with random contents and each request's blocks drawn at random from a pool 2x too big."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = 2 * len(lens) * max_blocks + 1
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: len(lens) * max_blocks] + 1).view(len(lens), -1)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return cache, tables.to(torch.int32), torch.tensor(lens, dtype=torch.int32)
+
+
+def _decode_reference(q, cache, tables, lens, scale):
+    """Each request's one query token [H, D] over its first seq_len cached keys, dense, in float64."""
+    out = []
+    for i, seq_len in enumerate(lens.tolist()):
+        blocks = tables[i, : -(-seq_len // cache.shape[2])].long()
+        k, v = (cache[j, blocks].flatten(0, 1)[:seq_len].double() for j in (0, 1))  # [S, Hk, D]
+        group = q.shape[1] // k.shape[1]
+        scores = torch.einsum("hd,shd->hs", q[i].double(), k.repeat_interleave(group, dim=1)) * scale
+        out.append(torch.einsum("hs,shd->hd", scores.softmax(-1), v.repeat_interleave(group, dim=1)))
+    return torch.stack(out)
+
+
+# Lengths around the vector widths (8, 16) and block boundaries (8, 16, 32), and a long one.
+DECODE_LENS = [1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 300]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 24])  # the fast path's sizes and one for the generic path
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (14, 2)])  # GQA groups of 1, 2, 7
+@pytest.mark.parametrize("block_size", [16, 8, 12])  # fast on both widths, on AVX2 only, on neither
+def test_paged_decode_attention_matches_dense_reference(dtype, head_dim, num_heads, num_kv_heads, block_size):
+    cache, tables, lens = _paged_cache(DECODE_LENS, block_size, num_kv_heads, head_dim, dtype, seed=10)
+    q = _randn(len(DECODE_LENS), num_heads, head_dim, dtype=dtype, seed=11)
+    out = load_cpu_kernels().paged_decode_attention(q, cache, tables, lens, head_dim**-0.5, None)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(
+        out.double(), _decode_reference(q, cache, tables, lens, head_dim**-0.5), atol=tolerance, rtol=tolerance
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_paged_decode_attention_reads_strided_q_and_writes_into_out(dtype, head_dim):
+    """q a view into a packed qkv output and `out` a slice of a bigger buffer, as the attention layer calls it."""
+    lens, num_heads, num_kv_heads = [5, 16, 40], 14, 2
+    cache, tables, lens = _paged_cache(lens, 16, num_kv_heads, head_dim, dtype, seed=12)
+    packed = _randn(3, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=13)
+    q_view = packed[:, : num_heads * head_dim].view(3, num_heads, head_dim)
+    assert not q_view.is_contiguous()
+    out = torch.full((5, num_heads, head_dim), 7.0, dtype=dtype)
+    kernels = load_cpu_kernels()
+    assert kernels.paged_decode_attention(q_view, cache, tables, lens, 0.3, out[1:4]).data_ptr() == out[1].data_ptr()
+    assert torch.equal(out[1:4], kernels.paged_decode_attention(q_view.contiguous(), cache, tables, lens, 0.3, None))
+    assert (out[0] == 7).all() and (out[4] == 7).all()
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(
+        out[1:4].double(), _decode_reference(q_view, cache, tables, lens, 0.3), atol=tolerance, rtol=tolerance
+    )
 
 
 def test_use_cpu_kernels_switches_everything_off():

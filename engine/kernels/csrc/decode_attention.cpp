@@ -2,12 +2,13 @@
 // straight from the paged KV cache through the block table (no gather into padded tensors), with
 // float32 accumulation whatever the cache dtype.
 //
-// Fast path (AVX-512, head_dim 32/64/128): one task per (request, KV head) serves all query heads of
-// that KV head's GQA group, so each key/value row is read once. Per block of the cache: the block's
-// rows are widened to float once, the scores of all its tokens are computed with the query in
-// registers and summed across lanes by a register transpose (one vector of block_size scores), the
-// softmax uses a vectorized exp, and the values are accumulated with the probabilities broadcast.
-// Generic path (any head_dim, no AVX-512): one task per request, scalar-friendly loops.
+// Fast path (AVX-512 or AVX2, written once over serval::simd; head_dim 32/64/128, block_size a
+// multiple of the vector width): one task per (request, KV head) serves all query heads of that KV
+// head's GQA group, so each key/value row is read once. Per slice of kLanes tokens (16 on AVX-512, 8
+// on AVX2): the slice's rows are widened to float once, the scores of its tokens are computed with
+// the query in registers and summed across lanes by a register transpose (one vector of scores),
+// the softmax uses a vectorized exp, and the values are accumulated with the probabilities broadcast.
+// Generic path (any other shape, or neither vector ISA): one task per request, scalar-friendly loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -102,60 +103,25 @@ void decode_one_request(const scalar_t* q, const scalar_t* k_cache, const scalar
 }
 
 
-#if SERVAL_AVX512
+#if SERVAL_SIMD
 
-// Lane t of the result = sum of the lanes of v[t] (16 dot-product partials -> 16 dot products).
-inline __m512 transpose_sum16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the partial sums of tokens 4j .. 4j+3
-    const __m512d a = _mm512_castps_pd(w[2 * j]), b = _mm512_castps_pd(w[2 * j + 1]);
-    x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // Sum the four 128-bit lanes of each x[j] and place x[j]'s total in lane group j.
-  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
-  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
-}
-
-// Software prefetch of `count` rows (`row_bytes` each, `row_stride` elements apart) into L1/L2:
-// decode reads blocks scattered over the cache from DRAM, and the hardware prefetcher cannot guess
-// the next block.
-template <typename scalar_t>
-inline void prefetch_rows(const scalar_t* rows, int64_t count, int64_t row_stride, int64_t row_bytes) {
-#ifdef SERVAL_NO_PREFETCH
-  return;
-#endif
-  for (int64_t t = 0; t < count; ++t) {
-    const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
-    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-  }
-}
+namespace simd = serval::simd;
+using simd::kLanes;  // one slice of the fast path: kLanes tokens, scored by one transpose-sum
+using simd::vfloat;
 
 alignas(64) constexpr float kZeros[128] = {};  // a zero key row (head_dim <= 128, any dtype)
 
 struct FastScratch {
   std::vector<float> q, scores, rows, acc;
+  void size_for(int64_t group, int64_t head_dim, int64_t padded_len) {  // acc zeroed
+    q.resize(group * head_dim);
+    scores.resize(group * padded_len);
+    rows.resize(kLanes * head_dim);
+    acc.assign(group * head_dim, 0.f);
+  }
 };
 
-// Softmax numerators of one score row in place; returns their sum (the caller divides at the end).
-inline float exp_minus_max(float* scores, int64_t n) {
-  __m512 max_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t p = 0; p < n; p += 16) max_v = _mm512_mask_max_ps(max_v, serval::tail_mask(n - p), max_v,
-                                                                 _mm512_loadu_ps(scores + p));
-  const __m512 max_b = _mm512_set1_ps(_mm512_reduce_max_ps(max_v));
-  __m512 sum_v = _mm512_setzero_ps();
-  for (int64_t p = 0; p < n; p += 16) {
-    const __mmask16 m = serval::tail_mask(n - p);
-    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + p), max_b));
-    sum_v = _mm512_mask_add_ps(sum_v, m, sum_v, e);
-    _mm512_mask_storeu_ps(scores + p, m, e);
-  }
-  return _mm512_reduce_add_ps(sum_v);
-}
-
-#if defined(__AVX512BF16__)
+#if SERVAL_AVX512 && defined(__AVX512BF16__)
 // Scores of up to 16 tokens for every query head of the group, bf16 cache and query: the dot
 // products run on bf16 pairs (exact products, float32 sums), no widening of the keys; the scale is
 // applied to the sums.
@@ -174,83 +140,116 @@ inline void score_slice_bf16(const c10::BFloat16* q, const c10::BFloat16* k_rows
         partial[t] = _mm512_dpbf16_ps(partial[t], qv[c], (__m512bh)_mm512_loadu_si512(row + c * 32));
     }
     _mm512_mask_storeu_ps(scores + g * scores_stride, serval::tail_mask(count),
-                          _mm512_mul_ps(transpose_sum16(partial), scale));
+                          _mm512_mul_ps(simd::transpose_sum(partial), scale));
   }
 }
 #endif
 
+// The `count` rows of one slice (`row_stride` elements apart in the cache) widened to float, D apart.
+template <typename scalar_t, int kChunks>
+inline void widen_rows(const scalar_t* src, int64_t count, int64_t row_stride, float* __restrict rows) {
+  constexpr int64_t D = kChunks * kLanes;
+  for (int64_t t = 0; t < count; ++t)
+    for (int c = 0; c < kChunks; ++c)
+      simd::store(rows + t * D + c * kLanes, simd::load(src + t * row_stride + c * kLanes));
+}
+
+// Scores of one slice (its widened rows, `count` of them real) for every query head of the group.
+// The query chunks in registers at a time leave room for the kLanes partial sums (all of them on
+// AVX-512; half of a 64-wide head on AVX2, whose 16 registers would otherwise spill).
+template <int kChunks>
+inline void score_slice(const float* __restrict q_scaled, const float* __restrict rows, int64_t count, int64_t group,
+                        float* __restrict scores, int64_t scores_stride) {
+  constexpr int64_t D = kChunks * kLanes;
+  constexpr int kQChunks = std::min<int>(kChunks, (simd::kRegisters - kLanes) / 2);
+  static_assert(kChunks % kQChunks == 0, "query chunks come in equal register loads");
+  for (int64_t g = 0; g < group; ++g) {
+    vfloat partial[kLanes];
+    for (int c0 = 0; c0 < kChunks; c0 += kQChunks) {
+      vfloat qv[kQChunks];
+      for (int c = 0; c < kQChunks; ++c) qv[c] = simd::load(q_scaled + g * D + (c0 + c) * kLanes);
+      for (int64_t t = 0; t < kLanes; ++t) {  // rows past `count` read zeros: no branches in the unrolled loop
+        const float* row = (t < count ? rows + t * D : kZeros) + c0 * kLanes;
+        if (c0 == 0) partial[t] = simd::set1(0.f);
+        for (int c = 0; c < kQChunks; ++c) partial[t] = simd::fmadd(qv[c], simd::load(row + c * kLanes), partial[t]);
+      }
+    }
+    simd::store(scores + g * scores_stride, simd::transpose_sum(partial), count);
+  }
+}
+
+// acc[g] += p[g, t] * v[t] over one slice's widened value rows, for every query head of the group.
+// Accumulators of at most half the registers at a time (a 128-wide head on AVX2 takes two rounds).
+template <int kChunks>
+inline void accumulate_slice(const float* __restrict probs, const float* __restrict rows, int64_t count,
+                             int64_t group, int64_t probs_stride, float* __restrict acc_base) {
+  constexpr int64_t D = kChunks * kLanes;
+  constexpr int kAccChunks = std::min<int>(kChunks, simd::kRegisters / 2);
+  static_assert(kChunks % kAccChunks == 0, "accumulators come in equal register loads");
+  for (int64_t g = 0; g < group; ++g) {
+    const float* p = probs + g * probs_stride;
+    for (int c0 = 0; c0 < kChunks; c0 += kAccChunks) {
+      float* acc_g = acc_base + g * D + c0 * kLanes;
+      vfloat acc[kAccChunks];
+      for (int c = 0; c < kAccChunks; ++c) acc[c] = simd::load(acc_g + c * kLanes);
+      for (int64_t t = 0; t < count; ++t) {
+        const vfloat weight = simd::set1(p[t]);
+        const float* row = rows + t * D + c0 * kLanes;
+        for (int c = 0; c < kAccChunks; ++c) acc[c] = simd::fmadd(weight, simd::load(row + c * kLanes), acc[c]);
+      }
+      for (int c = 0; c < kAccChunks; ++c) simd::store(acc_g + c * kLanes, acc[c]);
+    }
+  }
+}
+
 // One (request, KV head): the `group` query heads q[group, D] -> out[group, D].
-// kChunks = head_dim / 16. Rows of one block for this KV head are `row_stride` elements apart.
+// kChunks = head_dim / kLanes. Rows of one block for this KV head are `row_stride` elements apart.
 template <typename scalar_t, int kChunks>
 void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_t* v_base, const int32_t* block_row,
                         int64_t seq_len, int64_t block_size, int64_t block_stride, int64_t row_stride, int64_t group,
                         float scale, scalar_t* out, FastScratch& s) {
-  constexpr int64_t D = kChunks * 16;
-  const int64_t padded_len = (seq_len + 15) / 16 * 16;
-  s.q.resize(group * D);
-  s.scores.resize(group * padded_len);
-  s.rows.resize(16 * D);
-  s.acc.assign(group * D, 0.f);
+  constexpr int64_t D = kChunks * kLanes;
+  const int64_t padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
+  s.size_for(group, D, padded_len);
   // Raw pointers: stores through float* could alias the vectors' own pointers and force reloads.
   float* __restrict q_scaled = s.q.data();
   float* __restrict scores = s.scores.data();
   float* __restrict rows = s.rows.data();
   float* __restrict acc_base = s.acc.data();
-  const __m512 scale_v = _mm512_set1_ps(scale);
-  for (int64_t i = 0; i < group * D; i += 16) _mm512_storeu_ps(q_scaled + i, _mm512_mul_ps(serval::load16(q + i), scale_v));
-  // Pass 1: scores, 16 tokens at a time (a block of 16, or a 16-token slice of a bigger block).
-  for (int64_t start = 0; start < seq_len; start += 16) {
-    const int64_t count = std::min<int64_t>(16, seq_len - start);
-    const scalar_t* k_rows = k_base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
-    if (start + 16 < seq_len) {  // the next slice's keys and this slice's values, ahead of their use
-      const int64_t next = start + 16;
-      prefetch_rows(k_base + block_row[next / block_size] * block_stride + (next % block_size) * row_stride,
-                    std::min<int64_t>(16, seq_len - next), row_stride, D * sizeof(scalar_t));
-    }
-    prefetch_rows(v_base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride, count,
-                  row_stride, D * sizeof(scalar_t));
-#if defined(__AVX512BF16__) && !defined(SERVAL_NO_DPBF16)
+  const vfloat scale_v = simd::set1(scale);
+  for (int64_t i = 0; i < group * D; i += kLanes) simd::store(q_scaled + i, simd::mul(simd::load(q + i), scale_v));
+  auto slice_rows = [&](const scalar_t* base, int64_t start) {  // a slice never straddles blocks
+    return base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
+  };
+  // Pass 1: scores, kLanes tokens at a time (a block, or a kLanes-token slice of a bigger block).
+  for (int64_t start = 0; start < seq_len; start += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, seq_len - start);
+    if (start + kLanes < seq_len)  // the next slice's keys and this slice's values, ahead of their use
+      serval::prefetch_rows(slice_rows(k_base, start + kLanes), std::min<int64_t>(kLanes, seq_len - start - kLanes),
+                            row_stride, D * sizeof(scalar_t));
+    serval::prefetch_rows(slice_rows(v_base, start), count, row_stride, D * sizeof(scalar_t));
+#if SERVAL_AVX512 && defined(__AVX512BF16__) && !defined(SERVAL_NO_DPBF16)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bf16 pairs straight from the cache
-      score_slice_bf16<kChunks>(q, k_rows, count, row_stride, group, scale_v, scores + start, padded_len);
+      score_slice_bf16<kChunks>(q, slice_rows(k_base, start), count, row_stride, group, scale_v, scores + start,
+                                padded_len);
       continue;
     }
 #endif
-    for (int64_t t = 0; t < count; ++t)
-      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(rows + t * D + c * 16, serval::load16(k_rows + t * row_stride + c * 16));
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 qv[kChunks], partial[16];
-      for (int c = 0; c < kChunks; ++c) qv[c] = _mm512_loadu_ps(q_scaled + g * D + c * 16);
-      for (int64_t t = 0; t < 16; ++t) {
-        const float* row = t < count ? rows + t * D : kZeros;
-        partial[t] = _mm512_setzero_ps();
-        for (int c = 0; c < kChunks; ++c) partial[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row + c * 16), partial[t]);
-      }
-      _mm512_mask_storeu_ps(scores + g * padded_len + start, serval::tail_mask(count), transpose_sum16(partial));
-    }
+    widen_rows<scalar_t, kChunks>(slice_rows(k_base, start), count, row_stride, rows);
+    score_slice<kChunks>(q_scaled, rows, count, group, scores + start, padded_len);
   }
   float inv_sums[64];  // group <= 64 (checked by the caller)
-  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / exp_minus_max(scores + g * padded_len, seq_len);
+  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / simd::exp_minus_max(scores + g * padded_len, seq_len);
   // Pass 2: acc[g] += p[g, t] * v[t], the slice's value rows widened to float once for all heads.
-  for (int64_t start = 0; start < seq_len; start += 16) {
-    const int64_t count = std::min<int64_t>(16, seq_len - start);
-    const scalar_t* v_rows = v_base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
-    for (int64_t t = 0; t < count; ++t)
-      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(rows + t * D + c * 16, serval::load16(v_rows + t * row_stride + c * 16));
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 acc[kChunks];
-      for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_loadu_ps(acc_base + g * D + c * 16);
-      const float* p = scores + g * padded_len + start;
-      for (int64_t t = 0; t < count; ++t) {
-        const __m512 weight = _mm512_set1_ps(p[t]);
-        for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(rows + t * D + c * 16), acc[c]);
-      }
-      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(acc_base + g * D + c * 16, acc[c]);
-    }
+  for (int64_t start = 0; start < seq_len; start += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, seq_len - start);
+    widen_rows<scalar_t, kChunks>(slice_rows(v_base, start), count, row_stride, rows);
+    accumulate_slice<kChunks>(scores + start, rows, count, group, padded_len, acc_base);
   }
   for (int64_t g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_sums[g]);
+    const vfloat inv = simd::set1(inv_sums[g]);
     for (int c = 0; c < kChunks; ++c)
-      serval::store16(out + g * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc_base + g * D + c * 16), inv));
+      simd::store(out + g * D + c * kLanes, simd::mul(simd::load(acc_base + g * D + c * kLanes), inv));
   }
 }
 
@@ -262,8 +261,8 @@ bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
                  int64_t q_stride) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim, block_stride = block_size * row_stride;
-  // 16-token slices must not straddle blocks.
-  if (block_size % 16 != 0 || group > 64) return false;
+  // kLanes-token slices must not straddle blocks.
+  if (block_size % kLanes != 0 || group > 64) return false;
   auto run = [&](auto chunks_constant) {
     constexpr int kChunks = decltype(chunks_constant)::value;
     at::parallel_for(0, n * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -278,27 +277,14 @@ bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       }
     });
   };
-  if (head_dim == 32) run(std::integral_constant<int, 2>{});
-  else if (head_dim == 64) run(std::integral_constant<int, 4>{});
-  else if (head_dim == 128) run(std::integral_constant<int, 8>{});
+  if (head_dim == 32) run(std::integral_constant<int, 32 / kLanes>{});
+  else if (head_dim == 64) run(std::integral_constant<int, 64 / kLanes>{});
+  else if (head_dim == 128) run(std::integral_constant<int, 128 / kLanes>{});
   else return false;
   return true;
 }
 
-template <typename scalar_t>
-bool try_decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
-                     const int32_t* lens, int64_t n, int64_t max_blocks, int64_t block_size, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride,
-                     int64_t q_stride) {
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    return false;
-  } else {
-    return decode_fast<scalar_t>(q, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
-                                 num_kv_heads, head_dim, scale, out, out_stride, q_stride);
-  }
-}
-
-#endif  // SERVAL_AVX512
+#endif  // SERVAL_SIMD
 
 }  // namespace
 
@@ -331,10 +317,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     const scalar_t* v_cache = k_cache + num_blocks * block_size * num_kv_heads * head_dim;
     scalar_t* out_ptr = out.data_ptr<scalar_t>();
     const int64_t out_stride = out.stride(0), q_stride = q.stride(0);
-#if SERVAL_AVX512
-    if (try_decode_fast<scalar_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
-                                  num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride, q_stride))
-      return;
+#if SERVAL_SIMD
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (decode_fast<scalar_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
+                                num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride, q_stride))
+        return;
+    }
 #endif
     auto run = [&](auto head_dim_constant) {
       constexpr int64_t kHeadDim = decltype(head_dim_constant)::value;

@@ -4,7 +4,8 @@
 // nearest even, NaN kept quiet), so an op computed here in float and stored as bf16 is bit-identical
 // to the same arithmetic done by torch's elementwise kernels. Row tails of any length are covered
 // (AVX-512: masks; AVX2: a zero-padded copy on the stack). `serval::simd` names whichever of the two
-// this build targets, so the fused elementwise ops are written once for both.
+// this build targets, so the fused elementwise ops and the decode attention kernel are written once
+// for both.
 #pragma once
 
 #include <ATen/Dispatch.h>
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 // float, bfloat16 and half (the dtypes a model runs in); other dtypes raise.
@@ -34,8 +36,9 @@
 #define SERVAL_AVX2 0
 #endif
 
-// The fused elementwise ops (elementwise.cpp) are built where either vector path is.
-#define SERVAL_FUSED_OPS (SERVAL_AVX512 || SERVAL_AVX2)
+// serval::simd exists where either vector path is; the fused elementwise ops (elementwise.cpp) are built there.
+#define SERVAL_SIMD (SERVAL_AVX512 || SERVAL_AVX2)
+#define SERVAL_FUSED_OPS SERVAL_SIMD
 
 #if SERVAL_AVX512
 
@@ -148,32 +151,78 @@ inline __m256 round_to8(__m256 v) {
 
 #endif  // SERVAL_AVX2
 
-// serval::simd: the vector type of this build and the few operations the fused ops need. A load or
+namespace serval {
+
+// Software prefetch of `count` rows (`row_bytes` each, `row_stride` elements apart) into L1/L2:
+// decode reads blocks scattered over the cache from DRAM, and the hardware prefetcher cannot guess
+// the next block.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* rows, int64_t count, int64_t row_stride, int64_t row_bytes) {
+#ifdef SERVAL_NO_PREFETCH
+  return;
+#endif
+  for (int64_t t = 0; t < count; ++t) {
+    const char* row = reinterpret_cast<const char*>(rows + t * row_stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+}  // namespace serval
+
+// serval::simd: the vector type of this build and the few operations the native ops need. A load or
 // store of `remaining` elements touches min(remaining, kLanes) of them; lanes past the end read 0.
+// Without `remaining`, a load or store covers a full vector.
 namespace serval::simd {
 
 #if SERVAL_AVX512
 
 using vfloat = __m512;
 constexpr int64_t kLanes = 16;
+constexpr int kRegisters = 32;  // vector registers: how many values a kernel may keep in them
 template <typename T>
 inline vfloat load(const T* p, int64_t remaining) { return load16(p, tail_mask(remaining)); }
 template <typename T>
 inline void store(T* p, vfloat v, int64_t remaining) { store16(p, v, tail_mask(remaining)); }
+inline vfloat load(const float* p) { return _mm512_loadu_ps(p); }
+template <typename T>
+inline vfloat load(const T* p) { return load16(p); }
+inline void store(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+template <typename T>
+inline void store(T* p, vfloat v) { store16(p, v); }
 template <typename scalar_t>
 inline vfloat round(vfloat v) { return round_to<scalar_t>(v); }
 inline vfloat set1(float x) { return _mm512_set1_ps(x); }
 inline vfloat add(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline vfloat mul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
 inline vfloat div(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
+inline vfloat sub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat fmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline vfloat max(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
 inline vfloat neg(vfloat a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.f)); }
 inline vfloat exp(vfloat a) { return Sleef_expf16_u10(a); }
 inline float reduce_add(vfloat a) { return _mm512_reduce_add_ps(a); }
+inline float reduce_max(vfloat a) { return _mm512_reduce_max_ps(a); }
+
+// Lane t of the result = sum of the lanes of v[t] (16 dot-product partials -> 16 dot products).
+inline vfloat transpose_sum(const vfloat* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // per 128-bit lane: the partial sums of tokens 4j .. 4j+3
+    const __m512d a = _mm512_castps_pd(w[2 * j]), b = _mm512_castps_pd(w[2 * j + 1]);
+    x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Sum the four 128-bit lanes of each x[j] and place x[j]'s total in lane group j.
+  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
 
 #elif SERVAL_AVX2
 
 using vfloat = __m256;
 constexpr int64_t kLanes = 8;
+constexpr int kRegisters = 16;
 // Full vectors load and store directly; a row's tail goes through a zero-padded stack copy (AVX2
 // has no masked 16-bit loads, and tails are rare: model widths are multiples of 8).
 template <typename T>
@@ -190,12 +239,19 @@ inline void store(T* p, vfloat v, int64_t remaining) {
   store8(buffer, v);
   std::memcpy(p, buffer, remaining * sizeof(T));
 }
+template <typename T>
+inline vfloat load(const T* p) { return load8(p); }
+template <typename T>
+inline void store(T* p, vfloat v) { store8(p, v); }
 template <typename scalar_t>
 inline vfloat round(vfloat v) { return round_to8<scalar_t>(v); }
 inline vfloat set1(float x) { return _mm256_set1_ps(x); }
 inline vfloat add(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
 inline vfloat mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
 inline vfloat div(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
+inline vfloat sub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat fmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c
+inline vfloat max(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
 inline vfloat neg(vfloat a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.f)); }
 inline vfloat exp(vfloat a) { return Sleef_expf8_u10(a); }
 inline float reduce_add(vfloat a) {
@@ -203,7 +259,44 @@ inline float reduce_add(vfloat a) {
   const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
   return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
 }
+inline float reduce_max(vfloat a) {
+  const __m128 halves = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 pairs = _mm_max_ps(halves, _mm_movehl_ps(halves, halves));
+  return _mm_cvtss_f32(_mm_max_ss(pairs, _mm_movehdup_ps(pairs)));
+}
 
+// Lane t of the result = sum of the lanes of v[t] (8 dot-product partials -> 8 dot products).
+inline vfloat transpose_sum(const vfloat* v) {
+  __m256 w[4], x[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 2; ++j) {  // per 128-bit lane: the partial sums of tokens 4j .. 4j+3
+    const __m256d a = _mm256_castps_pd(w[2 * j]), b = _mm256_castps_pd(w[2 * j + 1]);
+    x[j] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  // Sum the two 128-bit lanes of each x[j] and place x[j]'s total in lane group j.
+  return _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+}
+
+#endif
+
+#if SERVAL_SIMD
+// Softmax numerators of one score row in place; returns their sum (the caller divides at the end).
+// `scores` has room for n rounded up to whole vectors: that padding is set to -inf, whose exp is 0.
+inline float exp_minus_max(float* scores, int64_t n) {
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t p = n; p < padded; ++p) scores[p] = -std::numeric_limits<float>::infinity();
+  vfloat max_v = set1(-std::numeric_limits<float>::infinity());
+  for (int64_t p = 0; p < padded; p += kLanes) max_v = max(max_v, load(scores + p));
+  const vfloat max_b = set1(reduce_max(max_v));
+  vfloat sum_v = set1(0.f);
+  for (int64_t p = 0; p < padded; p += kLanes) {
+    const vfloat e = exp(sub(load(scores + p), max_b));
+    sum_v = add(sum_v, e);
+    store(scores + p, e);
+  }
+  return reduce_add(sum_v);
+}
 #endif
 
 }  // namespace serval::simd
