@@ -216,3 +216,33 @@ def test_a_matcher_rolls_back_accepted_tokens_and_accepts_again(model_path):
     assert grammar.num_accepted_tokens == 0
     assert grammar.accept_token(c) and grammar.accept_token(d) and grammar.accept_token(1)
     assert grammar.is_terminated()
+
+
+@pytest.mark.parametrize("vocab", [2048, 8195])
+def test_the_bitmask_stage_masks_exactly_the_disallowed_tokens_of_grammar_rows(vocab):
+    """Native op, plain-torch fallback and xgrammar's reference agree, bit for bit: whole-word runs, single
+    bits, a vocabulary that ends mid-word, and grammar rows that are not every row or in order."""
+    import torch
+    import xgrammar as xgr
+
+    from engine.kernels.cpu import load_cpu_kernels, use_cpu_kernels
+    from engine.sample.grammar_bitmask import apply_grammar_bitmask
+
+    assert load_cpu_kernels() is not None, "the native kernels must build here"
+    generator = torch.Generator().manual_seed(0)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
+    bitmask[:, 5:40] = 0  # runs of disallowed words
+    bitmask[:, 40:60] = -1  # and of allowed ones
+    logits = torch.randn(5, vocab, generator=generator)
+    sampled, grammar_rows = ["a", "b", "c", "d", "e"], ["d", "a", "c"]
+    expected = logits.clone()
+    spread = torch.full((5, words), -1, dtype=torch.int32)
+    spread[[3, 0, 2]] = bitmask
+    xgr.apply_token_bitmask_inplace(expected, spread, indices=[3, 0, 2])
+    native, fallback = logits.clone(), logits.clone()
+    apply_grammar_bitmask(native, sampled, grammar_rows, bitmask)
+    with use_cpu_kernels(False):
+        apply_grammar_bitmask(fallback, sampled, grammar_rows, bitmask)
+    assert torch.equal(native, expected) and torch.equal(fallback, expected)
+    assert torch.equal(native[[1, 4]], logits[[1, 4]])  # free rows untouched

@@ -1,12 +1,19 @@
 """Structured outputs on the output rank: the step's grammar bitmask applied to the logits.
 
 Runs before the sampler, so masked tokens are out of reach of every later stage: they get
-``-inf``, a logprob of ``-inf``, and can be neither drawn nor the argmax.
+``-inf``, a logprob of ``-inf``, and can be neither drawn nor the argmax. On CPU the native op
+(``apply_token_bitmask``: whole 32-token words at a time, rows in parallel; xgrammar's own CPU
+kernel took 2.8 ms for 64 rows of an 8k vocabulary, 15 % of a W2 step), on CUDA xgrammar's kernel,
+elsewhere a vectorized torch fallback.
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.kernels.cpu import load_cpu_kernels
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def apply_grammar_bitmask(
@@ -15,15 +22,21 @@ def apply_grammar_bitmask(
     """Sets to ``-inf``, in place, each grammar row's disallowed tokens; other rows are left as they are.
 
     ``logits`` ``[len(sampled_req_ids), vocab]``: row ``i`` is ``sampled_req_ids[i]``'s.
-    ``bitmask`` ``[len(bitmask_req_ids), ceil(vocab / 32)]`` int32: row ``j`` is
+    ``bitmask`` ``[len(bitmask_req_ids), ceil(vocab / 32)]`` int32 on the CPU: row ``j`` is
     ``bitmask_req_ids[j]``'s, each of which is sampled this step.
     """
-    import xgrammar as xgr  # here, not at the top: 1-2 s (transformers) at every engine start otherwise
-
     row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
     rows = [row_of[req_id] for req_id in bitmask_req_ids]
-    if rows != list(range(len(sampled_req_ids))):  # the grammar rows are not every row in order: spread them
-        spread = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
-        spread[rows] = bitmask
-        bitmask = spread
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+    if logits.device.type == "cpu":
+        kernels = load_cpu_kernels() if logits.dtype == torch.float32 and logits.stride(1) == 1 else None
+        if kernels is not None:
+            kernels.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+        else:
+            allowed = ((bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1).view(len(rows), -1)[:, : logits.shape[1]]
+            logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))
+        return
+    import xgrammar as xgr  # its CUDA kernel (imported here: it pulls in transformers)
+
+    spread = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+    spread[rows] = bitmask
+    xgr.apply_token_bitmask_inplace(logits, spread.to(logits.device, non_blocking=True), indices=rows)

@@ -6,6 +6,7 @@
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out);
 torch::Tensor argmax_rows(torch::Tensor logits);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 #if SERVAL_FUSED_OPS
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
@@ -16,6 +17,8 @@ void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax of float32 logits [n, V] -> int64 [n]");
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (float32 logits, int32 bitmask)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D], written into out if given)",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
