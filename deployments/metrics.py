@@ -261,13 +261,13 @@ class RouterMetrics:
         self.indexed_blocks = metrics.Gauge(
             "serval_router_indexed_blocks", "KV blocks the router believes the replica holds.", tag_keys=ROUTER_TAG_KEYS
         )
+        # Tagged by the replica ranked first, like every serval_* series (each carries model_name and replica).
         self.routing_seconds = metrics.Histogram(
             "serval_router_choose_seconds",
-            "Time to hash and score one request.",
+            "Time to hash and score one request, by the replica ranked first.",
             boundaries=[1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
-            tag_keys=("model_name",),
+            tag_keys=ROUTER_TAG_KEYS,
         )
-        self.routing_seconds.set_default_tags({"model_name": model_name})
 
     def _tags(self, replica: str) -> dict:
         return {"model_name": self.model_name, "replica": replica}
@@ -276,6 +276,9 @@ class RouterMetrics:
         self.prompt_tokens.inc(num_prompt_tokens, self._tags(replica))
         if num_predicted_hit_tokens:
             self.predicted_hit_tokens.inc(num_predicted_hit_tokens, self._tags(replica))
+
+    def record_routing_time(self, replica: str, seconds: float) -> None:
+        self.routing_seconds.observe(seconds, self._tags(replica))
 
     def record_decision(self, replica: str, reason: str, load: int) -> None:
         self.decisions.inc(1, {**self._tags(replica), "reason": reason})

@@ -74,7 +74,8 @@ class KVAwareRouter(RequestRouter):
         earlier = self._choices.get(request_id)  # a retry: the prompt is hashed already
         start = time.perf_counter()
         choice = choose(self.options, self.index, list(by_id), hint, earlier and earlier.hashes)
-        self.metrics.routing_seconds.observe(time.perf_counter() - start)
+        if choice.ranked:
+            self.metrics.record_routing_time(choice.ranked[0], time.perf_counter() - start)
         if len(self._choices) >= MAX_REMEMBERED_CHOICES:
             self._choices.clear()
         self._choices[request_id] = choice

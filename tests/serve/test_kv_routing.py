@@ -151,6 +151,31 @@ def test_a_session_stays_on_its_replica_across_turns(app):
     assert sorted(finished.values()) == [0, 4], finished
 
 
+def test_the_router_metrics_reach_rays_endpoint_tagged_by_model_and_replica(app):
+    """The series of the dashboard's "KV-aware routing" row (tests/serve/test_observability.py's app has no
+    KV-routed deployment), each sample tagged like every serval_* series."""
+    head, _ = app
+    url = f"http://127.0.0.1:{head.metrics_port}/metrics"
+    wanted = [
+        "serval_router_decisions",
+        "serval_router_prompt_tokens",
+        "serval_router_predicted_hit_tokens",
+        "serval_router_replica_load",
+        "serval_router_indexed_blocks",
+        "serval_router_choose_seconds_bucket",
+    ]
+    deadline = time.monotonic() + 60  # Ray's agent exports every few seconds
+    while True:
+        lines = [line for line in httpx.get(url, timeout=10).text.splitlines() if "serval_router_" in line]
+        missing = [name for name in wanted if not any(name in line and not line.startswith("#") for line in lines)]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"router metrics missing from Ray's endpoint: {missing}"
+        time.sleep(2)
+    samples = [line for line in lines if not line.startswith("#")]
+    assert all('model_name="' in line and 'replica="' in line for line in samples), samples[:5]
+
+
 def test_a_killed_replica_leaves_the_index_and_requests_still_succeed(app):
     head, _ = app
     rng = random.Random(3)

@@ -153,11 +153,12 @@ def has_finite_value(vector: list[dict]) -> bool:
 
 
 def test_every_dashboard_panel_query_returns_data(prometheus, bench_run):
-    # The disaggregated-prefill row needs a PD app: tests/serve/test_pd_serve.py checks its series.
+    # The disaggregated-prefill row needs a PD app (tests/serve/test_pd_serve.py checks its series), the
+    # KV-aware routing row a KV-routed deployment (tests/serve/test_kv_routing.py checks its series).
     queries = [
         query
         for row, row_queries in panel_queries_by_row(load_dashboard()).items()
-        if row != "Disaggregated prefill"
+        if row not in ("Disaggregated prefill", "KV-aware routing")
         for query in row_queries
     ]
     assert len(queries) >= 15
