@@ -184,6 +184,50 @@ class StructuredOutputsConfig(_FrozenConfig):
     )
 
 
+class SpeculativeConfig(_FrozenConfig):
+    """Speculative decoding (vLLM's ``speculative_config``): who proposes draft tokens, and how many.
+
+    ``method`` is implied by ``model`` (``draft_model``) when not given. The draft checkpoint's
+    vocabulary and context length are checked against the target's when the engine config is
+    built (``EngineArgs.create_engine_config``), where both are known.
+    """
+
+    method: Literal["ngram", "draft_model"] | None = Field(
+        None, description="ngram (prompt lookup, no model) or draft_model; None: draft_model when model is set."
+    )
+    model: str | None = Field(None, description="draft_model: the draft's local checkpoint directory.")
+    num_speculative_tokens: int = Field(..., ge=1, le=32, description="Draft tokens proposed per request per step.")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: shortest suffix n-gram matched in the context.")
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, description="ngram: longest suffix n-gram tried first; None: prompt_lookup_min."
+    )
+    disable_by_batch_size: int | None = Field(
+        None, ge=2, description="Speculate only while fewer than this many requests run; None: always."
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Drafts stop at this sequence length; None: the target's max_model_len."
+    )
+
+    @model_validator(mode="after")
+    def _method_and_model_agree(self) -> SpeculativeConfig:
+        if self.method is None:
+            if self.model is None:
+                raise ValueError("speculative_config needs a method ('ngram' or 'draft_model') or a draft model.")
+            object.__setattr__(self, "method", "draft_model")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config.model is required for method 'draft_model'.")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model is set, but method 'ngram' uses no draft model.")
+        if self.prompt_lookup_max is None:
+            object.__setattr__(self, "prompt_lookup_max", self.prompt_lookup_min)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_max ({self.prompt_lookup_max}) is smaller than "
+                f"prompt_lookup_min ({self.prompt_lookup_min})."
+            )
+        return self
+
+
 class DeviceConfig(_FrozenConfig):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     num_threads: int | None = Field(
@@ -208,3 +252,4 @@ class EngineConfig:
     device_config: DeviceConfig
     kv_transfer_config: KVTransferConfig | None = None  # disaggregated prefill only
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding only

@@ -28,6 +28,7 @@ from engine.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 
@@ -55,6 +56,10 @@ UNROUTED_FIELDS: dict[str, tuple[Any, FieldInfo]] = {
     "structured_outputs_config": (
         StructuredOutputsConfig,
         Field(StructuredOutputsConfig(), description="Structured outputs: backend, disable_any_whitespace."),
+    ),
+    "speculative_config": (
+        SpeculativeConfig | None,
+        Field(None, description="Speculative decoding: method (ngram, draft_model), num_speculative_tokens, ..."),
     ),
 }
 
@@ -123,7 +128,35 @@ class _EngineArgsBase(BaseModel):
             device_config=DeviceConfig(**self._routed_values(DeviceConfig)),
             kv_transfer_config=self.kv_transfer_config,
             structured_outputs_config=self.structured_outputs_config,
+            speculative_config=self._checked_speculative_config(max_model_len),
         )
+
+    def _checked_speculative_config(self, max_model_len: int) -> SpeculativeConfig | None:
+        """The speculative config with its draft checked against the target (each error names the field)."""
+        spec = self.speculative_config
+        if spec is None:
+            return None
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config: pipeline_parallel_size > 1 is not supported with speculation.")
+        if spec.max_model_len is not None and spec.max_model_len > max_model_len:
+            raise ValueError(
+                f"speculative_config.max_model_len ({spec.max_model_len}) exceeds the target's "
+                f"max_model_len ({max_model_len})."
+            )
+        if spec.model is not None:
+            target_vocab, draft_vocab = _vocab_size(self.model), _vocab_size(spec.model)
+            if draft_vocab != target_vocab:
+                raise ValueError(
+                    f"speculative_config.model {spec.model!r} has a vocabulary of {draft_vocab} tokens, "
+                    f"the target {target_vocab}: a draft must share the target's tokenizer."
+                )
+            draft_len = _max_position_embeddings(spec.model)
+            if draft_len < (spec.max_model_len or max_model_len):
+                raise ValueError(
+                    f"speculative_config.model {spec.model!r} holds {draft_len} positions, fewer than the "
+                    f"{spec.max_model_len or max_model_len} it would draft up to: set speculative_config.max_model_len."
+                )
+        return spec.model_copy(update={"max_model_len": spec.max_model_len or max_model_len})
 
 
 EngineArgs = create_model(
@@ -138,9 +171,17 @@ EngineArgs = create_model(
 )
 
 
-def _max_position_embeddings(model_dir: str) -> int:
+def _read_config(model_dir: str) -> dict:
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"{model_dir!r} is not a model directory: it has no config.json.")
     with open(path, encoding="utf-8") as f:
-        return int(json.load(f).get("max_position_embeddings", 2048))
+        return json.load(f)
+
+
+def _max_position_embeddings(model_dir: str) -> int:
+    return int(_read_config(model_dir).get("max_position_embeddings", 2048))
+
+
+def _vocab_size(model_dir: str) -> int:
+    return int(_read_config(model_dir)["vocab_size"])

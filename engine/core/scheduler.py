@@ -19,6 +19,7 @@ from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_request_queue
+from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.core.step_outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.step_plan import StepPlan
 from engine.core.stop_conditions import check_stop
@@ -32,6 +33,7 @@ class SchedulerStats:
     num_preemptions: int  # since start
     prefix_cache_stats: PrefixCacheStats
     kv_transfer_stats: KVTransferStats | None = None  # with KV transfer configured
+    spec_decoding_stats: SpecDecodingStats | None = None  # with speculative decoding configured (a copy)
 
 
 class Scheduler:
