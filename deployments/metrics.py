@@ -14,33 +14,13 @@ from ray.util import metrics
 
 from engine.core.kv_transfer import KVTransferStats
 from engine.core.scheduler import SchedulerStats
+from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.metrics import IterationStats
 
 TAG_KEYS = ("model_name", "replica")
 # Seconds; vLLM's buckets for request-level latencies, finer ones for per-token latencies.
-REQUEST_LATENCY_BUCKETS = [
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0]
+REQUEST_LATENCY_BUCKETS += [240.0, 480.0, 960.0, 1920.0, 7680.0]
 TOKEN_LATENCY_BUCKETS = [
     0.001,
     0.005,
@@ -92,6 +72,7 @@ class RayStatLogger:
         )
         self._init_latency_histograms()
         self.kv_transfer = KVTransferMetrics()
+        self.spec_decode: SpecDecodeMetrics | None = None  # made at the first step that carries its stats
         # The scheduler's counters are totals since start; Ray counters take increments.
         self._last_preemptions = self._last_queries = self._last_hits = 0
 
@@ -150,6 +131,10 @@ class RayStatLogger:
                 self.time_per_output_token.observe(finished.mean_time_per_output_token_s, tags)
         if scheduler_stats.kv_transfer_stats is not None:
             self.kv_transfer.record(scheduler_stats.kv_transfer_stats, iteration_stats.kv_load_latencies_s, tags)
+        if scheduler_stats.spec_decoding_stats is not None:
+            if self.spec_decode is None:
+                self.spec_decode = SpecDecodeMetrics()
+            self.spec_decode.record(scheduler_stats.spec_decoding_stats, tags)
 
     def _add_total(self, counter: metrics.Counter, last_attr: str, total: int) -> None:
         increment = total - getattr(self, last_attr)
@@ -203,6 +188,47 @@ class KVTransferMetrics:
                 self._last[counter.info["name"]] = total
         for latency in load_latencies_s:
             self.latency.observe(latency, tags)
+
+
+class SpecDecodeMetrics:
+    """Speculative decoding, per engine, as vLLM's ``vllm:spec_decode_*`` counters: verified drafts, their
+    tokens, the tokens accepted, and per draft position (``position`` "0" is the first drafted token) the
+    drafts whose token there was accepted. Acceptance rate: accepted / draft tokens; mean acceptance
+    length: 1 + accepted / drafts."""
+
+    def __init__(self) -> None:
+        self.num_drafts = metrics.Counter(
+            "serval_spec_decode_num_drafts", "Draft steps verified (a request's drafts in one step).", tag_keys=TAG_KEYS
+        )
+        self.num_draft_tokens = metrics.Counter(
+            "serval_spec_decode_num_draft_tokens", "Draft tokens verified.", tag_keys=TAG_KEYS
+        )
+        self.num_accepted_tokens = metrics.Counter(
+            "serval_spec_decode_num_accepted_tokens", "Draft tokens accepted.", tag_keys=TAG_KEYS
+        )
+        self.num_accepted_tokens_per_pos = metrics.Counter(
+            "serval_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted.",
+            tag_keys=(*TAG_KEYS, "position"),
+        )
+        # The scheduler's counts are totals since start; Ray counters take increments.
+        self._last = SpecDecodingStats(num_spec_tokens=0)
+
+    def record(self, stats: SpecDecodingStats, tags: dict) -> None:
+        last = self._last
+        for counter, total, last_total in (
+            (self.num_drafts, stats.num_drafts, last.num_drafts),
+            (self.num_draft_tokens, stats.num_draft_tokens, last.num_draft_tokens),
+            (self.num_accepted_tokens, stats.num_accepted_tokens, last.num_accepted_tokens),
+        ):
+            if total > last_total:
+                counter.inc(total - last_total, tags)
+        last_per_pos = last.num_accepted_tokens_per_pos
+        for position, total in enumerate(stats.num_accepted_tokens_per_pos):
+            increment = total - (last_per_pos[position] if position < len(last_per_pos) else 0)
+            if increment > 0:
+                self.num_accepted_tokens_per_pos.inc(increment, {**tags, "position": str(position)})
+        self._last = stats.copy()
 
 
 class RemotePrefillMetrics:

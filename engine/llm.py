@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from engine.engine_args import EngineArgs
 from engine.frontend.processor import PromptType
 from engine.llm_engine import LLMEngine
+from engine.metrics.reader import Metric, engine_metrics
 from engine.request_output import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,6 +24,13 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now, like vLLM's ``LLM.get_metrics()``: ``Counter``s (since start) and
+        ``Gauge``s with ``.value``, ``Vector``s with ``.values`` (``engine.metrics.reader``), named as the
+        replicas' Prometheus series (``serval_generation_tokens``, ``serval_spec_decode_num_drafts``, ...)
+        and labelled with ``model_name``. Speculative decoding's appear only when it is configured."""
+        return engine_metrics(self.llm_engine.get_stats(), {"model_name": self.llm_engine.config.model_config.model})
 
     def shutdown(self) -> None:
         """Releases the workers: their weights and KV caches, and the Ray worker actors and placement

@@ -47,12 +47,13 @@ def test_packaged_dashboard_is_valid():
         "Ray Serve",
         "Disaggregated prefill",
         "KV-aware routing",
+        "Speculative decoding",
     ]
 
 
 def test_every_serval_metric_has_a_panel():
     series = serval_metric_series()
-    assert len(series) == 31, series
+    assert len(series) == 35, series
     exprs = "\n".join(expr for _, expr in panel_queries(load_dashboard()))
     missing = [name for name in series if not re.search(rf"\b{name}\b", exprs)]
     assert not missing, f"no panel reads {missing}"

@@ -1,8 +1,8 @@
 """Per-request latency statistics, an engine's totals and snapshots, and the loggers that publish them
 (no Ray here; see deployments/)."""
 
-from engine.metrics.engine_stats import EngineStats, EngineTotals
-from engine.metrics.loggers import LoggingStatLogger, StatLogger
+from engine.metrics.engine_stats import EngineStats, EngineTotals, SpecDecodingSummary
+from engine.metrics.loggers import LoggingStatLogger, SpecDecodingLogging, StatLogger
 from engine.metrics.stats import FinishedRequestStats, IterationStats, RequestTimes
 
 __all__ = [
@@ -12,5 +12,7 @@ __all__ = [
     "IterationStats",
     "LoggingStatLogger",
     "RequestTimes",
+    "SpecDecodingLogging",
+    "SpecDecodingSummary",
     "StatLogger",
 ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.core.kv_transfer import KVTransferStats
 from engine.core.scheduler import SchedulerStats
+from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.metrics.stats import IterationStats
 
 
@@ -34,6 +35,31 @@ class EngineTotals:
         self.num_steps += 1
         self.num_generation_tokens += iteration_stats.num_generation_tokens
         self.num_finished_reqs += iteration_stats.num_finished_reqs
+
+
+@dataclass(frozen=True)
+class SpecDecodingSummary:
+    """Speculative decoding since start: the scheduler's ``SpecDecodingStats`` counts and the two figures
+    made of them (``acceptance_rate``: accepted / draft tokens, 0 before any draft;
+    ``mean_acceptance_length``: tokens per verified draft step, 1 + accepted / drafts, 1 before any)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: tuple[int, ...]  # [i]: drafts whose token i was accepted
+    acceptance_rate: float
+    mean_acceptance_length: float
+
+    @classmethod
+    def of(cls, stats: SpecDecodingStats) -> SpecDecodingSummary:
+        return cls(
+            num_drafts=stats.num_drafts,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
+            num_accepted_tokens_per_pos=tuple(stats.num_accepted_tokens_per_pos),
+            acceptance_rate=stats.acceptance_rate,
+            mean_acceptance_length=stats.mean_acceptance_length,
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,7 @@ class EngineStats:
     prefix_cache_hits: int
     prefix_cache_queries: int
     kv_transfer: KVTransferStats | None = None  # disaggregated prefill only (a copy)
+    spec_decoding: SpecDecodingSummary | None = None  # with speculative decoding configured
 
     @classmethod
     def derive(
@@ -67,6 +94,7 @@ class EngineStats:
         """The snapshot of these stats; it shares nothing mutable with them (the engine steps on)."""
         prefix = scheduler_stats.prefix_cache_stats
         kv_transfer = scheduler_stats.kv_transfer_stats
+        spec_decoding = scheduler_stats.spec_decoding_stats
         return cls(
             num_running_reqs=scheduler_stats.num_running_reqs,
             num_waiting_reqs=scheduler_stats.num_waiting_reqs,
@@ -82,4 +110,5 @@ class EngineStats:
             prefix_cache_hits=prefix.num_hit_tokens,
             prefix_cache_queries=prefix.num_queried_tokens,
             kv_transfer=None if kv_transfer is None else dataclasses.replace(kv_transfer),
+            spec_decoding=None if spec_decoding is None else SpecDecodingSummary.of(spec_decoding),
         )

@@ -154,11 +154,13 @@ def has_finite_value(vector: list[dict]) -> bool:
 
 def test_every_dashboard_panel_query_returns_data(prometheus, bench_run):
     # The disaggregated-prefill row needs a PD app (tests/serve/test_pd_serve.py checks its series), the
-    # KV-aware routing row a KV-routed deployment (tests/serve/test_kv_routing.py checks its series).
+    # KV-aware routing row a KV-routed deployment (tests/serve/test_kv_routing.py checks its series), the
+    # speculative decoding row an engine with speculative_config (tests/test_spec_decode_metrics.py checks
+    # its series are the ones deployments/metrics.py exports).
     queries = [
         query
         for row, row_queries in panel_queries_by_row(load_dashboard()).items()
-        if row not in ("Disaggregated prefill", "KV-aware routing")
+        if row not in ("Disaggregated prefill", "KV-aware routing", "Speculative decoding")
         for query in row_queries
     ]
     assert len(queries) >= 15
