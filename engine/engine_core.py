@@ -39,7 +39,9 @@ class EngineCore:
         num_blocks = cache_config.num_blocks or self.executor.determine_num_available_blocks()
         self.executor.initialize_cache(num_blocks)
         self.cache_config = cache_config.model_copy(update={"num_blocks": num_blocks})
-        self.scheduler = Scheduler(config.scheduler_config, self.cache_config, config.kv_transfer_config)
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.cache_config, config.kv_transfer_config, config.speculative_config
+        )
         self.structured_outputs = StructuredOutputManager(config)
         self.config = config
         self.max_concurrent_batches = self.executor.max_concurrent_batches

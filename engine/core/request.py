@@ -110,6 +110,9 @@ class Request:
         self.num_preemptions = 0
         # Structured outputs: set by the engine core once the grammar is compiled, before scheduling.
         self.grammar: Grammar | None = None
+        # Speculative decoding: the draft tokens proposed after the last step, verified by the next one
+        # that schedules this request (never part of all_token_ids until the target accepts them).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_request_queue
+from engine.core.spec_decode import SpecDecodeScheduling
 from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.core.step_outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from engine.core.step_plan import StepPlan
@@ -42,6 +43,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         kv_transfer_config: KVTransferConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -59,6 +61,9 @@ class Scheduler:
             None
             if kv_transfer_config is None
             else KVConnectorScheduler(kv_transfer_config.kv_role, cache_config.block_size)
+        )
+        self.spec_decode = (
+            None if speculative_config is None else SpecDecodeScheduling(speculative_config, self.max_model_len)
         )
 
     def _check_pool_holds_one_sequence(self) -> None:
@@ -127,8 +132,9 @@ class Scheduler:
         return output
 
     def _num_tokens_to_compute(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        """How many of ``request``'s tokens past ``num_computed_tokens`` fit this step (0: none are new)."""
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        """How many of ``request``'s tokens (its drafts included) past ``num_computed_tokens`` fit this step
+        (0: none are new)."""
+        num_new_tokens = request.num_tokens + len(request.spec_token_ids) - num_computed_tokens
         threshold = self._long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -142,6 +148,8 @@ class Scheduler:
         num_scheduled_tokens, new_block_ids = plan.num_scheduled_tokens, plan.new_block_ids
         scheduled_running = plan.scheduled_running
         token_budget = plan.token_budget
+        spec_decode = self.spec_decode
+        speculating = spec_decode is not None and spec_decode.is_enabled(running)
         index = 0
         while index < len(running) and token_budget > 0:
             request = running[index]
@@ -149,10 +157,13 @@ class Scheduler:
             if num_new_tokens == 0:  # nothing new since the last step (its output is not in yet)
                 index += 1
                 continue
-            new_blocks = allocate_slots(request, num_new_tokens)
+            num_slots = num_new_tokens
+            if speculating:
+                num_slots += spec_decode.num_lookahead(request.num_computed_tokens + num_new_tokens)
+            new_blocks = allocate_slots(request, num_slots)
             if new_blocks is None:
                 plan.token_budget = token_budget
-                new_blocks = self._preempt_until_fits(request, num_new_tokens, plan)
+                new_blocks = self._preempt_until_fits(request, num_slots, plan)
                 token_budget = plan.token_budget  # unscheduled victims gave their tokens back
                 if new_blocks is None:
                     break  # ``request`` itself was preempted: the pool holds nothing more this step
@@ -161,6 +172,8 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             # Most decode steps need no new block: skip building an empty list comprehension.
             new_block_ids[request.request_id] = [block.block_id for block in new_blocks] if new_blocks else []
+            if request.spec_token_ids:
+                spec_decode.schedule_drafts(request, num_new_tokens, plan)
             token_budget -= num_new_tokens
             index += 1
         plan.token_budget = token_budget
@@ -204,10 +217,10 @@ class Scheduler:
             if not self.scheduler_config.enable_chunked_prefill and num_wanted > plan.token_budget:
                 break
             num_new_tokens = self._num_tokens_to_compute(request, num_computed_tokens, plan.token_budget)
-            if (
-                kv.allocate_slots(request, num_external_tokens + num_new_tokens, num_hit_tokens, computed_blocks)
-                is None
-            ):
+            num_slots = num_external_tokens + num_new_tokens
+            if self.spec_decode is not None:
+                num_slots += self.spec_decode.num_lookahead(num_computed_tokens + num_new_tokens)
+            if kv.allocate_slots(request, num_slots, num_hit_tokens, computed_blocks) is None:
                 break
             kv.record_prefix_cache_query(request, num_hit_tokens)
             if self.kv_connector is not None:
@@ -235,6 +248,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         if self.kv_connector is not None:
@@ -274,11 +288,17 @@ class Scheduler:
         requests = self.requests
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(model_runner_output.kv_transfer_output, requests)
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        draft_token_ids = model_runner_output.draft_token_ids or {}
         for req_id, sampled in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
+            if req_id in scheduled_drafts and sampled:
+                self.spec_decode.verify_drafts(request, len(scheduled_drafts[req_id]), len(sampled))
             new_token_ids = self._append_until_stop(request, sampled) if sampled else sampled
+            if req_id in draft_token_ids and request.status == RequestStatus.RUNNING:
+                self.spec_decode.take_drafts(request, draft_token_ids[req_id])
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not new_token_ids and new_prompt_logprobs is None and request.status == RequestStatus.RUNNING:
                 continue
@@ -335,4 +355,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_stats=self.kv_cache_manager.prefix_cache_stats,
             kv_transfer_stats=None if self.kv_connector is None else self.kv_connector.stats,
+            spec_decoding_stats=None if self.spec_decode is None else self.spec_decode.stats.copy(),
         )

@@ -31,8 +31,9 @@ class CachedRequestData:
     """Deltas for requests the workers already hold, one list entry per request."""
 
     req_ids: list[str] = field(default_factory=list)
-    # The tokens this step computes, at positions num_computed_tokens[i] onward. Workers write
-    # them into their copy of the sequence (which lacks the tokens sampled since the last step).
+    # The tokens this step computes, at positions num_computed_tokens[i] onward (draft tokens aside:
+    # those are in SchedulerOutput.scheduled_spec_decode_tokens). Workers write them into their copy
+    # of the sequence (which lacks the tokens sampled since the last step).
     new_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
@@ -58,6 +59,10 @@ class SchedulerOutput:
     # allowing token 32 * w + b) is ``structured_output_req_ids[i]``'s. Built by the engine core.
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # Speculative decoding: the draft tokens each request verifies this step. They are its last
+    # len(drafts) scheduled tokens (after those in the deltas) and it is sampled at each of them:
+    # 1 + len(drafts) logits rows, whose grammar bitmask rows (if any) follow one another likewise.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -78,7 +83,9 @@ class ModelRunnerOutput:
     """What one step of the model produced, for the requests of a SchedulerOutput.
 
     ``sampled_token_ids[i]`` belongs to ``req_ids[i]``; it is empty for a
-    request whose prefill chunk did not reach the end of its prompt.
+    request whose prefill chunk did not reach the end of its prompt. With
+    speculative decoding it holds the accepted draft tokens and one more (the
+    target's own), and ``draft_token_ids`` the drafts proposed for the next step.
     """
 
     req_ids: list[str]
@@ -86,6 +93,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] | None = None
     prompt_logprobs: dict[str, LogprobsLists] | None = None
     kv_transfer_output: KVTransferOutput | None = None
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass(slots=True)

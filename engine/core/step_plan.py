@@ -36,12 +36,14 @@ class StepPlan:
     scheduled_running: list[Request] = field(default_factory=list)
     scheduled_new: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # the drafts each request verifies
 
     def unschedule(self, request: Request) -> None:
         """Takes back a running request scheduled earlier this step: its tokens return to the budget."""
         self.scheduled_running.remove(request)
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         del self.new_block_ids[request.request_id]
+        self.spec_token_ids.pop(request.request_id, None)
 
     def build_output(
         self,
@@ -77,4 +79,5 @@ class StepPlan:
             total_num_scheduled_tokens=max_num_batched_tokens - self.token_budget,
             preempted_req_ids={request.request_id for request in self.preempted},
             finished_req_ids=finished_req_ids,
+            scheduled_spec_decode_tokens=self.spec_token_ids,
         )

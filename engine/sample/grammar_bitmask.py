@@ -26,7 +26,25 @@ def apply_grammar_bitmask(
     ``bitmask_req_ids[j]``'s, each of which is sampled this step.
     """
     row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
-    rows = [row_of[req_id] for req_id in bitmask_req_ids]
+    apply_grammar_bitmask_rows(logits, [row_of[req_id] for req_id in bitmask_req_ids], bitmask)
+
+
+def grammar_rows(sampled_req_ids: list[str], num_draft_tokens: list[int], bitmask_req_ids: list[str]) -> list[int]:
+    """The logits row of each bitmask row when request ``i`` of ``sampled_req_ids`` owns ``1 + num_draft_tokens[i]``
+    consecutive logits rows, and each of ``bitmask_req_ids`` as many consecutive bitmask rows (speculative decoding)."""
+    first_row, row = {}, 0
+    for req_id, num_drafts in zip(sampled_req_ids, num_draft_tokens):
+        first_row[req_id] = (row, num_drafts + 1)
+        row += num_drafts + 1
+    rows = []
+    for req_id in bitmask_req_ids:
+        start, count = first_row[req_id]
+        rows.extend(range(start, start + count))
+    return rows
+
+
+def apply_grammar_bitmask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Like ``apply_grammar_bitmask``, with bitmask row ``j`` applied to logits row ``rows[j]``."""
     if logits.device.type == "cpu":
         kernels = load_cpu_kernels() if logits.dtype == torch.float32 and logits.stride(1) == 1 else None
         if kernels is not None:

@@ -8,7 +8,8 @@ grammar failed (``FINISHED_ERROR``, xgrammar's reason in ``stop_reason``) before
 Every other request keeps stepping meanwhile: compiling never runs on the step's path.
 
 Each step, ``attach_bitmask`` writes the allowed tokens of every grammar request the step samples
-into the ``SchedulerOutput`` (one bitmask row each), which the output rank's sampler applies.
+into the ``SchedulerOutput`` (one bitmask row each, and one more per draft token it verifies: the
+grammar state each draft position would reach), which the output rank's sampler applies.
 """
 
 from __future__ import annotations
@@ -102,9 +103,14 @@ class StructuredOutputManager:
             return
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(sampled), self._backend.vocab_size)  # [rows, ceil(vocab / 32)]
-        for row, request in enumerate(sampled):
-            request.grammar.fill_bitmask(bitmask, row)
+        drafts = output.scheduled_spec_decode_tokens
+        num_rows = len(sampled) + sum(len(drafts.get(request.request_id, ())) for request in sampled)
+        bitmask = xgr.allocate_token_bitmask(num_rows, self._backend.vocab_size)  # [rows, ceil(vocab / 32)]
+        row = 0
+        for request in sampled:
+            request_drafts = drafts.get(request.request_id, [])
+            _fill_draft_rows(request.grammar, request_drafts, bitmask, row)
+            row += 1 + len(request_drafts)
         output.structured_output_req_ids = [request.request_id for request in sampled]
         output.grammar_bitmask = bitmask
 
@@ -157,6 +163,24 @@ def _lower_thread_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_THREAD_NICE)
         except (AttributeError, OSError):  # not Linux, or not allowed: compile at the process's priority
             pass
+
+
+def _fill_draft_rows(grammar, draft_token_ids: list[int], bitmask, row: int) -> None:
+    """Rows ``row ..`` of ``bitmask``: the tokens allowed after each prefix of the drafts (speculative decoding).
+
+    The grammar advances through the drafts it allows, then rolls back to where it was. Past a draft it
+    refuses (or once it has terminated) the rows allow everything: the target rejects that draft (its
+    row masks it), so no later row is ever sampled from."""
+    grammar.fill_bitmask(bitmask, row)
+    num_accepted = 0
+    for token_id in draft_token_ids:
+        if not grammar.accept_token(token_id):
+            break
+        num_accepted += 1
+        if grammar.is_terminated():
+            break
+        grammar.fill_bitmask(bitmask, row + num_accepted)
+    grammar.rollback(num_accepted)
 
 
 def _stop_token_ids(request: Request) -> list[int]:

@@ -29,6 +29,7 @@ class InputBatch:
         # Generators of preempted requests survive until the request finishes, so a seeded
         # request draws the same tokens whether or not it was preempted.
         self._parked_generators: dict[str, torch.Generator] = {}
+        self._speculating: list[CachedRequestState] = []  # the states given drafts by the last step
 
     def apply_deltas(self, scheduler_output: SchedulerOutput) -> None:
         """Drops finished and preempted requests, adds new ones, applies the running ones' deltas."""
@@ -59,6 +60,15 @@ class InputBatch:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             state.write_tokens(state.num_computed_tokens, cached.new_token_ids[i])
             self.block_table.append(state.slot, cached.new_block_ids[i])
+        self._set_drafts(scheduler_output.scheduled_spec_decode_tokens)
+
+    def _set_drafts(self, spec_decode_tokens: dict[str, list[int]]) -> None:
+        """Gives each request the drafts it verifies this step; the others have none."""
+        for state in self._speculating:
+            state.spec_token_ids = []
+        self._speculating = [self.requests[req_id] for req_id in spec_decode_tokens]
+        for state in self._speculating:
+            state.spec_token_ids = spec_decode_tokens[state.req_id]
 
     def _remove_request(self, req_id: str) -> CachedRequestState | None:
         state = self.requests.pop(req_id, None)
@@ -83,3 +93,11 @@ class InputBatch:
         """Appends each request's sampled token to its sequence (the output rank's own copy)."""
         for req_id, token_id in zip(req_ids, token_ids):
             self.requests[req_id].token_ids.append(token_id)
+
+    def append_verified_tokens(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
+        """Appends each request's accepted drafts and the token after them; its rejected drafts' positions
+        are no longer computed (the output rank's own copy; the others learn it from the next deltas)."""
+        for req_id, tokens in zip(req_ids, token_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens -= len(state.spec_token_ids) + 1 - len(tokens)
+            state.token_ids.extend(tokens)

@@ -30,13 +30,14 @@ from engine.kv_transfer import KVConnectorWorker
 from engine.model import get_model
 from engine.model.layers.cpu_prepack import prepack_linears
 from engine.sample import Sampler
-from engine.sample.grammar_bitmask import apply_grammar_bitmask
+from engine.sample.grammar_bitmask import apply_grammar_bitmask_rows, grammar_rows
 from engine.sample.prompt_logprobs import PromptLogprobs
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from engine.worker.input_batch import InputBatch
 from engine.worker.profiling import profile_forward
 from engine.worker.request_state import CachedRequestState
 from engine.worker.sampling_inputs import SamplingMetadataCache, prompt_chunks
+from engine.worker.spec_decode_runner import SpecDecodeRunner
 from engine.worker.step_inputs import StepInputs
 
 
@@ -49,11 +50,11 @@ class ModelRunner:
     ``DecodeGraphRunner`` graph), prompt logprobs (``PromptLogprobs``), logits at
     each sampled request's last token, the grammar bitmask of
     structured-output requests (``apply_grammar_bitmask``), then the
-    ``Sampler``. One seam is left for a feature to come:
-
-    * a proposer (speculative decoding) goes after ``_sample``: it reads the
-      step's hidden states and sampled tokens and proposes draft tokens for
-      the next step, carried back in the ``ModelRunnerOutput``.
+    ``Sampler`` (or, in a step where requests verify drafts, the
+    ``DraftVerifier``). With speculative decoding a proposer follows
+    ``_sample``: it reads the step's sampled tokens (and may read its hidden
+    states) and proposes draft tokens for the next step, carried back in the
+    ``ModelRunnerOutput`` (``SpecDecodeRunner``).
     """
 
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -74,6 +75,7 @@ class ModelRunner:
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only, set up with the caches
+        self.spec_decode: SpecDecodeRunner | None = None  # speculative decoding, on the output rank only
         # Disaggregated prefill: loads remote KV before a step's forward, saves finished prompts after it.
         self.kv_connector = (
             None
@@ -101,6 +103,9 @@ class ModelRunner:
         self.hidden_size = self.model.arch_config.hidden_size
         self.eos_token_ids = list(self.model.arch_config.eos_token_ids)
         self.sampling_metadata = SamplingMetadataCache(self.vocab_size, self.eos_token_ids, self.device)
+        if self.config.speculative_config is not None and parallel.is_output_rank:
+            self.spec_decode = SpecDecodeRunner(self.config, self.input_batch, self.vocab_size, self.eos_token_ids)
+            self.spec_decode.load_model(self.dtype, self.device)
 
     def get_kv_cache_block_bytes(self) -> int:
         """Bytes one block takes across the layers of this rank (its stage, its KV heads)."""
@@ -108,11 +113,14 @@ class ModelRunner:
         num_elements = 1
         for dim in shape:
             num_elements *= dim
-        return num_elements * self.model.num_local_layers * self.dtype.itemsize
+        draft_bytes = 0 if self.spec_decode is None else self.spec_decode.kv_cache_block_bytes()
+        return num_elements * self.model.num_local_layers * self.dtype.itemsize + draft_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates the caches, then (CUDA, unless ``enforce_eager``) captures the decode graphs over them."""
         self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size)
+        if self.spec_decode is not None:
+            self.spec_decode.initialize_kv_cache(num_blocks)
         self.decode_graphs = capture_decode_graphs(
             self.model, self.kv_caches, self.config, self.max_num_blocks_per_req, self.device
         )
@@ -166,15 +174,18 @@ class ModelRunner:
         if not parallel.is_output_rank:
             return None
         sampled_tokens: dict[str, list[int]] = {}
-        logprobs = None
+        logprobs = draft_token_ids = None
         if logits is not None:
-            sampled_tokens, logprobs = self._sample(inputs.sampled_req_ids, logits, scheduler_output)
+            sampled_tokens, logprobs = self._sample(inputs, logits, scheduler_output)
+            if self.spec_decode is not None:
+                draft_token_ids = self.spec_decode.propose(inputs.sampled_req_ids, hidden[inputs.sample_indices])
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=[sampled_tokens.get(r, []) for r in inputs.req_ids],
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             kv_transfer_output=kv_output,
+            draft_token_ids=draft_token_ids,
         )
 
     def _forward(self, inputs: StepInputs):
@@ -192,15 +203,20 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
 
     def _sample(
-        self, req_ids: list[str], logits: torch.Tensor, scheduler_output: SchedulerOutput
+        self, inputs: StepInputs, logits: torch.Tensor, scheduler_output: SchedulerOutput
     ) -> tuple[dict[str, list[int]], dict[str, LogprobsLists] | None]:
-        """One token per request (logits row ``i`` is ``req_ids[i]``'s, grammar rows masked first),
-        and the logprobs they asked for."""
+        """The tokens of each sampled request (logits rows in ``inputs``' order, grammar rows masked
+        first): one each, or the accepted drafts and one more where it verifies drafts; and the
+        logprobs they asked for."""
+        req_ids = inputs.sampled_req_ids
         if scheduler_output.structured_output_req_ids:
-            apply_grammar_bitmask(
-                logits, req_ids, scheduler_output.structured_output_req_ids, scheduler_output.grammar_bitmask
-            )
+            rows = grammar_rows(req_ids, inputs.num_draft_tokens, scheduler_output.structured_output_req_ids)
+            apply_grammar_bitmask_rows(logits, rows, scheduler_output.grammar_bitmask)
         states = [self.requests[req_id] for req_id in req_ids]
+        if any(inputs.num_draft_tokens):
+            verified, logprobs = self.spec_decode.verifier(states, inputs.num_draft_tokens, logits)
+            self.input_batch.append_verified_tokens(req_ids, verified)
+            return dict(zip(req_ids, verified)), logprobs
         output = self.sampler(logits, self.sampling_metadata.get(states))
         token_ids = output.sampled_token_ids.tolist()
         self.input_batch.append_sampled_tokens(req_ids, token_ids)

@@ -25,6 +25,8 @@ class CachedRequestState:
     num_computed_tokens: int
     slot: int  # row of the block table
     generator: torch.Generator | None = None
+    # Speculative decoding: the drafts this step verifies, computed after token_ids' last token.
+    spec_token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -27,7 +27,10 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata
     sampled_req_ids: list[str]  # requests that get a token this step, in logits-row order
-    sample_indices: torch.Tensor  # [num_sampled] index of each one's last token in the batch
+    # The batch rows logits are read at: each sampled request's last token, preceded by one row per
+    # draft it verifies (speculative decoding), so request i owns 1 + num_draft_tokens[i] rows.
+    sample_indices: torch.Tensor  # [num_sample_rows]
+    num_draft_tokens: list[int]  # per sampled request; all 0 without speculation
     token_offsets: list[int]  # where each request's tokens start in the batch (len num_reqs + 1)
     starts: list[int]  # each request's first position in this batch (its num_computed_tokens before it)
     query_lens: list[int]  # tokens each request computes in this batch
@@ -59,8 +62,17 @@ def build_step_inputs(
     offsets_np = np.zeros(len(req_ids) + 1, dtype=np.int64)  # [num_reqs + 1]
     np.cumsum(query_lens_np, out=offsets_np[1:])
     # The requests whose prompt is done with this batch get a token, read at their last row.
-    is_sampled = seq_lens_np == np.array([len(s.token_ids) for s in states], dtype=np.int64)  # [num_reqs]
+    num_drafts = np.array([len(s.spec_token_ids) for s in states], dtype=np.int64)  # [num_reqs]
+    is_sampled = seq_lens_np == np.array([len(s.token_ids) for s in states], dtype=np.int64) + num_drafts
     sampled_rows = np.flatnonzero(is_sampled)  # [num_sampled]
+    sample_indices = offsets_np[1:][sampled_rows] - 1  # [num_sampled]
+    if num_drafts.any():  # each sampled request's 1 + k last rows
+        num_drafts = num_drafts[sampled_rows]
+        ends = np.repeat(sample_indices, num_drafts + 1)  # [num_sample_rows]
+        back = np.repeat(np.cumsum(num_drafts + 1) - 1, num_drafts + 1) - np.arange(len(ends))
+        sample_indices = ends - back
+    else:
+        num_drafts = np.zeros(len(sampled_rows), dtype=np.int64)
     slots = np.array([s.slot for s in states])  # [num_reqs]: each request's block-table row
     positions, metadata = _position_tensors(
         block_table, slots, starts_np, query_lens_np, seq_lens_np, offsets_np, block_size, device
@@ -71,7 +83,8 @@ def build_step_inputs(
         positions=positions,
         attn_metadata=metadata,
         sampled_req_ids=[req_ids[i] for i in sampled_rows.tolist()],
-        sample_indices=torch.from_numpy(offsets_np[1:][sampled_rows] - 1).to(device),
+        sample_indices=torch.from_numpy(sample_indices).to(device),
+        num_draft_tokens=num_drafts.tolist(),
         token_offsets=offsets_np.tolist(),
         starts=first,
         query_lens=query_lens,
@@ -79,7 +92,8 @@ def build_step_inputs(
 
 
 def _gather_token_ids(states: list[CachedRequestState], starts: list[int], query_lens: list[int]) -> list[int]:
-    """The batch's token ids, request after request (one Python step per request)."""
+    """The batch's token ids, request after request (one Python step per request); a request's drafts
+    follow its known tokens."""
     input_ids: list[int] = []
     append, extend = input_ids.append, input_ids.extend
     for state, start, num_new in zip(states, starts, query_lens):
@@ -87,6 +101,8 @@ def _gather_token_ids(states: list[CachedRequestState], starts: list[int], query
             append(state.token_ids[start])
         else:
             extend(state.token_ids[start : start + num_new])
+            if state.spec_token_ids:
+                extend(state.spec_token_ids)
     return input_ids
 
 
