@@ -190,3 +190,35 @@ def test_replica_counters_add_the_scheduler_totals_differences(local_ray):
     )
     spec_samples = {key: value for key, value in samples.items() if "spec_decode" in key[0]}
     assert spec_samples == expected  # nothing from the replica without speculation
+
+
+@pytest.mark.slow
+def test_async_engine_reports_ngram_speculation(tiny_checkpoint, caplog):
+    """The serving path: the core process's stats reach get_stats() and the log line (real loggers)."""
+    import asyncio
+
+    from engine import SamplingParams
+    from engine.async_llm import AsyncLLM
+    from engine.engine_args import EngineArgs
+
+    stat_logger = LoggingStatLogger("m")
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    args = EngineArgs(model=tiny_checkpoint("llama"), dtype="float32", max_model_len=64, speculative_config=ngram)
+    engine = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger])
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=12)
+
+    async def run() -> None:
+        async for _ in engine.generate({"prompt_token_ids": [10, 11, 12, 13] * 4}, params, "r"):
+            pass
+
+    try:
+        asyncio.run(run())
+        summary = engine.get_stats().spec_decoding
+    finally:
+        engine.shutdown()
+    assert summary.num_draft_tokens > 0 and 0 <= summary.num_accepted_tokens <= summary.num_draft_tokens
+    assert summary.acceptance_rate == pytest.approx(summary.num_accepted_tokens / summary.num_draft_tokens)
+    with caplog.at_level(logging.INFO, logger="engine.metrics"):
+        stat_logger.log()
+    line = LINE.search(caplog.text)
+    assert line and int(line["drafted"]) == summary.num_draft_tokens, caplog.text
