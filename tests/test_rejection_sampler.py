@@ -39,23 +39,34 @@ def greedy_reference(logits, params, prompt, k):
 # ---------------------------------------------------------------- greedy
 
 
-def test_greedy_accepts_exactly_the_matching_prefix():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_greedy_accepts_exactly_the_matching_prefix(mixed):
+    """Request m agrees with the argmax for its first m drafts only; ``mixed`` puts a random
+    request with its own draft probabilities after each greedy one."""
     torch.manual_seed(0)
     k, vocab = 4, 64
-    logits = torch.randn(5 * (k + 1), vocab)
-    before = logits.clone()
-    best = logits.argmax(-1).view(5, k + 1)
-    requests = []
-    for m in range(k + 1):  # request m agrees with the argmax for its first m drafts only
+    greedy_logits = torch.randn(k + 1, k + 1, vocab)
+    best = greedy_logits.argmax(-1)
+    blocks, requests, probs = [], [], []
+    for m in range(k + 1):
         drafts = best[m, :k].tolist()
         if m < k:
             drafts[m] = (drafts[m] + 1) % vocab
+        blocks.append(greedy_logits[m])
         requests.append((GREEDY, drafts))
-    out = judge(logits, requests)
+        probs.append(torch.rand(k, vocab))  # a greedy request ignores its q
+        if mixed:
+            blocks.append(torch.randn(3, vocab))
+            requests.append((RANDOM, [7, 8]))
+            probs.append(torch.softmax(torch.randn(2, vocab), -1))
+    logits = torch.cat(blocks)
+    before = logits.clone()
+    out = judge(logits, requests, torch.cat(probs) if mixed else None)
     assert torch.equal(logits, before)
-    assert out.num_accepted == list(range(k + 1))
+    step = 2 if mixed else 1
+    assert out.num_accepted[::step] == list(range(k + 1))
     for m in range(k + 1):
-        assert out.token_ids[m] == best[m, : m + 1].tolist()
+        assert out.token_ids[m * step] == best[m, : m + 1].tolist()
     assert out.logprobs is None
 
 

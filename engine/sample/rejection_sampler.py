@@ -257,7 +257,10 @@ def _logprobs_lists(
 ) -> list[LogprobsLists | None]:
     """One raw-logprob row per emitted token (the row that produced it), cut per request."""
     if num_logprobs is None or len(num_logprobs) != len(starts):
-        raise ValueError("num_logprobs (each request's SamplingParams.logprobs) is required with logprobs")
+        raise ValueError(
+            "a row asks for logprobs: pass num_logprobs=[each request's SamplingParams.logprobs] "
+            "(the metadata keeps only the batch's largest count)"
+        )
     rows = [start + j for start, ids in zip(starts, token_ids) for j in range(len(ids))]
     device = raw_logprobs.device
     flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64, device=device)
