@@ -19,10 +19,12 @@ def spec_rows(params, drafts, prompt=(), output=(), generator=None):
     return [(params, list(prompt), list(output) + list(drafts[:j]), generator) for j in range(len(drafts) + 1)]
 
 
-def judge(logits, requests, draft_probs=None, num_logprobs=None):
-    """``requests``: (params, drafts[, prompt, output, generator]) per request."""
+def judge(logits, requests, draft_probs=None, num_logprobs=None, bad_words=None):
+    """``requests``: (params, drafts[, prompt, output, generator]) per request; ``bad_words``
+    (token ids, shared by all rows)."""
     rows = [row for r in requests for row in spec_rows(*r)]
-    meta = SamplingMetadata.from_requests(rows, logits.shape[1], EOS)
+    row_bad_words = None if bad_words is None else [bad_words] * len(rows)
+    meta = SamplingMetadata.from_requests(rows, logits.shape[1], EOS, bad_words_token_ids=row_bad_words)
     drafts = [list(r[1]) for r in requests]
     return RejectionSampler()(logits, [len(d) for d in drafts], drafts, draft_probs, meta, num_logprobs)
 
@@ -269,6 +271,26 @@ def test_forbidden_draft_is_always_rejected(temperature, with_draft_probs):
     assert {t[0] for t in out.token_ids} <= {2, 3, 4}
     if temperature > 0:
         assert len({t[0] for t in out.token_ids}) == 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_masks_see_the_drafts_before_each_position(temperature):
+    """Bad words and min_tokens count the earlier drafts as output."""
+    torch.manual_seed(8)
+    params = SamplingParams(temperature=temperature, min_tokens=3)
+    logits = torch.full((4, 10), -5.0)  # each row's favourite holds ~0.9996 of the mass
+    logits[0, 5] = logits[1, 6] = logits[2, EOS] = logits[3, 1] = 5.0
+    logits[1, 2] = logits[2, 3] = 0.0  # the next best
+    # Draft 1 completes the bad word [5, 6].
+    out = judge(logits, [(params, [5, 6, EOS], [], [9])], bad_words=[[5, 6]])
+    assert out.num_accepted == [1] and out.token_ids[0][0] == 5 and out.token_ids[0][1] != 6
+    # EOS as draft 2: banned while 0 outputs + 2 drafts < min_tokens, allowed after 1 + 2.
+    out = judge(logits, [(params, [5, 6, EOS])])
+    assert out.num_accepted == [2] and out.token_ids[0][2] != EOS
+    out = judge(logits, [(params, [5, 6, EOS], [], [9])])
+    assert out.num_accepted == [3] and out.token_ids[0][:3] == [5, 6, EOS]
+    if temperature == 0:
+        assert out.token_ids[0][3] == 1
 
 
 def test_shapes_are_checked():
