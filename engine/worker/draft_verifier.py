@@ -42,7 +42,8 @@ class DraftVerifier:
             bad_words_token_ids=[row[0].bad_words_token_ids for row in rows],
         )
         drafts = [state.spec_token_ids[:num] for state, num in zip(states, num_draft_tokens)]
-        output = self.rejection_sampler(logits, num_draft_tokens, drafts, None, metadata)
+        num_logprobs = [state.sampling_params.logprobs for state in states]
+        output = self.rejection_sampler(logits, num_draft_tokens, drafts, None, metadata, num_logprobs)
         if output.logprobs is None:
             return output.token_ids, None
         logprobs = {s.req_id: row for s, row in zip(states, output.logprobs) if row is not None}
