@@ -45,8 +45,13 @@ class ModelLoadingConfig(_StrictModel):
     model_source: str | None = Field(None, description="Local checkpoint directory; defaults to model_id.")
 
     def resolved_source(self) -> str:
-        source = Path(os.path.expanduser(self.model_source or self.model_id))
-        return str(source if source.is_absolute() else SERVAL_ROOT / source)
+        return resolve_checkout_path(self.model_source or self.model_id)
+
+
+def resolve_checkout_path(path: str) -> str:
+    """``path`` with ``~`` expanded; a relative one resolves against the Serval checkout (as YAML paths do)."""
+    source = Path(os.path.expanduser(path))
+    return str(source if source.is_absolute() else SERVAL_ROOT / source)
 
 
 class AutoscalingConfig(_StrictModel):
@@ -162,7 +167,11 @@ class LLMConfig(_StrictModel):
         return self.model_loading_config.model_id
 
     def engine_args(self) -> EngineArgs:
-        return EngineArgs(model=self.model_loading_config.resolved_source(), **self.engine_kwargs)
+        engine_kwargs = dict(self.engine_kwargs)
+        draft = engine_kwargs.get("speculative_config")
+        if isinstance(draft, dict) and draft.get("model"):  # the draft checkpoint resolves like model_source
+            engine_kwargs["speculative_config"] = {**draft, "model": resolve_checkout_path(draft["model"])}
+        return EngineArgs(model=self.model_loading_config.resolved_source(), **engine_kwargs)
 
     def server_deployment_name(self) -> str:
         """``LLMServer:<model id>`` with characters Serve and URLs dislike replaced."""

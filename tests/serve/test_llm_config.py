@@ -168,3 +168,16 @@ def test_server_options_reach_the_ingress_of_both_builders():
         assert built._bound_deployment.init_args[1] == expected  # OpenAiIngress(llm_servers, server_options)
     defaults = build_openai_app({"llm_configs": [MINIMAL]})._bound_deployment.init_args[1]
     assert defaults == ServerOptions() and defaults.api_keys == []
+
+
+def test_a_relative_draft_checkpoint_resolves_against_the_checkout_like_model_source():
+    config = LLMConfig(
+        model_loading_config={"model_id": "m", "model_source": "assets/target"},
+        engine_kwargs={"speculative_config": {"model": "assets/draft", "num_speculative_tokens": 2}},
+    )
+    args = config.engine_args()
+    assert args.model == str(SERVAL_ROOT / "assets/target")
+    assert args.speculative_config.model == str(SERVAL_ROOT / "assets/draft")
+    assert args.speculative_config.method == "draft_model"
+    with pytest.raises(ValidationError, match="num_speculative_tokens"):
+        LLMConfig(model_loading_config={"model_id": "m"}, engine_kwargs={"speculative_config": {"method": "ngram"}})
