@@ -29,7 +29,6 @@ class InputBatch:
         # Generators of preempted requests survive until the request finishes, so a seeded
         # request draws the same tokens whether or not it was preempted.
         self._parked_generators: dict[str, torch.Generator] = {}
-        self._speculating: list[CachedRequestState] = []  # the states given drafts by the last step
 
     def apply_deltas(self, scheduler_output: SchedulerOutput) -> None:
         """Drops finished and preempted requests, adds new ones, applies the running ones' deltas."""
@@ -55,20 +54,15 @@ class InputBatch:
                 generator=generator,
             )
         cached = scheduler_output.scheduled_cached_reqs
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            if state.spec_token_ids:
+                _take_accepted_drafts(state)
             state.write_tokens(state.num_computed_tokens, cached.new_token_ids[i])
             self.block_table.append(state.slot, cached.new_block_ids[i])
-        self._set_drafts(scheduler_output.scheduled_spec_decode_tokens)
-
-    def _set_drafts(self, spec_decode_tokens: dict[str, list[int]]) -> None:
-        """Gives each request the drafts it verifies this step; the others have none."""
-        for state in self._speculating:
-            state.spec_token_ids = []
-        self._speculating = [self.requests[req_id] for req_id in spec_decode_tokens]
-        for state in self._speculating:
-            state.spec_token_ids = spec_decode_tokens[state.req_id]
+            state.spec_token_ids = drafts.get(req_id, [])
 
     def _remove_request(self, req_id: str) -> CachedRequestState | None:
         state = self.requests.pop(req_id, None)
@@ -101,3 +95,12 @@ class InputBatch:
             state = self.requests[req_id]
             state.num_computed_tokens -= len(state.spec_token_ids) + 1 - len(tokens)
             state.token_ids.extend(tokens)
+
+
+def _take_accepted_drafts(state: CachedRequestState) -> None:
+    """A rank that did not sample learns which of its last drafts were accepted from how far
+    ``num_computed_tokens`` now reaches past its tokens: those positions hold the drafts it verified.
+    (The output rank appended them when it sampled, so nothing changes there.)"""
+    num_accepted = state.num_computed_tokens - len(state.token_ids)
+    if num_accepted > 0:
+        state.token_ids.extend(state.spec_token_ids[:num_accepted])

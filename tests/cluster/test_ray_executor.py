@@ -183,3 +183,37 @@ def test_structured_outputs_under_tp2_x_pp2_equal_single_device(local_ray, tiny_
         tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray", num_cpus_per_worker=0.4
     )
     assert distributed == generate()
+
+
+@pytest.mark.parametrize(
+    "speculative_config",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        {"model": "DRAFT", "num_speculative_tokens": 3},
+    ],
+    ids=["ngram", "draft_model"],
+)
+def test_speculative_decoding_under_tp2_equals_single_device(
+    local_ray, tiny_checkpoint, single_device_tokens, speculative_config
+):
+    """Drafts are proposed on the output rank (the draft model whole, beside TP rank 0's slice of the target)
+    and verified by both ranks: greedy tokens equal the single-device run's."""
+    if speculative_config.get("model") == "DRAFT":
+        speculative_config = {**speculative_config, "model": tiny_checkpoint("llama")}  # the target as its draft
+    llm = LLM(
+        tiny_checkpoint("llama"),
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        num_cpus_per_worker=0.4,
+        speculative_config=speculative_config,
+        **ENGINE_KWARGS,
+    )
+    try:
+        assert _greedy_token_ids(llm) == single_device_tokens("llama")
+        assert_pool_clean(llm)
+        stats = llm.llm_engine.engine_core.scheduler.make_stats().spec_decoding_stats
+        assert stats.num_draft_tokens > 0, stats
+        if "model" in speculative_config:  # the target drafting for itself: its drafts hold
+            assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
+    finally:
+        llm.shutdown()
