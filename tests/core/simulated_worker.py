@@ -7,10 +7,17 @@ then verifies that every position each request attends to holds the right
 key. Wrong block tables, broken prefix-cache hits, lost deltas or tokens
 computed twice all fail here. The next token is a fixed function of the
 sequence, so the expected output of every request is known in advance.
+
+With ``num_spec_tokens`` it also speculates: after sampling it proposes that
+many drafts per request, each right with probability ``draft_accuracy``, and a
+step verifies the scheduled drafts as a target would (the accepted ones, then
+the true next token). Rejected drafts' KV stays in their slots: a later read
+of such a position before it is rewritten fails the checks.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
@@ -36,7 +43,12 @@ class _ReqState:
 
 
 class SimulatedWorker:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, vocab_size: int, num_spec_tokens: int = 0, draft_accuracy: float = 0.7
+    ) -> None:
+        self.num_spec_tokens = num_spec_tokens
+        self.draft_accuracy = draft_accuracy
+        self.rng = random.Random(0)
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv_slots: list[int | None] = [None] * (num_blocks * block_size)
@@ -49,6 +61,9 @@ class SimulatedWorker:
             self.requests.pop(req_id, None)
         self._apply_deltas(output)
         scheduled = list(output.num_scheduled_tokens.items())
+        drafts = output.scheduled_spec_decode_tokens
+        for req_id, draft_token_ids in drafts.items():  # computed after the known tokens, like them
+            self.requests[req_id].token_ids.extend(draft_token_ids)
         # Write all new KV first, then read: a forward pass does the same per layer.
         for req_id, num_tokens in scheduled:
             self._write_kv(self.requests[req_id], req_id, num_tokens)
@@ -58,8 +73,42 @@ class SimulatedWorker:
             self._check_reads(state, state.num_computed_tokens + num_tokens, req_id)
             state.num_computed_tokens += num_tokens
             is_prompt_done = state.num_computed_tokens == len(state.token_ids)
-            sampled.append([next_token(state.token_ids, self.vocab_size)] if is_prompt_done else [])
-        return ModelRunnerOutput(req_ids=[req_id for req_id, _ in scheduled], sampled_token_ids=sampled)
+            if req_id in drafts:
+                sampled.append(self._verify(state, len(drafts[req_id])))
+            else:
+                sampled.append([next_token(state.token_ids, self.vocab_size)] if is_prompt_done else [])
+        req_ids = [req_id for req_id, _ in scheduled]
+        proposals = None
+        if self.num_spec_tokens:
+            proposals = {r: self._propose(self.requests[r], t) for r, t in zip(req_ids, sampled) if t}
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, draft_token_ids=proposals)
+
+    def _verify(self, state: _ReqState, num_drafts: int) -> list[int]:
+        """The accepted drafts and the true token after them; the rejected ones leave the sequence."""
+        num_known = len(state.token_ids) - num_drafts
+        tokens = []
+        for position in range(num_known, len(state.token_ids) + 1):
+            token = next_token(state.token_ids[:position], self.vocab_size)
+            tokens.append(token)
+            if position == len(state.token_ids) or state.token_ids[position] != token:
+                break
+        num_accepted = len(tokens) - 1
+        del state.token_ids[num_known + num_accepted :]
+        del state.prefix_keys[num_known + num_accepted :]
+        state.num_computed_tokens = num_known + num_accepted
+        return tokens
+
+    def _propose(self, state: _ReqState, new_token_ids: list[int]) -> list[int]:
+        """Drafts after this step's tokens, each right with some chance. The sequence holds every token
+        the step returned but the last (accepted drafts stay in it; the last comes with the next deltas)."""
+        sequence = state.token_ids + new_token_ids[-1:]
+        drafts = []
+        for _ in range(self.num_spec_tokens):
+            token = next_token(sequence + drafts, self.vocab_size)
+            if self.rng.random() >= self.draft_accuracy:
+                token = (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+            drafts.append(token)
+        return drafts
 
     def _apply_deltas(self, output: SchedulerOutput) -> None:
         for new in output.scheduled_new_reqs:

@@ -2,7 +2,8 @@
 
 Each example draws a configuration (tiny block pools that force preemption,
 small budgets, chunked prefill on or off, both policies) and a workload
-(shared prefixes, cache salts, staggered arrivals, random aborts), runs it to
+(shared prefixes, cache salts, staggered arrivals, random aborts, drafts to
+verify, some of them wrong), runs it to
 the end, and checks after every step: the budget and max_num_seqs hold, the
 KV pool's integrity holds, and the simulated worker saw consistent block
 tables. At the end every request has exactly the tokens it was due and no
@@ -14,7 +15,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
@@ -56,6 +57,17 @@ def workloads(draw):
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 5, 17])),
     )
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=draw(st.booleans()))
+    num_spec_tokens = draw(st.sampled_from([0, 0, 1, 3]))
+    speculative_config = None
+    if num_spec_tokens:  # a draft model's lookahead slots, or none (n-gram); sometimes off for larger batches
+        method = draw(st.sampled_from(["ngram", "draft_model"]))
+        speculative_config = SpeculativeConfig(
+            method=method,
+            model="draft" if method == "draft_model" else None,
+            num_speculative_tokens=num_spec_tokens,
+            disable_by_batch_size=draw(st.sampled_from([None, None, 3])),
+            max_model_len=max_model_len,
+        )
     prefixes = [draw(st.lists(st.integers(1, VOCAB_SIZE - 1), min_size=0, max_size=40)) for _ in range(2)]
     requests = []
     for i in range(draw(st.integers(1, 10))):
@@ -89,15 +101,16 @@ def workloads(draw):
                 abort_at=draw(st.sampled_from([None, None, None, 1, 4, 9])),
             )
         )
-    return scheduler_config, cache_config, requests
+    return scheduler_config, cache_config, speculative_config, requests
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_with_exact_tokens(workload):
-    scheduler_config, cache_config, specs = workload
-    scheduler = Scheduler(scheduler_config, cache_config)
-    worker = SimulatedWorker(cache_config.num_blocks, cache_config.block_size, VOCAB_SIZE)
+    scheduler_config, cache_config, speculative_config, specs = workload
+    scheduler = Scheduler(scheduler_config, cache_config, speculative_config=speculative_config)
+    num_spec_tokens = 0 if speculative_config is None else speculative_config.num_speculative_tokens
+    worker = SimulatedWorker(cache_config.num_blocks, cache_config.block_size, VOCAB_SIZE, num_spec_tokens)
     salts = {spec["request"].request_id: spec["request"].cache_salt for spec in specs}
     aborted: set[str] = set()
     outputs: dict[str, list[int]] = {spec["request"].request_id: [] for spec in specs}
