@@ -72,6 +72,10 @@ SIZES: dict[str, SizePreset] = {
     "w1": SizePreset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=16384),
     # Llama-3-8B's shapes: 8.03B parameters, untied.
     "8b": SizePreset(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, bpe_vocab=16384),
+    # The trained pair (``--train``, engine/tools/train_model.py): a 10.0M target, untied, and a 1.42M tied
+    # draft sharing its 8192-token vocabulary.
+    "10m": SizePreset(hidden=256, layers=8, heads=4, kv_heads=2, intermediate=688, vocab=8192),
+    "draft": SizePreset(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=352, vocab=8192),
 }
 RESERVED_TOKEN = "<|reserved_{}|>"
 
@@ -136,12 +140,16 @@ def _spec(arch, size, seed, dtype, max_shard_size, tie_word_embeddings, vocab_si
     }
 
 
-def _is_complete(path: Path, spec: dict) -> bool:
+def is_complete(path: Path, spec: dict) -> bool:
+    """Whether ``path`` holds a finished checkpoint whose stored spec equals ``spec``.
+
+    The spec file's ``num_parameters`` and ``measured`` (results, not inputs) are not compared.
+    """
     spec_path = path / SPEC_FILE
     if not spec_path.is_file():
         return False
     stored = json.loads(spec_path.read_text())
-    return {k: v for k, v in stored.items() if k != "num_parameters"} == spec
+    return {k: v for k, v in stored.items() if k not in ("num_parameters", "measured")} == spec
 
 
 def _clear_output(path: Path) -> None:
@@ -182,17 +190,13 @@ def make_model(
     tie = ARCHS[arch][2] if tie_word_embeddings is None else tie_word_embeddings
     vocab = vocab_size or SIZES[size].vocab
     spec = _spec(arch, size, seed, dtype, max_shard_size, tie, vocab)
-    if not force and _is_complete(path, spec):
+    if not force and is_complete(path, spec):
         if not quiet:
             print(f"serval make-model: {path} already up to date ({arch}/{size}, seed {seed})")
         return path
     from engine.tools.weights import write_weights
 
-    _clear_output(path)
-    config = build_config(arch, size, dtype, tie, vocab)
-    config.save_pretrained(path)
-    _write_generation_config(path, config)
-    _write_tokenizer(path, arch, size, config.vocab_size)
+    config = write_skeleton(path, arch, size, dtype, tie, vocab)
     n_params = write_weights(path, config, seed, dtype, max_shard_size, threads=threads)
     # Written last: its presence marks the checkpoint as complete.
     (path / SPEC_FILE).write_text(json.dumps({**spec, "num_parameters": n_params}, indent=2) + "\n")
@@ -200,6 +204,19 @@ def make_model(
         tied = "tied" if config.tie_word_embeddings else "untied"
         print(f"serval make-model: {arch}/{size} {n_params / 1e6:.2f}M params ({tied}), {dtype}, seed {seed} -> {path}")
     return path
+
+
+def write_skeleton(path: Path, arch: str, size: str, dtype: str, tie: bool, vocab_size: int):
+    """Empty ``path`` (see ``_clear_output``), write everything but the weights; return the config.
+
+    That is config.json, generation_config.json and the tokenizer files (chat template included).
+    """
+    _clear_output(path)
+    config = build_config(arch, size, dtype, tie, vocab_size)
+    config.save_pretrained(path)
+    _write_generation_config(path, config)
+    _write_tokenizer(path, arch, size, config.vocab_size)
+    return config
 
 
 def _write_tokenizer(path: Path, arch: str, size: str, vocab_size: int) -> None:
@@ -265,12 +282,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.add_argument(
+        "--train",
+        action="store_true",
+        help="instead: train the Llama target/draft pair on the stdlib into PATH/serval-llama-10m and "
+        "PATH/serval-llama-draft (about 12 minutes on 2 cores; --seed applies, --arch/--size/--dtype do not)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="generate this many tensors at once (same bytes as 1; default 1)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``make-model`` for parsed ``args``; returns the exit code."""
+    if args.train:
+        from engine.tools.train_model import train_pair
+
+        train_pair(args.path, seed=args.seed, force=args.force)
+        return 0
     make_model(
         args.path,
         arch=args.arch,
