@@ -249,3 +249,27 @@ def test_bad_speculative_configs_fail_at_start_up_naming_the_field(model_path, t
         spec = {**spec, "model": str(short)}
     with pytest.raises(ValueError, match=field):
         EngineArgs(model=model_path, max_model_len=256, speculative_config=spec).create_engine_config()
+
+
+def test_a_stop_string_inside_a_verified_run_drops_the_tokens_after_it(model_path, draft_path):
+    # The target drafts for itself, so steps bring several tokens: those past the stop string are not output.
+    prompts = ["abc abc abc abc", "one two one two one"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=1)
+    plain = make_llm(model_path, max_model_len=256)
+    texts = [o.outputs[0].text for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, logprobs=1, stop=[t[9:12]]) for t in texts
+    ]
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    plain.shutdown()
+    spec = make_llm(
+        model_path, max_model_len=256, speculative_config={"model": model_path, "num_speculative_tokens": 4}
+    )
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert spec.llm_engine.engine_core.scheduler.make_stats().spec_decoding_stats.num_accepted_tokens > 0
+    spec.shutdown()
+    for mine, theirs in zip(got, expected):
+        mine, theirs = mine.outputs[0], theirs.outputs[0]
+        assert (mine.text, mine.token_ids, mine.finish_reason) == (theirs.text, theirs.token_ids, "stop")
+        assert len(mine.logprobs) == len(mine.token_ids)
+        assert mine.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)

@@ -77,7 +77,8 @@ class IncrementalDetokenizer:
         (flushes an incomplete trailing character). ``is_stop_token``: the last
         token is EOS / a stop_token_id; it is kept out of the text unless
         ``include_stop_str_in_output``. After a stop-string match the text is
-        cut and later calls are ignored.
+        cut, ``num_output_tokens`` counts the tokens up to the one that completed
+        it (later ones of ``new_token_ids`` are dropped), and later calls are ignored.
         """
         if self.is_stopped:
             return None
@@ -85,9 +86,15 @@ class IncrementalDetokenizer:
         if is_stop_token and new_token_ids and not self.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
         num_chars_before = len(self.output_text)
-        for token_id in new_token_ids:
+        for index, token_id in enumerate(new_token_ids):
             self.token_ids.append(token_id)
             self.output_text += self._decode_next(is_flush=False)
+            # Token by token: a step may bring several (speculative decoding), and those after the one
+            # that completes a stop string are not part of the output (``num_output_tokens`` ends there).
+            if self.stop and index + 1 < len(new_token_ids) and self.num_output_tokens > self.min_tokens:
+                if self._check_stop_strings(num_chars_before) is not None:
+                    return self.stop_reason
+                num_chars_before = len(self.output_text)
         if is_finished or is_stop_token:
             self.output_text += self._decode_next(is_flush=True)
         if self.stop and self.num_output_tokens > self.min_tokens:

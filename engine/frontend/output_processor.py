@@ -140,12 +140,24 @@ class OutputProcessor:
             # A matched stop string ends the request as "stop" even when the core finished it in
             # the same step (e.g. on its last allowed token, which would otherwise say "length").
             state.finish_reason, state.stop_reason = "stop", stop_string
+            self._drop_tokens_after_stop(state, detokenizer.num_output_tokens)
             return finish_reason is None  # still running in the core: the caller aborts it there
         if finish_reason is not None:
             state.finish_reason = finish_reason
             state.stop_reason = core_output.stop_reason
             state.kv_transfer_params = core_output.kv_transfer_params
         return False
+
+    @staticmethod
+    def _drop_tokens_after_stop(state: RequestState, num_kept: int) -> None:
+        """Drops the tokens a step brought past the one that completed a stop string (several come at once
+        with speculative decoding), with their logprobs."""
+        if state.logprobs is not None:
+            for token_id, position in zip(state.token_ids[num_kept:], state.logprobs[num_kept:]):
+                state.cumulative_logprob -= position[token_id].logprob
+            del state.logprobs[num_kept:]
+        del state.token_ids[num_kept:]
+        state.num_detokenized_tokens = min(state.num_detokenized_tokens, num_kept)
 
     @staticmethod
     def _detokenize(state: RequestState, finish_reason: str | None = None) -> str | None:
