@@ -176,3 +176,20 @@ class KVCacheManager:
             assert block.block_hash == block_hash, f"{block} registered under a foreign hash"
         num_hashed = sum(1 for block in pool.blocks if block.block_hash is not None)
         assert num_hashed == len(pool.cached_blocks), "a hashed block is missing from the cache map"
+
+
+def check_pool_holds_one_sequence(cache_config: CacheConfig, max_model_len: int) -> None:
+    """Raises ValueError unless the pool (``num_blocks`` set) holds one sequence of ``max_model_len``.
+
+    Otherwise one long request could preempt everything, then itself, forever.
+    """
+    num_blocks = cache_config.num_blocks
+    if num_blocks is None:
+        raise ValueError("CacheConfig.num_blocks must be set before the scheduler is built.")
+    capacity = (num_blocks - 1) * cache_config.block_size
+    if capacity < max_model_len:
+        raise ValueError(
+            f"The KV cache holds {capacity} tokens ({num_blocks - 1} usable blocks of "
+            f"{cache_config.block_size}), fewer than max_model_len={max_model_len}. "
+            "Give the cache more memory or lower max_model_len."
+        )

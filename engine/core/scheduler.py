@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from engine.core.block_pool import KVCacheBlock
-from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, check_pool_holds_one_sequence
 from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_request_queue
@@ -49,7 +49,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
         self._long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold  # read per request
-        self._check_pool_holds_one_sequence()
+        check_pool_holds_one_sequence(cache_config, self.max_model_len)
         self.kv_cache_manager = KVCacheManager(cache_config)
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)
@@ -65,19 +65,6 @@ class Scheduler:
         self.spec_decode = (
             None if speculative_config is None else SpecDecodeScheduling(speculative_config, self.max_model_len)
         )
-
-    def _check_pool_holds_one_sequence(self) -> None:
-        # Otherwise one long request could preempt everything, then itself, forever.
-        num_blocks = self.cache_config.num_blocks
-        if num_blocks is None:
-            raise ValueError("CacheConfig.num_blocks must be set before the scheduler is built.")
-        capacity = (num_blocks - 1) * self.cache_config.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(
-                f"The KV cache holds {capacity} tokens ({num_blocks - 1} usable blocks of "
-                f"{self.cache_config.block_size}), fewer than max_model_len={self.max_model_len}. "
-                "Give the cache more memory or lower max_model_len."
-            )
 
     # ----------------------------------------------------------------- requests
 
@@ -289,7 +276,6 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(model_runner_output.kv_transfer_output, requests)
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
-        draft_token_ids = model_runner_output.draft_token_ids or {}
         for req_id, sampled in zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids):
             request = requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -297,8 +283,6 @@ class Scheduler:
             if req_id in scheduled_drafts and sampled:
                 self.spec_decode.verify_drafts(request, len(scheduled_drafts[req_id]), len(sampled))
             new_token_ids = self._append_until_stop(request, sampled) if sampled else sampled
-            if req_id in draft_token_ids and request.status == RequestStatus.RUNNING:
-                self.spec_decode.take_drafts(request, draft_token_ids[req_id])
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not new_token_ids and new_prompt_logprobs is None and request.status == RequestStatus.RUNNING:
                 continue
@@ -318,6 +302,8 @@ class Scheduler:
                 output.kv_transfer_params = self._free_request(request)
         if any_finished:
             self.running = [request for request in self.running if request.status == RequestStatus.RUNNING]
+        if model_runner_output.draft_token_ids:
+            self.spec_decode.take_drafts(model_runner_output.draft_token_ids, requests)
         return outputs
 
     def _append_until_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:

@@ -22,7 +22,7 @@ Pure Python, like the rest of ``engine.core``.
 from __future__ import annotations
 
 from engine.config import SpeculativeConfig
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.core.step_plan import StepPlan
 
@@ -62,7 +62,14 @@ class SpecDecodeScheduling:
         request.num_computed_tokens -= num_drafts - num_accepted
         self.stats.observe_draft(num_drafts, num_accepted)
 
-    def take_drafts(self, request: Request, draft_token_ids: list[int]) -> None:
-        """Keeps the drafts proposed for ``request``'s next step, cut to what max_tokens and max_model_len allow."""
-        room = min(request.max_tokens - request.num_output_tokens - 1, self.config.max_model_len - request.num_tokens)
-        request.spec_token_ids = draft_token_ids[:room] if room > 0 else []
+    def take_drafts(self, draft_token_ids: dict[str, list[int]], requests: dict[str, Request]) -> None:
+        """Keeps the drafts proposed for each request still running, cut to what max_tokens and the
+        draft's max_model_len allow."""
+        for req_id, drafts in draft_token_ids.items():
+            request = requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            room = min(
+                request.max_tokens - request.num_output_tokens - 1, self.config.max_model_len - request.num_tokens
+            )
+            request.spec_token_ids = drafts[:room] if room > 0 else []

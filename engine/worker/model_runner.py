@@ -151,9 +151,7 @@ class ModelRunner:
             self.prompt_logprobs.forget(req_id)
         parallel = self.parallel_state
         kv_meta = scheduler_output.kv_connector_metadata
-        kv_output = KVTransferOutput() if kv_meta else None
-        if kv_meta and kv_meta.loads:
-            self.kv_connector.start_load_kv(kv_meta, self.kv_caches, kv_output, self.input_batch, self.model)
+        kv_output = self._start_kv_loads(kv_meta)
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if parallel.is_output_rank else None
         inputs = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
@@ -177,7 +175,7 @@ class ModelRunner:
         logprobs = draft_token_ids = None
         if logits is not None:
             sampled_tokens, logprobs = self._sample(inputs, logits, scheduler_output)
-            if self.spec_decode is not None:
+            if self.spec_decode is not None:  # the next step's drafts
                 draft_token_ids = self.spec_decode.propose(inputs.sampled_req_ids, hidden[inputs.sample_indices])
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
@@ -187,6 +185,13 @@ class ModelRunner:
             kv_transfer_output=kv_output,
             draft_token_ids=draft_token_ids,
         )
+
+    def _start_kv_loads(self, kv_meta) -> KVTransferOutput | None:
+        """Disaggregated prefill: the step's planned KV loads fill their blocks before the forward."""
+        kv_output = KVTransferOutput() if kv_meta else None
+        if kv_meta and kv_meta.loads:
+            self.kv_connector.start_load_kv(kv_meta, self.kv_caches, kv_output, self.input_batch, self.model)
+        return kv_output
 
     def _forward(self, inputs: StepInputs):
         """This rank's stage on the step's batch: a replayed CUDA graph for a small decode-only step, else eagerly.

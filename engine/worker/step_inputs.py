@@ -61,18 +61,7 @@ def build_step_inputs(
     seq_lens_np = starts_np + query_lens_np  # [num_reqs]
     offsets_np = np.zeros(len(req_ids) + 1, dtype=np.int64)  # [num_reqs + 1]
     np.cumsum(query_lens_np, out=offsets_np[1:])
-    # The requests whose prompt is done with this batch get a token, read at their last row.
-    num_drafts = np.array([len(s.spec_token_ids) for s in states], dtype=np.int64)  # [num_reqs]
-    is_sampled = seq_lens_np == np.array([len(s.token_ids) for s in states], dtype=np.int64) + num_drafts
-    sampled_rows = np.flatnonzero(is_sampled)  # [num_sampled]
-    sample_indices = offsets_np[1:][sampled_rows] - 1  # [num_sampled]
-    if num_drafts.any():  # each sampled request's 1 + k last rows
-        num_drafts = num_drafts[sampled_rows]
-        ends = np.repeat(sample_indices, num_drafts + 1)  # [num_sample_rows]
-        back = np.repeat(np.cumsum(num_drafts + 1) - 1, num_drafts + 1) - np.arange(len(ends))
-        sample_indices = ends - back
-    else:
-        num_drafts = np.zeros(len(sampled_rows), dtype=np.int64)
+    sampled_rows, sample_indices, num_drafts = _sample_rows(states, seq_lens_np, offsets_np)
     slots = np.array([s.slot for s in states])  # [num_reqs]: each request's block-table row
     positions, metadata = _position_tensors(
         block_table, slots, starts_np, query_lens_np, seq_lens_np, offsets_np, block_size, device
@@ -89,6 +78,24 @@ def build_step_inputs(
         starts=first,
         query_lens=query_lens,
     )
+
+
+def _sample_rows(
+    states: list[CachedRequestState], seq_lens: np.ndarray, offsets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sampled requests' batch rows [num_sampled], the batch rows logits are read at [num_sample_rows],
+    drafts per sampled request [num_sampled]): a request whose prompt is done with this batch gets a
+    token, read at its last row, and one more row per draft it verifies, just before it."""
+    num_drafts = np.array([len(s.spec_token_ids) for s in states], dtype=np.int64)  # [num_reqs]
+    is_sampled = seq_lens == np.array([len(s.token_ids) for s in states], dtype=np.int64) + num_drafts
+    sampled_rows = np.flatnonzero(is_sampled)  # [num_sampled]
+    sample_indices = offsets[1:][sampled_rows] - 1  # [num_sampled]
+    num_drafts = num_drafts[sampled_rows]
+    if num_drafts.any():  # each sampled request's 1 + k last rows
+        ends = np.repeat(sample_indices, num_drafts + 1)  # [num_sample_rows]
+        back = np.repeat(np.cumsum(num_drafts + 1) - 1, num_drafts + 1) - np.arange(len(ends))
+        sample_indices = ends - back
+    return sampled_rows, sample_indices, num_drafts
 
 
 def _gather_token_ids(states: list[CachedRequestState], starts: list[int], query_lens: list[int]) -> list[int]:
