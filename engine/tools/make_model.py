@@ -285,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--train",
         action="store_true",
         help="instead: train the Llama target/draft pair on the stdlib into PATH/serval-llama-10m and "
-        "PATH/serval-llama-draft (about 12 minutes on 2 cores; --seed applies, --arch/--size/--dtype do not)",
+        "PATH/serval-llama-draft (16 minutes measured on 2 shared cores; --seed applies, --arch/--size/--dtype do not)",
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="generate this many tensors at once (same bytes as 1; default 1)"

@@ -28,10 +28,13 @@ Determinism: float32 on CPU with ``torch.set_num_threads(2)`` and
 its own seeded generator. Same Python install + same seed: same loss bits
 (tests/test_trained_models.py checks it on a tiny config).
 
-Measured (this 2-core machine, shared; see assets/trained/README.md for the
-load average): target 360 steps + draft 360 steps + held-out evaluation
-in TOTAL_TIME_PLACEHOLDER. Held-out perplexity (bfloat16 weights, evaluated in float32):
-target PPL_TARGET_PLACEHOLDER, draft PPL_DRAFT_PLACEHOLDER.
+Measured (``serval make-model assets/trained --train`` on this 2-core machine
+while another job held about one core, load average ~3.1; assets/trained/README.md):
+957 s in all, of which the target's 360 steps 750 s (950-1180 tokens/s; unloaded
+1450-1850) and the draft's 163 s. Held-out perplexity (the saved bfloat16
+weights, evaluated in float32): target 187.4, draft 175.1 -- both compute-bound
+and undertrained, so greedy text is repetitive Python-shaped words. 640 steps of
+4 windows at lr 3e-3 (same compute) gave the target 202.7: worse.
 """
 
 from __future__ import annotations
