@@ -15,6 +15,8 @@ from tests.serve.cluster import LOOPBACK, deploy_and_wait, is_loopback, listenin
 # This module starts its own Ray head: tests/serve's session-wide ray_head is a fixture of that package's
 # conftest, and importing it here would make a second session instance (two clusters, two ray.init).
 pytestmark = [pytest.mark.ray, pytest.mark.serve]
+# The CPU example's model (configs/serve/default.yaml's): served here from the tiny checkpoint, under its path.
+EXAMPLE_MODEL, EXAMPLE_SOURCE = "serval-llama-10m", "assets/trained/serval-llama-10m"
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +31,10 @@ def head():
 @pytest.fixture(scope="module")
 def chart_config(head, tiny_checkpoint, tmp_path_factory):
     """The CPU example's rendered Serve config: on loopback, its models mount a directory holding the
-    local checkpoint under the example's name (models/tiny-llama -> <mount>/tiny-llama)."""
+    local checkpoint under the example's name (assets/trained/serval-llama-10m -> <mount>/assets/trained/...)."""
     mount = tmp_path_factory.mktemp("models")
-    (mount / "tiny-llama").symlink_to(tiny_checkpoint("llama"))
+    (mount / "assets" / "trained").mkdir(parents=True)
+    (mount / EXAMPLE_SOURCE).symlink_to(tiny_checkpoint("llama"))
     values = {
         **load_yaml(CHART_DIR / "examples" / "cpu-tiny.yaml"),
         "serve": {"host": LOOPBACK, "port": head.http_port},
@@ -40,16 +43,16 @@ def chart_config(head, tiny_checkpoint, tmp_path_factory):
     with helm_python.Chart.load(CHART_DIR) as chart:
         config = serve_config_of(rayservice(chart, values))
     (llm_config,) = config["applications"][0]["args"]["llm_configs"]
-    assert llm_config["model_loading_config"]["model_source"] == f"{mount}/tiny-llama"
+    assert llm_config["model_loading_config"]["model_source"] == f"{mount}/{EXAMPLE_SOURCE}"
     return config
 
 
 def test_the_cpu_examples_serve_config_deploys_and_answers_a_completion(head, chart_config):
     deploy_and_wait(head, chart_config)
     client = openai.OpenAI(base_url=f"{head.base_url}/v1", api_key="none", max_retries=0, timeout=120)
-    assert [model.id for model in client.models.list()] == ["tiny-llama"]
+    assert [model.id for model in client.models.list()] == [EXAMPLE_MODEL]
     response = client.completions.create(
-        model="tiny-llama", prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        model=EXAMPLE_MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
     assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 8
     assert response.choices[0].text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -17,11 +19,13 @@ def test_default_yaml_validates_and_maps_to_engine_args():
     assert app["import_path"] == "deployments.app:build_openai_app"
     args = LLMServingArgs.model_validate(app["args"])
     config = args.llm_configs[0]
-    assert config.model_id == "tiny-llama"
-    assert config.server_deployment_name() == "LLMServer:tiny-llama"
+    assert config.model_id == "serval-llama-10m"
+    assert config.server_deployment_name() == "LLMServer:serval-llama-10m"
     assert config.deployment_config.to_options()["num_replicas"] == 1
     # Relative sources resolve against the checkout, whatever the replica's working directory.
-    assert config.model_loading_config.resolved_source() == str(SERVAL_ROOT / "models/tiny-llama")
+    source = config.model_loading_config.resolved_source()
+    assert source == str(SERVAL_ROOT / "assets/trained/serval-llama-10m")
+    assert (Path(source) / "config.json").is_file()  # committed: served without `make models`
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ from tests.helm.local_head import start_head
 pytestmark = [pytest.mark.ray, pytest.mark.serve, pytest.mark.slow]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
-SHIPPED_MODEL = "models/tiny-llama"
+# The model sources the shipped configs name: the trained default (committed) and `make models`' tiny one.
+SHIPPED_MODELS = ("assets/trained/serval-llama-10m", "models/tiny-llama")
 NUM_CPUS = 2  # the machine the README runs them on
 STOP_BUDGET_S = 10.0  # `make stop` with nothing left in flight (issue 17)
 
@@ -38,10 +39,13 @@ def cpu_configs() -> list[str]:
 
 
 def localized(name: str, http_port: int, checkpoint: str) -> dict:
-    """The shipped config with its HTTP port on this test's head and ``models/tiny-llama`` at ``checkpoint``."""
+    """The shipped config with its HTTP port on this test's head and its model (one of ``SHIPPED_MODELS``)
+    at ``checkpoint``."""
     text = (CONFIGS / name).read_text()
-    assert SHIPPED_MODEL in text, f"{name} no longer serves {SHIPPED_MODEL}: update this test"
-    config = yaml.safe_load(text.replace(f"model_source: {SHIPPED_MODEL}", f"model_source: {checkpoint}"))
+    assert any(model in text for model in SHIPPED_MODELS), f"{name} serves none of {SHIPPED_MODELS}: update this test"
+    for model in SHIPPED_MODELS:
+        text = text.replace(f"model_source: {model}", f"model_source: {checkpoint}")
+    config = yaml.safe_load(text)
     config["http_options"]["port"] = http_port
     return config
 
