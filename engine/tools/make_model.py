@@ -14,6 +14,11 @@ Usage::
     python -m engine.tools.make_model /tmp/qwen-w1 --arch qwen2 --size w1 --dtype bfloat16
     python -m engine.tools.make_model /tmp/llama-8b --arch llama --size 8b --dtype bfloat16 \
         --max-shard-size 4000000000 --threads 16
+    serval make-model assets/trained --train   # trained, not random: see engine/tools/train_model.py
+
+``--train`` writes the trained target/draft pair (``serval-llama-10m``,
+``serval-llama-draft``: the ``10m`` and ``draft`` presets) into PATH instead;
+the committed pair in assets/trained is what ``make serve`` serves.
 
 The ``8b`` preset has Llama-3-8B's shapes (16 GB in bfloat16), for GPU
 benchmarks (``benchmarks/gpu_check.sh``). Its 128256-token vocabulary is more
