@@ -105,7 +105,8 @@ def run_in_subprocess(engine: str, config: dict) -> dict:
         return {
             "error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.returncode}"
         }
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    line = next((out for out in result.stdout.splitlines() if out.startswith("RESULT ")), None)
+    return {"error": "no result line"} if line is None else json.loads(line[len("RESULT ") :])
 
 
 def describe(row: dict) -> str:
@@ -134,7 +135,7 @@ def main() -> None:
     parser.add_argument("--out", default="results/spec-decode.json")
     args = parser.parse_args()
     if args.run_one:
-        print(json.dumps(run_one(args.run_one[0], json.loads(args.run_one[1]))))
+        print("RESULT " + json.dumps(run_one(args.run_one[0], json.loads(args.run_one[1]))), flush=True)
         return
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; load {os.getloadavg()}")
     rows = []
