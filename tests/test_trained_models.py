@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tools import train_model
+from engine.tools import distill, train_model
 from engine.tools.make_model import SPEC_FILE, build_config
 from engine.tools.tokenizer_trainer import BOS_ID
 from tests.conftest import HFReference, make_llm
@@ -84,14 +84,23 @@ def test_serval_greedy_equals_transformers(path):
         assert letters >= 0.5 * len("".join(text.split())), text
 
 
-def _tiny_run(seed: int, steps: int = 4):
+def _tiny_run(seed: int, steps: int = 4, loss_fn=None):
     config = build_config("llama", "tiny", "float32", tie_word_embeddings=False)
     gen = torch.Generator().manual_seed(7)
     windows = torch.randint(5, config.vocab_size, (16, 32), generator=gen)
     spec = dataclasses.replace(train_model.PAIR[train_model.DRAFT_NAME], size="tiny", steps=steps, warmup=2)
     with train_model.deterministic_cpu():
-        model, losses = train_model.train_lm(config, windows, spec, seed, quiet=True)
+        model, losses = train_model.train_lm(config, windows, spec, seed, quiet=True, loss_fn=loss_fn)
     return model, losses
+
+
+def _tiny_teacher():
+    """A frozen tiny 'target' (random weights, seed 5): distillation only needs some fixed distribution."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    teacher = AutoModelForCausalLM.from_config(build_config("llama", "tiny", "float32"), dtype=torch.float32)
+    return teacher.eval().requires_grad_(False)
 
 
 def test_training_is_deterministic_to_the_bit():
@@ -102,6 +111,32 @@ def test_training_is_deterministic_to_the_bit():
     for (name, a), (_, b) in zip(first_model.state_dict().items(), again_model.state_dict().items()):
         assert torch.equal(a, b), name
     assert first[-1] < first[0]  # it learns (the same few windows come back)
+
+
+def test_distillation_is_deterministic_to_the_bit():
+    teacher = _tiny_teacher()
+    before = {name: t.clone() for name, t in teacher.state_dict().items()}
+    first_model, first = _tiny_run(seed=0, loss_fn=distill.DistillLoss(teacher))
+    again_model, again = _tiny_run(seed=0, loss_fn=distill.DistillLoss(teacher))
+    _, other = _tiny_run(seed=1, loss_fn=distill.DistillLoss(teacher))
+    assert first == again and first != other
+    for (name, a), (_, b) in zip(first_model.state_dict().items(), again_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert first[-1] < first[0]  # the KL shrinks: the draft moves towards the teacher
+    assert all(torch.equal(t, before[name]) for name, t in teacher.state_dict().items())  # frozen
+
+
+def test_distillation_loss_is_the_kl_then_mixes_in_cross_entropy():
+    gen = torch.Generator().manual_seed(0)
+    draft, target = torch.randn(2, 3, 5, 11, generator=gen)
+    batch = torch.randint(0, 11, (3, 5), generator=gen)
+    assert distill.distillation_loss(target, target, batch).abs() < 1e-6  # KL(p || p) = 0
+    log_p, log_q = target.log_softmax(-1), draft.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    assert distill.distillation_loss(draft, target, batch) == pytest.approx(kl.item(), rel=1e-5)
+    ce = torch.nn.functional.cross_entropy(draft[:, :-1].reshape(-1, 11), batch[:, 1:].reshape(-1))
+    half = distill.distillation_loss(draft, target, batch, distill.DistillSpec(kd_weight=0.5))
+    assert half == pytest.approx(0.5 * kl.item() + 0.5 * ce.item(), rel=1e-5)
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():

@@ -289,8 +289,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--train",
         action="store_true",
-        help="instead: train the Llama target/draft pair on the stdlib into PATH/serval-llama-10m and "
-        "PATH/serval-llama-draft (16 minutes measured on 2 shared cores; --seed applies, --arch/--size/--dtype do not)",
+        help="instead: train the Llama target on the stdlib into PATH/serval-llama-10m, then distil the draft "
+        "PATH/serval-llama-draft from it (--seed applies, --arch/--size/--dtype do not)",
+    )
+    parser.add_argument(
+        "--draft-only",
+        action="store_true",
+        help="with --train: keep the (up-to-date) target as it is and (re)make only the draft from it",
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="generate this many tensors at once (same bytes as 1; default 1)"
@@ -302,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     if args.train:
         from engine.tools.train_model import train_pair
 
-        train_pair(args.path, seed=args.seed, force=args.force)
+        train_pair(args.path, seed=args.seed, force=args.force, draft_only=args.draft_only)
         return 0
     make_model(
         args.path,

@@ -1,4 +1,4 @@
-"""``serval make-model PATH --train``: train a small Llama target and its draft on the Python stdlib.
+"""``serval make-model PATH --train``: train a small Llama target on the Python stdlib, distil its draft.
 
 What: two Llama checkpoints sharing one byte-level BPE tokenizer (8192 ids,
 :mod:`engine.tools.tokenizer_trainer`), for speculative decoding demos and
@@ -20,7 +20,10 @@ with BOS in front (serving prompts start with BOS too).
 Schedule: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warmup
 then cosine decay to 10% of the peak, gradient clipping at 1.0, batches of 8
 windows (2048 tokens), ``TrainSpec.steps`` steps (360: 0.64 epoch of the 4490 training windows).
-The draft trains on the very same batches, in the same order.
+The target trains on next-token cross-entropy. The draft, made after it, is distilled from the saved
+target (:mod:`engine.tools.distill`: KL(target || draft) on the target's next-token distributions)
+on the very same batches, in the same order; ``--draft-only`` remakes only the draft from an
+existing target.
 
 Determinism: float32 on CPU with ``torch.set_num_threads(2)`` and
 ``torch.use_deterministic_algorithms``; weights initialised after
@@ -154,10 +157,14 @@ def _optimizer(model, spec: TrainSpec) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
-def train_lm(config, windows: torch.Tensor, spec: TrainSpec, seed: int, label: str = "", quiet: bool = False):
+def train_lm(
+    config, windows: torch.Tensor, spec: TrainSpec, seed: int, label: str = "", quiet: bool = False, loss_fn=None
+):
     """Train a fresh float32 causal LM for ``config`` on ``windows``; return ``(model, per-step losses)``.
 
-    Deterministic in (config, windows, spec, seed); call inside :func:`deterministic_cpu`.
+    ``loss_fn(model, batch)``: the objective (default: next-token cross-entropy; the draft's is
+    :class:`engine.tools.distill.DistillLoss`). Deterministic in (config, windows, spec, seed,
+    loss_fn); call inside :func:`deterministic_cpu`.
     """
     from transformers import AutoModelForCausalLM
 
@@ -171,7 +178,7 @@ def train_lm(config, windows: torch.Tensor, spec: TrainSpec, seed: int, label: s
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, spec)
         batch = windows[order[step]]
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(input_ids=batch, labels=batch).loss if loss_fn is None else loss_fn(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
         optimizer.step()
@@ -237,36 +244,62 @@ def _save(model, path: Path, spec: dict, measured: dict) -> None:
     (path / SPEC_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _train_one(path: Path, name: str, config, seed: int, data, quiet: bool) -> dict:
-    """Train, round to bfloat16, evaluate and save one model of the pair; return its measurements."""
+def _train_one(paths: dict[str, Path], name: str, config, seed: int, data, quiet: bool) -> dict:
+    """Train (the draft: distil from the saved target), round to bfloat16, evaluate and save one model."""
+    from engine.tools.distill import DistillLoss, greedy_agreement, load_teacher, teacher_spec
+
+    teacher = load_teacher(paths[TARGET_NAME]) if name == DRAFT_NAME else None
+    loss_fn = None if teacher is None else DistillLoss(teacher)
     start = time.monotonic()
-    model, losses = train_lm(config, data[0], PAIR[name], seed, label=name, quiet=quiet)
+    model, losses = train_lm(config, data[0], PAIR[name], seed, label=name, quiet=quiet, loss_fn=loss_fn)
     train_s = time.monotonic() - start
     model.to(torch.bfloat16).to(torch.float32)  # evaluate exactly the weights that are saved
     ppl = perplexity(model, data[1])
     measured = {
         "train_seconds": round(train_s, 1),
-        "final_train_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
+        "final_train_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),  # the draft's: the KL
         "heldout_perplexity": round(ppl, 3),
         "heldout_tokens": int(data[1][:, 1:].numel()),
     }
-    _save(model, path, _spec(name, seed), measured)
+    spec = _spec(name, seed)
+    if teacher is not None:
+        measured["heldout_greedy_agreement"] = round(greedy_agreement(model, teacher, data[1]), 4)
+        spec.update(teacher_spec(paths[TARGET_NAME]))
+    _save(model, paths[name], spec, measured)
     if not quiet:
-        print(f"serval make-model --train: {name} held-out perplexity {ppl:.2f} -> {path}", flush=True)
+        print(f"serval make-model --train: {name} held-out {measured} -> {paths[name]}", flush=True)
     return measured
 
 
-def train_pair(root, seed: int = 0, force: bool = False, quiet: bool = False) -> dict[str, Path]:
+def _stale(paths: dict[str, Path], seed: int, force: bool, draft_only: bool) -> list[str]:
+    """The models to (re)make, in order: a new target always takes a new draft with it."""
+    from engine.tools.distill import teacher_spec
+    from engine.tools.make_model import is_complete
+
+    target_ok = is_complete(paths[TARGET_NAME], _spec(TARGET_NAME, seed))
+    if draft_only and not target_ok:
+        raise FileNotFoundError(f"--draft-only: {paths[TARGET_NAME]} holds no up-to-date target (seed {seed})")
+    if not draft_only and (force or not target_ok):
+        return [TARGET_NAME, DRAFT_NAME]
+    draft_spec = {**_spec(DRAFT_NAME, seed), **teacher_spec(paths[TARGET_NAME])}
+    return [DRAFT_NAME] if force or not is_complete(paths[DRAFT_NAME], draft_spec) else []
+
+
+def train_pair(
+    root, seed: int = 0, force: bool = False, quiet: bool = False, draft_only: bool = False
+) -> dict[str, Path]:
     """Train (target, draft) into ``root/serval-llama-10m`` and ``root/serval-llama-draft``; return both paths.
 
-    Skips a model whose directory already holds a checkpoint with the same spec, unless ``force``.
-    Both get the same tokenizer files (make-model's, for 8192 ids).
+    The target first, then the draft distilled from it (:mod:`engine.tools.distill`). Skips a model whose
+    directory already holds a checkpoint with the same spec, unless ``force``. ``draft_only``: never touch
+    the target (it must be up to date), (re)make just the draft from it. Both get the same tokenizer files
+    (make-model's, for 8192 ids).
     """
-    from engine.tools.make_model import is_complete, write_skeleton
+    from engine.tools.make_model import write_skeleton
 
     root = Path(root)
     paths = {name: root / name for name in PAIR}
-    todo = [name for name in PAIR if force or not is_complete(paths[name], _spec(name, seed))]
+    todo = _stale(paths, seed, force, draft_only)
     if not todo:
         if not quiet:
             print(f"serval make-model --train: {root} already up to date (seed {seed})")
@@ -281,7 +314,7 @@ def train_pair(root, seed: int = 0, force: bool = False, quiet: bool = False) ->
         if not quiet:
             print(f"serval make-model --train: {len(data[0])} training windows, {len(data[1])} held out", flush=True)
         for name in todo:
-            _train_one(paths[name], name, configs[name], seed, data, quiet)
+            _train_one(paths, name, configs[name], seed, data, quiet)
     if not quiet:
         print(f"serval make-model --train: done in {time.monotonic() - start:.0f}s", flush=True)
     return paths
