@@ -91,6 +91,19 @@ def test_mixed_batch_matches_dense_reference(num_heads, num_kv_heads, block_size
     torch.testing.assert_close(out.double(), b.reference(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="the native CPU kernels did not build")
+def test_short_queries_go_to_the_native_kernel_as_one_row_per_token():
+    # A speculative step: decodes beside requests verifying drafts (1 + k tokens after a long context).
+    specs = [(3, 1), (40, 5), (7, 3), (0, 1), (100, 8), (2, 2), (20, 9)]
+    b = Batch(specs, block_size=8, num_blocks=128)
+    out, md = b.run()
+    plan = md.backend_plan
+    expected_lens = [4, *range(41, 46), 8, 9, 10, 1, *range(101, 109), 3, 4]  # each token's causal length
+    assert plan.native_decode.seq_lens.tolist() == expected_lens
+    assert [p.end - p.start for p in plan.prefills] == [9]  # longer than MAX_NATIVE_QUERY_LEN
+    torch.testing.assert_close(out.double(), b.reference(), atol=1e-5, rtol=1e-5)
+
+
 def test_decodes_first_and_small_decode_chunks():
     specs = [(3, 1), (40, 1), (7, 1), (0, 1), (20, 4)]
     b = Batch(specs)

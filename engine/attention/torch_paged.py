@@ -11,12 +11,13 @@ Forward plan (see ``backend.py`` for the contract):
 1. write the K/V of every new token at ``slot_mapping`` (one ``index_copy_``);
 2. decodes (requests with one new token): on CPU, one call of the compiled
    kernel (``engine/kernels/csrc/decode_attention.cpp``) that reads keys and values through the
-   block table. Elsewhere, or without a compiler: sorted by length, gathered
-   into padded [n, S, Hk, D] tensors (``index_select`` over whole blocks, the
+   block table; a query of up to ``MAX_NATIVE_QUERY_LEN`` tokens (a speculative step's drafts)
+   joins that call as one row per token, each with its own causal length. Elsewhere, or without
+   a compiler: sorted by length, gathered into padded [n, S, Hk, D] tensors (``index_select`` over whole blocks, the
    fast gather on CPU) in chunks bounded by ``decode_chunk_elems``, one masked
    SDPA call per chunk, in float32 (bf16 products with a single query row are
    pathologically slow on CPUs);
-3. prefills (chunks, with or without cached context): one SDPA call per
+3. prefills (longer chunks, with or without cached context): one SDPA call per
    request, ``is_causal`` when nothing is cached, an explicit mask otherwise.
 
 Everything that depends only on the batch layout (the decode chunks, their
@@ -34,6 +35,9 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend, register_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import load_cpu_kernels, product_dtype
+
+# Queries of at most this many tokens go to the CPU decode kernel as one row per token (see ``_plan``).
+MAX_NATIVE_QUERY_LEN = 8
 
 
 @dataclass
@@ -144,10 +148,14 @@ class TorchPagedAttention(AttentionBackend):
         for query_len in query_lens:
             starts.append(starts[-1] + query_len)
         device = md.block_tables.device
-        decodes = [i for i, query_len in enumerate(query_lens) if query_len == 1]
+        native = self._has_native_decode(device)
+        # With the kernel, a short query (a speculative step's 1 + k tokens) is that many decode rows: token j
+        # of q attends to the keys up to its own position, which this step's K/V write has already filled.
+        max_decode_len = MAX_NATIVE_QUERY_LEN if native else 1
+        decodes = [i for i, query_len in enumerate(query_lens) if query_len <= max_decode_len]
         native_decode, chunks = None, []
-        if decodes and self._has_native_decode(device):
-            native_decode = self._plan_native_decode(decodes, starts, md)
+        if decodes and native:
+            native_decode = self._plan_native_decode(decodes, starts, query_lens, seq_lens, md)
         elif decodes:
             chunks = [
                 self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, device)
@@ -156,20 +164,29 @@ class TorchPagedAttention(AttentionBackend):
         prefills = [
             self._plan_prefill(i, starts, query_lens[i], seq_lens[i], md.block_tables, block_size, device)
             for i, query_len in enumerate(query_lens)
-            if query_len > 1
+            if query_len > max_decode_len
         ]
         return _StepPlan(native_decode, chunks, prefills)
 
     @staticmethod
-    def _plan_native_decode(decodes: list[int], starts: list[int], md: AttentionMetadata) -> _NativeDecode:
-        if decodes == list(range(len(decodes))):  # the runner puts running decodes first
+    def _plan_native_decode(
+        decodes: list[int], starts: list[int], query_lens: list[int], seq_lens: list[int], md: AttentionMetadata
+    ) -> _NativeDecode:
+        """One kernel row per query token of ``decodes``: row (i, j) reads request i's first
+        ``seq_lens[i] - query_lens[i] + 1 + j`` keys through its block table."""
+        if decodes == list(range(len(decodes))) and starts[len(decodes)] == len(decodes):  # running decodes first
             tokens: slice | torch.Tensor = slice(0, len(decodes))
-            block_tables, seq_lens = md.block_tables[: len(decodes)], md.seq_lens[: len(decodes)]
-        else:
-            rows = torch.tensor(decodes, dtype=torch.long)
-            tokens = torch.tensor([starts[i] for i in decodes], dtype=torch.long)
-            block_tables, seq_lens = md.block_tables[rows], md.seq_lens[rows]
-        return _NativeDecode(tokens, block_tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous())
+            block_tables, row_seq_lens = md.block_tables[: len(decodes)], md.seq_lens[: len(decodes)]
+            return _NativeDecode(tokens, block_tables.to(torch.int32).contiguous(), row_seq_lens.to(torch.int32))
+        rows, token_ids, lens = [], [], []
+        for i in decodes:
+            first = seq_lens[i] - query_lens[i] + 1
+            rows.extend([i] * query_lens[i])
+            token_ids.extend(range(starts[i], starts[i] + query_lens[i]))
+            lens.extend(range(first, seq_lens[i] + 1))
+        block_tables = md.block_tables[torch.tensor(rows, dtype=torch.long)]
+        tokens = torch.tensor(token_ids, dtype=torch.long)
+        return _NativeDecode(tokens, block_tables.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32))
 
     def _decode_chunks(
         self, decodes: list[int], seq_lens: list[int], block_size: int, row_elems: int
