@@ -225,3 +225,27 @@ def test_use_cpu_kernels_switches_everything_off():
         assert load_cpu_kernels() is None and fused_cpu_ops(x) is None
     assert load_cpu_kernels() is not None and (fused_cpu_ops(x) is not None) == cpu_has_fused_isa()
     assert fused_cpu_ops(x.double()) is None  # float64 stays in torch
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize(("in_features", "out_features"), [(256, 512), (688, 256), (13, 7), (256, 8192), (33, 100)])
+def test_skinny_linear_matches_f_linear(ops, rows, in_features, out_features):
+    x = _randn(rows, in_features, dtype=torch.float32, seed=rows)
+    weight = _randn(out_features, in_features, dtype=torch.float32, seed=1)
+    bias = _randn(out_features, dtype=torch.float32, seed=2)
+    torch.testing.assert_close(ops.skinny_linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ops.skinny_linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-5)
+    strided = _randn(rows, 2 * in_features, dtype=torch.float32, seed=3)[:, ::2]  # a view: made contiguous inside
+    torch.testing.assert_close(ops.skinny_linear(strided, weight), F.linear(strided, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_a_layer_takes_skinny_linear_for_2_to_8_rows_only(ops):
+    from engine.model.layers.cpu_prepack import linear
+
+    weight = _randn(64, 32, dtype=torch.float32, seed=4)
+    for rows in (1, 2, 8, 9):
+        x = _randn(rows, 32, dtype=torch.float32, seed=rows)
+        want = ops.skinny_linear(x, weight) if 2 <= rows <= 8 else F.linear(x, weight)
+        assert torch.equal(linear(x, weight, None, None), want), rows
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        ops.skinny_linear(_randn(9, 32, dtype=torch.float32), weight)

@@ -35,7 +35,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "decode_attention.cpp", "elementwise.cpp", "sampling.cpp"]
+_SOURCES = ["bindings.cpp", "decode_attention.cpp", "elementwise.cpp", "sampling.cpp", "skinny_linear.cpp"]
 # -march=native: the build is cached per machine, so it may use every vector unit this CPU has.
 # The reassociation flags let the compiler vectorize the float dot products and sums of the
 # generic loops; no contraction into FMAs, so that the fused elementwise ops round like torch's.

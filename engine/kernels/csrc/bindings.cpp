@@ -13,6 +13,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 torch::Tensor cos_sin, torch::Tensor kv_cache, torch::Tensor slot_mapping);
+torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -30,5 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of gate_up [T, 2I] -> [T, I]");
   m.def("rotary_embedding_and_cache", &rotary_embedding_and_cache,
         "In place: rope on q [T, H, D] and k [T, Hk, D]; then k, v rows into kv_cache at slot_mapping");
+  m.def("skinny_linear", &skinny_linear, "x [M, K] @ w[N, K]^T (+ bias) for 1 <= M <= 8 rows, float32",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
 #endif
 }
