@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.serve, pytest.mark.slow]
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
 # The model sources the shipped configs name: the trained default (committed) and `make models`' tiny one.
 SHIPPED_MODELS = ("assets/trained/serval-llama-10m", "models/tiny-llama")
+SHIPPED_DRAFT = "assets/trained/serval-llama-draft"  # configs/serve/spec_decode.yaml's speculative_config.model
 NUM_CPUS = 2  # the machine the README runs them on
 STOP_BUDGET_S = 10.0  # `make stop` with nothing left in flight (issue 17)
 
@@ -45,6 +46,7 @@ def localized(name: str, http_port: int, checkpoint: str) -> dict:
     assert any(model in text for model in SHIPPED_MODELS), f"{name} serves none of {SHIPPED_MODELS}: update this test"
     for model in SHIPPED_MODELS:
         text = text.replace(f"model_source: {model}", f"model_source: {checkpoint}")
+    text = text.replace(f"model: {SHIPPED_DRAFT}", f"model: {checkpoint}")  # a draft shares the target's vocabulary
     config = yaml.safe_load(text)
     config["http_options"]["port"] = http_port
     return config
