@@ -273,3 +273,13 @@ def test_a_stop_string_inside_a_verified_run_drops_the_tokens_after_it(model_pat
         assert (mine.text, mine.token_ids, mine.finish_reason) == (theirs.text, theirs.token_ids, "stop")
         assert len(mine.logprobs) == len(mine.token_ids)
         assert mine.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)
+
+
+def test_ngram_lookup_takes_the_longest_suffix_match_and_its_earliest_occurrence():
+    from engine.spec_decode.ngram import propose_ngram
+
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]
+    assert propose_ngram(tokens, 1, 3, 2) == [9, 1]  # "2 3" (the longest suffix found) first occurs at 1
+    assert propose_ngram(tokens, 3, 3, 2) == []  # "5 2 3" never occurred before
+    assert propose_ngram([4, 4], 1, 2, 3) == [4]  # as much as follows the match
+    assert propose_ngram([7], 1, 3, 2) == [] and propose_ngram([1, 2, 3], 1, 3, 2) == []
