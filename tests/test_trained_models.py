@@ -1,8 +1,9 @@
 """The committed trained pair (assets/trained: ``serval make-model assets/trained --train``) and its training code.
 
-The pair: both load in transformers and in Serval, share one tokenizer, and Serval's greedy continuation
-of a stdlib-like prompt equals transformers' token for token. The training code: deterministic to the
-bit on a tiny config, its schedule, data order and held-out split.
+The pair: both load in transformers and in Serval, share one tokenizer, the draft is distilled from the
+committed target's very weights, and Serval's greedy continuation of a stdlib-like prompt equals
+transformers' token for token. The training code: training and distillation deterministic to the bit
+on a tiny config, the distillation loss, the schedule, data order and held-out split.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def test_pair_is_committed_as_specified():
         assert spec["train"] == asdict(train_model.PAIR[path.name]) and spec["seed"] == 0
         assert spec["measured"]["heldout_perplexity"] > 1
         assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    # The draft is distilled from exactly the committed target's weights.
+    assert draft["teacher"] == {"name": TARGET.name, "sha256": distill.weights_sha256(TARGET)}
+    assert draft["distill"] == asdict(distill.DISTILL) and draft["measured"]["heldout_greedy_agreement"] > 0.6
 
 
 def test_pair_shares_tokenizer_and_vocabulary():
