@@ -2,7 +2,8 @@
 
 On the trained pair (assets/trained: a ~10M Llama target and its ~1.5M draft, one tokenizer), each engine
 generates OUTPUT tokens greedily (EOS ignored) for a batch of copy-heavy prompts: a stretch of held-out
-stdlib text, then its first half again, so a good continuation repeats the text (n-gram lookup's case).
+stdlib text, then its first half again, so a good continuation repeats the text (n-gram lookup's case;
+``--workload code``: short stdlib-like openings, the draft model's case).
 Per (engine, method, batch) it reports generated tokens/s, the ratio to the same engine without
 speculation, and the acceptance rate and mean acceptance length (from ``get_metrics()``, vLLM's names
 in both). Each measurement runs in its own subprocess (the peer's in its own venv: ../shared/peers).
@@ -10,6 +11,7 @@ in both). Each measurement runs in its own subprocess (the peer's in its own ven
     python benchmarks/spec_decode.py                                   # batches 1 and 16, both engines
     python benchmarks/spec_decode.py --batch-sizes 64 --disable-by-batch-size 32
     python benchmarks/spec_decode.py --engines serval --methods none ngram
+    python benchmarks/spec_decode.py --workload code --methods none draft_model
 
 Serval runs in PEER_DTYPE too (float32 by default: the fair peer on this AVX2 CPU).
 """
@@ -43,6 +45,20 @@ def speculative_config(method: str, k: int, disable_by_batch_size: int | None, d
     if disable_by_batch_size:
         config["disable_by_batch_size"] = disable_by_batch_size
     return config
+
+
+CODE_PROMPTS = (
+    "def __init__(self",
+    "import os\n",
+    '    """Return the',
+    "class Parser:\n    def parse(self, text):\n",
+    "for i in range(len(items)):\n",
+)
+
+
+def code_prompts(tokenizer, batch_size: int) -> list[list[int]]:
+    """Short stdlib-like openings (the draft's workload: the target writes on, nothing to copy)."""
+    return [tokenizer.encode(CODE_PROMPTS[i % len(CODE_PROMPTS)]) for i in range(batch_size)]
 
 
 def copy_heavy_prompts(tokenizer, batch_size: int, prompt_tokens: int) -> list[list[int]]:
@@ -81,7 +97,11 @@ def run_one(engine: str, config: dict) -> dict:
         kwargs.update(enforce_eager=True, disable_log_stats=False)
     spec = config["speculative_config"]
     llm = LLM(config["target"], **kwargs, **({"speculative_config": spec} if spec else {}))
-    prompts = copy_heavy_prompts(llm.get_tokenizer(), config["batch_size"], config["prompt_tokens"])
+    tokenizer = llm.get_tokenizer()
+    if config.get("workload", "copy") == "copy":
+        prompts = copy_heavy_prompts(tokenizer, config["batch_size"], config["prompt_tokens"])
+    else:
+        prompts = code_prompts(tokenizer, config["batch_size"])
     prompts = [{"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=config["output_len"], ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -112,7 +132,8 @@ def run_in_subprocess(engine: str, config: dict) -> dict:
 def describe(row: dict) -> str:
     if "error" in row:
         return f"{row['engine']:7} {row['method']:12} batch {row['batch_size']:3}  FAILED: {row['error'][:90]}"
-    line = f"{row['engine']:7} {row['method']:12} batch {row['batch_size']:3}  {row['tokens_per_s']:8.1f} tok/s"
+    line = f"{row['engine']:7} {row['workload']:5} {row['method']:12} batch {row['batch_size']:3}"
+    line += f"  {row['tokens_per_s']:8.1f} tok/s"
     if "speedup" in row:
         line += f"  {row['speedup']:.2f}x"
     if "acceptance_rate" in row:
@@ -128,6 +149,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--disable-by-batch-size", type=int, help="speculate only below this many running")
+    parser.add_argument("--workload", choices=["copy", "code"], default="copy", help="copy-heavy or short code prompts")
     parser.add_argument("--prompt-tokens", type=int, default=160)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--target", default=str(TARGET))
@@ -145,6 +167,7 @@ def main() -> None:
             for method in args.methods:
                 config = dict(
                     target=args.target,
+                    workload=args.workload,
                     batch_size=batch_size,
                     prompt_tokens=args.prompt_tokens,
                     output_len=args.output_len,

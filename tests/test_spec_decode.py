@@ -87,6 +87,7 @@ def reference(model_path):
     return outputs
 
 
+@pytest.mark.slow  # about 10 s each on 2 cores
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "draft_is_target"])
 def test_greedy_outputs_equal_the_non_speculative_ones(model_path, draft_path, reference, method):
     llm = make_llm(model_path, speculative_config=spec_configs(model_path, draft_path)[method], **TIGHT)
