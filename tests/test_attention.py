@@ -96,12 +96,18 @@ def test_short_queries_go_to_the_native_kernel_as_one_row_per_token():
     # A speculative step: decodes beside requests verifying drafts (1 + k tokens after a long context).
     specs = [(3, 1), (40, 5), (7, 3), (0, 1), (100, 8), (2, 2), (20, 9)]
     b = Batch(specs, block_size=8, num_blocks=128)
-    out, md = b.run()
+    md = b.metadata()
+    md.max_verify_query_len = 8  # a step verifying up to 7 drafts per request
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(b.k, specs)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(b.v, specs)])
+    out = b.backend.forward(b.cache, torch.cat(b.q), new_k, new_v, md, 0.3)
     plan = md.backend_plan
     expected_lens = [4, *range(41, 46), 8, 9, 10, 1, *range(101, 109), 3, 4]  # each token's causal length
     assert plan.native_decode.seq_lens.tolist() == expected_lens
     assert [p.end - p.start for p in plan.prefills] == [9]  # longer than MAX_NATIVE_QUERY_LEN
     torch.testing.assert_close(out.double(), b.reference(), atol=1e-5, rtol=1e-5)
+    _, md = b.run()  # not a speculative step: each query longer than one token is a prefill
+    assert len(md.backend_plan.native_decode.seq_lens) == 2 and len(md.backend_plan.prefills) == 5
 
 
 def test_decodes_first_and_small_decode_chunks():

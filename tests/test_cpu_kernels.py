@@ -239,13 +239,15 @@ def test_skinny_linear_matches_f_linear(ops, rows, in_features, out_features):
     torch.testing.assert_close(ops.skinny_linear(strided, weight), F.linear(strided, weight), atol=1e-4, rtol=1e-5)
 
 
-def test_a_layer_takes_skinny_linear_for_2_to_8_rows_only(ops):
-    from engine.model.layers.cpu_prepack import linear
+def test_a_layer_takes_skinny_linear_for_2_to_8_rows_inside_skinny_products_only(ops):
+    from engine.model.layers.cpu_prepack import linear, skinny_products
 
     weight = _randn(64, 32, dtype=torch.float32, seed=4)
     for rows in (1, 2, 8, 9):
         x = _randn(rows, 32, dtype=torch.float32, seed=rows)
-        want = ops.skinny_linear(x, weight) if 2 <= rows <= 8 else F.linear(x, weight)
-        assert torch.equal(linear(x, weight, None, None), want), rows
+        with skinny_products():
+            want = ops.skinny_linear(x, weight) if 2 <= rows <= 8 else F.linear(x, weight)
+            assert torch.equal(linear(x, weight, None, None), want), rows
+        assert torch.equal(linear(x, weight, None, None), F.linear(x, weight)), rows  # MKL outside
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
         ops.skinny_linear(_randn(9, 32, dtype=torch.float32), weight)

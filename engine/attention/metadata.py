@@ -44,6 +44,9 @@ class AttentionMetadata:
     query_lens_cpu: list[int] = field(default_factory=list)  # new tokens per request
     seq_lens_cpu: list[int] = field(default_factory=list)  # == seq_lens.tolist()
     num_decodes: int = -1  # hint: requests [0, num_decodes) have query_len 1; -1 = unknown
+    # Speculative verification: queries of up to this many tokens (1 + drafts) may run as one decode row per
+    # token (the CPU backend's native kernel); outside such steps each longer query is one prefill.
+    max_verify_query_len: int = 1
     # Whatever the backend derives from the batch layout on the first layer and reuses on the others.
     backend_plan: object | None = None
 
@@ -80,6 +83,7 @@ class AttentionMetadata:
             self.query_lens_cpu,
             self.seq_lens_cpu,
             self.num_decodes,
+            self.max_verify_query_len,
         )  # the plan is rebuilt on the device
 
 

@@ -11,8 +11,9 @@ Forward plan (see ``backend.py`` for the contract):
 1. write the K/V of every new token at ``slot_mapping`` (one ``index_copy_``);
 2. decodes (requests with one new token): on CPU, one call of the compiled
    kernel (``engine/kernels/csrc/decode_attention.cpp``) that reads keys and values through the
-   block table; a query of up to ``MAX_NATIVE_QUERY_LEN`` tokens (a speculative step's drafts)
-   joins that call as one row per token, each with its own causal length. Elsewhere, or without
+   block table; in a speculative step, a query of up to ``MAX_NATIVE_QUERY_LEN`` tokens (1 + drafts,
+   ``AttentionMetadata.max_verify_query_len``) joins that call as one row per token, each with its own
+   causal length. Elsewhere, or without
    a compiler: sorted by length, gathered into padded [n, S, Hk, D] tensors (``index_select`` over whole blocks, the
    fast gather on CPU) in chunks bounded by ``decode_chunk_elems``, one masked
    SDPA call per chunk, in float32 (bf16 products with a single query row are
@@ -36,7 +37,7 @@ from engine.attention.backend import AttentionBackend, register_backend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import load_cpu_kernels, product_dtype
 
-# Queries of at most this many tokens go to the CPU decode kernel as one row per token (see ``_plan``).
+# A speculative step's queries of at most this many tokens go to the CPU decode kernel, a row per token (``_plan``).
 MAX_NATIVE_QUERY_LEN = 8
 
 
@@ -149,9 +150,10 @@ class TorchPagedAttention(AttentionBackend):
             starts.append(starts[-1] + query_len)
         device = md.block_tables.device
         native = self._has_native_decode(device)
-        # With the kernel, a short query (a speculative step's 1 + k tokens) is that many decode rows: token j
+        # With the kernel, a speculative step's short queries (1 + k tokens) are that many decode rows: token j
         # of q attends to the keys up to its own position, which this step's K/V write has already filled.
-        max_decode_len = MAX_NATIVE_QUERY_LEN if native else 1
+        # (Not in other steps: a prefix hit's last few prompt tokens then match the full prompt's bit for bit.)
+        max_decode_len = min(md.max_verify_query_len, MAX_NATIVE_QUERY_LEN) if native else 1
         decodes = [i for i, query_len in enumerate(query_lens) if query_len <= max_decode_len]
         native_decode, chunks = None, []
         if decodes and native:

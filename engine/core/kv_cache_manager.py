@@ -77,8 +77,10 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Makes room for ``num_new_tokens`` more tokens of ``request``.
+        """Makes room for ``num_new_tokens`` more tokens of ``request``, and ``num_lookahead_tokens`` slots
+        past them (a draft model's proposals: never hashed into the prefix cache).
 
         ``new_computed_blocks`` (holding ``num_new_computed_tokens`` tokens) are
         prefix-cache hits from ``get_computed_blocks`` to attach first. Returns
@@ -88,7 +90,7 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after = num_computed_tokens + num_new_tokens
-        num_required_blocks = -(-num_tokens_after // self.block_size)
+        num_required_blocks = -(-(num_tokens_after + num_lookahead_tokens) // self.block_size)
         new_computed_blocks = new_computed_blocks or []
         num_new_blocks = num_required_blocks - len(req_blocks) - len(new_computed_blocks)
         if num_new_blocks > 0 or new_computed_blocks:

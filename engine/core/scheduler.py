@@ -144,13 +144,11 @@ class Scheduler:
             if num_new_tokens == 0:  # nothing new since the last step (its output is not in yet)
                 index += 1
                 continue
-            num_slots = num_new_tokens
-            if speculating:
-                num_slots += spec_decode.num_lookahead(request.num_computed_tokens + num_new_tokens)
-            new_blocks = allocate_slots(request, num_slots)
+            lookahead = spec_decode.num_lookahead(request.num_computed_tokens + num_new_tokens) if speculating else 0
+            new_blocks = allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 plan.token_budget = token_budget
-                new_blocks = self._preempt_until_fits(request, num_slots, plan)
+                new_blocks = self._preempt_until_fits(request, num_new_tokens, lookahead, plan)
                 token_budget = plan.token_budget  # unscheduled victims gave their tokens back
                 if new_blocks is None:
                     break  # ``request`` itself was preempted: the pool holds nothing more this step
@@ -165,8 +163,10 @@ class Scheduler:
             index += 1
         plan.token_budget = token_budget
 
-    def _preempt_until_fits(self, request: Request, num_new_tokens: int, plan: StepPlan) -> list[KVCacheBlock] | None:
-        """Preempts the policy's victims one by one until ``num_new_tokens`` slots fit for running ``request``.
+    def _preempt_until_fits(
+        self, request: Request, num_new_tokens: int, num_lookahead_tokens: int, plan: StepPlan
+    ) -> list[KVCacheBlock] | None:
+        """Preempts the policy's victims one by one until ``num_new_tokens`` (and the lookahead) fit for ``request``.
 
         Returns the new blocks; None when ``request`` itself became the victim (it is preempted then).
         Every victim is appended to ``plan.preempted``; one already scheduled this step (only the
@@ -180,7 +180,9 @@ class Scheduler:
                 return None
             if victim.request_id in plan.num_scheduled_tokens:
                 plan.unschedule(victim)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens
+            )
             if new_blocks is not None:
                 return new_blocks
 
@@ -204,10 +206,11 @@ class Scheduler:
             if not self.scheduler_config.enable_chunked_prefill and num_wanted > plan.token_budget:
                 break
             num_new_tokens = self._num_tokens_to_compute(request, num_computed_tokens, plan.token_budget)
-            num_slots = num_external_tokens + num_new_tokens
-            if self.spec_decode is not None:
-                num_slots += self.spec_decode.num_lookahead(num_computed_tokens + num_new_tokens)
-            if kv.allocate_slots(request, num_slots, num_hit_tokens, computed_blocks) is None:
+            lookahead = (
+                0 if self.spec_decode is None else self.spec_decode.num_lookahead(num_computed_tokens + num_new_tokens)
+            )
+            num_tokens = num_external_tokens + num_new_tokens
+            if kv.allocate_slots(request, num_tokens, num_hit_tokens, computed_blocks, lookahead) is None:
                 break
             kv.record_prefix_cache_query(request, num_hit_tokens)
             if self.kv_connector is not None:

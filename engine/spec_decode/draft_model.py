@@ -18,7 +18,7 @@ import torch
 from engine.attention.backend import resolve_backend_name
 from engine.config import EngineConfig
 from engine.model import get_model
-from engine.model.layers.cpu_prepack import prepack_linears
+from engine.model.layers.cpu_prepack import prepack_linears, skinny_products
 from engine.sample.sampler import argmax
 from engine.spec_decode.proposer import ProposerInputs
 from engine.worker.input_batch import InputBatch
@@ -120,8 +120,9 @@ class DraftModelProposer:
             self.input_batch.device,
             dict(zip(sequences, starts)),
         )
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, None)
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sequences, vocab]
+        with skinny_products():
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, None)
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sequences, vocab]
         return argmax(logits.float()).tolist()
 
     def _cache_of(self, state: CachedRequestState) -> _DraftCache:

@@ -28,7 +28,7 @@ from engine.core.step_outputs import LogprobsLists, ModelRunnerOutput, Scheduler
 from engine.distributed.parallel_state import get_parallel_state, recv_from_prev_stage, send_to_next_stage
 from engine.kv_transfer import KVConnectorWorker
 from engine.model import get_model
-from engine.model.layers.cpu_prepack import prepack_linears
+from engine.model.layers.cpu_prepack import prepack_linears, skinny_products
 from engine.sample import Sampler
 from engine.sample.grammar_bitmask import apply_grammar_bitmask_rows, grammar_rows
 from engine.sample.prompt_logprobs import PromptLogprobs
@@ -205,7 +205,8 @@ class ModelRunner:
             )
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs.attn_metadata):
             return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
+        with skinny_products(any(inputs.num_draft_tokens)):  # a verify step: its few rows per request
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
 
     def _sample(
         self, inputs: StepInputs, logits: torch.Tensor, scheduler_output: SchedulerOutput

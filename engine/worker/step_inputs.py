@@ -66,6 +66,7 @@ def build_step_inputs(
     positions, metadata = _position_tensors(
         block_table, slots, starts_np, query_lens_np, seq_lens_np, offsets_np, block_size, device
     )
+    metadata.max_verify_query_len = 1 + int(num_drafts.max()) if len(num_drafts) else 1
     return StepInputs(
         req_ids=req_ids,
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(device),

@@ -109,3 +109,15 @@ def test_caching_disabled_never_hits():
     manager = make_manager(caching=False)
     run_prefill(manager, make_request("a", list(range(10))))
     assert manager.get_computed_blocks(make_request("b", list(range(10)))) == ([], 0)
+
+
+def test_lookahead_slots_are_allocated_but_never_hashed():
+    # A chunk of a long prompt with a draft model's lookahead: blocks for the chunk and the lookahead, and only
+    # the blocks this step fills with known tokens enter the prefix cache (the rest are computed later).
+    manager = KVCacheManager(CacheConfig(block_size=4, num_blocks=20))
+    request = make_request("a", list(range(40)))
+    new_blocks = manager.allocate_slots(request, 8, num_lookahead_tokens=4)
+    assert len(new_blocks) == 3  # 8 tokens + 4 lookahead slots
+    assert manager.num_cached_blocks["a"] == 2  # the two blocks the chunk fills, not the third
+    assert len(manager.block_pool.cached_blocks) == 2
+    manager.check_integrity()

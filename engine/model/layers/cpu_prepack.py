@@ -10,13 +10,17 @@
   the float32 products run 2-3x faster at decode sizes (tens of rows) than ``F.linear``'s MKL path
   (896 x 9728 at 32 rows: 71 against 30 GFLOP/s) and about even at prefill sizes.
 
-Float32 weights on CPU: 2 to 8 rows (a speculative step's 1 + k tokens, a short prompt, a small decode
-batch) go to the native ``skinny_linear``, which reads each weight row once for all rows; MKL's sgemm at
-those sizes takes 3-5x its one-row time on AVX2 (a 256 x 8192 LM head at 5 rows: 1.8 ms, against 0.5).
-Everything else (other row counts, GPUs) keeps ``F.linear``.
+Inside ``skinny_products()`` (the model runner's speculative steps, the draft model's forwards), float32
+weights on CPU at 2 to 8 rows go to the native ``skinny_linear``, which reads each weight row once for all
+rows: MKL's sgemm at those sizes takes 3-5x its one-row time on AVX2 (a 256 x 8192 LM head at 5 rows:
+1.8 ms, against 0.5). Elsewhere MKL keeps every product, whose rows do not depend on how many there are
+(a prefix-cache hit's last rows equal the full prompt's bit for bit); the native kernel sums in another
+order. Everything else (other row counts, GPUs) keeps ``F.linear``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +32,19 @@ from engine.kernels.cpu import has_bf16_matmul, load_cpu_kernels, product_dtype
 _BATCH_SIZE_HINT = 64
 # Row counts the native skinny_linear takes (one row stays on MKL's GEMV, as transformers computes it).
 _SKINNY_ROWS = range(2, 9)
+_skinny_enabled = False  # inside skinny_products() only
+
+
+@contextlib.contextmanager
+def skinny_products(enabled: bool = True):
+    """Within the block, float32 products of 2 to 8 rows use the native ``skinny_linear`` (see the module
+    docstring)."""
+    global _skinny_enabled
+    previous, _skinny_enabled = _skinny_enabled, enabled
+    try:
+        yield
+    finally:
+        _skinny_enabled = previous
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -48,7 +65,7 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear`` through the prepared weight when there is one (x: [T, in] -> [T, out])."""
     if packed_weight is None:
-        if x.shape[0] in _SKINNY_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2:
+        if _skinny_enabled and x.shape[0] in _SKINNY_ROWS and x.dtype == weight.dtype == torch.float32:
             skinny_linear = getattr(load_cpu_kernels(), "skinny_linear", None) if x.device.type == "cpu" else None
             if skinny_linear is not None:
                 return skinny_linear(x, weight, bias)
