@@ -120,6 +120,9 @@ class DraftModelProposer:
             self.input_batch.device,
             dict(zip(sequences, starts)),
         )
+        # Its catch-ups after a verify step (the accepted drafts and the token after: at most k + 1) run like
+        # a verify step's queries.
+        inputs.attn_metadata.max_verify_query_len = self.config.speculative_config.num_speculative_tokens + 1
         with skinny_products():
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, None)
             logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sequences, vocab]
