@@ -127,6 +127,8 @@ def local_ray():
     from tests.serve.cluster import LOOPBACK, OBJECT_STORE_BYTES
 
     port = free_port()
+    if ray.is_initialized():  # the serving tests' session driver (tests/serve's ray_head): no later test uses it
+        ray.shutdown()
     ray.init(
         address="local",
         _node_ip_address=LOOPBACK,
