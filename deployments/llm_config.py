@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.autoscaling import TTFT_POLICY, TTFTPolicyOptions
 from deployments.kv_index import KVRouterOptions
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.server_options import ServerOptions
@@ -34,6 +35,7 @@ from engine.entrypoints.openai.server_options import ServerOptions
 # so that the same YAML works from `make serve`, `serve deploy` and replicas whose cwd is elsewhere.
 SERVAL_ROOT = Path(__file__).resolve().parent.parent
 SERVER_NAME_PREFIX = "LLMServer:"
+DEFAULT_MIGRATION_LIMIT = 3  # LLMServingArgs.migration_limit's default, also the ingress's own
 
 
 class _StrictModel(BaseModel):
@@ -54,6 +56,27 @@ def resolve_checkout_path(path: str) -> str:
     return str(source if source.is_absolute() else SERVAL_ROOT / source)
 
 
+class AutoscalingPolicy(_StrictModel):
+    """Serve's ``autoscaling_config.policy`` (its names; see ray.serve.config.AutoscalingPolicy)."""
+
+    policy_function: str = Field(description="module:function or module:Class (a class gets policy_kwargs).")
+    policy_kwargs: dict[str, Any] = Field(default_factory=dict, description="The policy class's options.")
+
+    def ttft_options(self) -> TTFTPolicyOptions | None:
+        """``TTFTPolicy``'s options when this names it."""
+        if self.policy_function.replace(":", ".") != TTFT_POLICY.replace(":", "."):
+            return None
+        try:
+            return TTFTPolicyOptions.model_validate(self.policy_kwargs)
+        except ValueError as exc:
+            raise ValueError(f"Bad policy_kwargs for {TTFT_POLICY}: {exc}") from None
+
+    @model_validator(mode="after")
+    def _check_ttft_policy_options(self) -> AutoscalingPolicy:
+        self.ttft_options()
+        return self
+
+
 class AutoscalingConfig(_StrictModel):
     """Serve's autoscaling knobs (a subset with its names); see ray.serve.config.AutoscalingConfig."""
 
@@ -65,6 +88,7 @@ class AutoscalingConfig(_StrictModel):
     downscale_delay_s: float = Field(600.0, ge=0)
     metrics_interval_s: float = Field(10.0, gt=0)
     look_back_period_s: float = Field(30.0, gt=0)
+    policy: AutoscalingPolicy | None = Field(None, description="None: Serve's (ongoing requests per replica).")
 
 
 KV_ROUTER_CLASS = "deployments.routing:KVAwareRouter"
@@ -124,6 +148,11 @@ class DeploymentConfig(_StrictModel):
     def uses_kv_router(self) -> bool:
         return self.request_router_config is not None and self.request_router_config.is_kv_router()
 
+    def ttft_policy_options(self) -> TTFTPolicyOptions | None:
+        """The options of ``TTFTPolicy`` when it scales this deployment (``deployments.autoscaling``)."""
+        policy = self.autoscaling_config.policy if self.autoscaling_config is not None else None
+        return policy.ttft_options() if policy is not None else None
+
 
 class LLMConfig(_StrictModel):
     """One served model: where it comes from, how its engine runs and how it is deployed."""
@@ -159,6 +188,12 @@ class LLMConfig(_StrictModel):
             kwargs[key] = value  # the dict is ours (validated copy); the model stays frozen
         return self
 
+    @model_validator(mode="after")
+    def _ttft_policy_sees_ttfts(self) -> LLMConfig:
+        if self.deployment_config.ttft_policy_options() is not None and self.engine_kwargs.get("disable_log_stats"):
+            raise ValueError(f"{TTFT_POLICY} scales on the engine's TTFTs; disable_log_stats turns them off.")
+        return self
+
     def uses_kv_router(self) -> bool:
         return self.deployment_config.uses_kv_router()
 
@@ -187,6 +222,13 @@ class LLMServingArgs(_StrictModel, ServerOptions):
         default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1}),
         description="The OpenAiIngress deployment's options (only with a separate ingress).",
     )
+    migration_limit: int = Field(
+        DEFAULT_MIGRATION_LIMIT,
+        ge=0,
+        le=100,
+        description="How many times the OpenAiIngress moves one request to another replica after the one serving "
+        "it died (a stream resumes from the tokens already sent; deployments/migration.py); 0: never.",
+    )
     separate_ingress: bool = Field(
         True,
         description="True: an OpenAiIngress deployment routes to the LLM servers (needed for several models). "
@@ -203,6 +245,8 @@ class LLMServingArgs(_StrictModel, ServerOptions):
             raise ValueError(
                 "KVAwareRouter runs in the OpenAiIngress (it needs the prompt's tokens); separate_ingress is false."
             )
+        if self.ingress_deployment_config.ttft_policy_options() is not None:
+            raise ValueError(f"{TTFT_POLICY} scales LLM servers (on their TTFTs), not the ingress.")
         if not self.separate_ingress and "ingress_deployment_config" in self.model_fields_set:
             raise ValueError("ingress_deployment_config configures the separate ingress; separate_ingress is false.")
         return self

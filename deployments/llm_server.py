@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from deployments.autoscaling import TTFTWindow
 from deployments.kv_index import PUBLISHED_BATCHES, publication
 from deployments.llm_config import LLMConfig
 from deployments.metrics import RayStatLogger
@@ -53,9 +54,10 @@ class LLMServer:
         self.model_id = llm_config.model_id
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.kv_routed = llm_config.uses_kv_router()
+        self.ttft_window = TTFTWindow(llm_config.deployment_config.ttft_policy_options())
         self.engine = AsyncLLM.from_engine_args(
             llm_config.engine_args(),
-            stat_loggers=[RayStatLogger(metrics_model_name or self.model_id, replica_id)],
+            stat_loggers=[RayStatLogger(metrics_model_name or self.model_id, replica_id), self.ttft_window],
             num_cpus=replica_num_cpus(),
             kv_events=self.kv_routed,
         )
@@ -112,6 +114,12 @@ class LLMServer:
                 self._kv_seq += 1
                 self._kv_batches.append((self._kv_seq, batch))
         return publication(list(self._kv_batches), stats.num_running_reqs, stats.num_waiting_reqs)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this under an ``autoscaling_config`` (its autoscaling-metrics task) and hands the values
+        to the deployment's policy: ``TTFTPolicy`` reads this replica's recent TTFTs and its queues."""
+        stats = self.engine.get_stats()
+        return self.ttft_window.report(stats.num_running_reqs, stats.num_waiting_reqs)
 
     async def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and Serve replaces it."""
