@@ -114,6 +114,7 @@ class TTFTWindow:
         with self._lock:
             for ttft in iteration_stats.time_to_first_tokens_s:
                 self._ttfts.append((iteration_stats.now, ttft))
+            self._forget_before(iteration_stats.now - self.options.ttft_window_s)  # bounded without reports
 
     def log(self) -> None:
         pass
@@ -125,13 +126,16 @@ class TTFTWindow:
             return metrics
         now = time.monotonic() if now is None else now
         with self._lock:
-            while self._ttfts and self._ttfts[0][0] < now - self.options.ttft_window_s:
-                self._ttfts.popleft()
+            self._forget_before(now - self.options.ttft_window_s)
             ttfts_ms = [ttft * 1000 for _, ttft in self._ttfts]
         metrics[TTFT_SAMPLES] = float(len(ttfts_ms))
         metrics[TTFT_SLOW] = float(sum(ttft > self.options.target_ttft_ms for ttft in ttfts_ms))
         metrics[TTFT_PERCENTILE_MS] = nearest_rank(ttfts_ms, self.options.ttft_percentile) if ttfts_ms else 0.0
         return metrics
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self._ttfts and self._ttfts[0][0] < cutoff:
+            self._ttfts.popleft()
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,14 @@ def test_the_replica_window_keeps_its_last_seconds_of_ttfts():
     assert window.report(0, 0, now=30.0)["serval_ttft_samples"] == 0.0
 
 
+def test_the_window_stays_bounded_between_reports():
+    window = TTFTWindow(OPTIONS)
+    for second in range(1000):
+        window.record(None, step(float(second), 0.1, 0.2))
+    assert len(window._ttfts) == 2 * 11  # the last 10 s, both ends included
+    assert window.report(0, 0, now=999.0)["serval_ttft_samples"] == 22.0
+
+
 def test_without_the_policy_the_replica_reports_only_its_queues():
     window = TTFTWindow(None)
     window.record(None, step(0.0, 0.9))
