@@ -4,14 +4,16 @@
     async for output in llm.generate("Hello", SamplingParams(output_kind=RequestOutputKind.DELTA), "req-1"):
         print(output.outputs[0].text, end="")
 
-The engine core (scheduler, executor, the busy loop that steps them) runs in a
-child process by default (``engine_core_process``; ``engine.core_proc``), so
-that it does not share this process's GIL with the server's event loop. Here,
+The engine core (scheduler, executor, the busy loop that steps them) runs in
+another process by default (``engine_core_process``; ``engine.core_proc``), so
+that it does not share this process's GIL with the server's event loop: a
+child process, or a Ray actor beside this process when it drives Ray worker
+actors (TP/PP). Here,
 one daemon thread alone touches the ``LLMEngine`` front end (tokenize, send,
 detokenize; it is not thread-safe): ``engine.engine_thread.EngineThread``.
 Requests reach it through its command queue, and the core's steps arrive in
-the same queue, one message per step; with the core in process (the Ray
-executor, KV transfer, or ``engine_core_process=False``) that thread steps it
+the same queue, one message per step; with the core in process (KV transfer,
+or ``engine_core_process=False``) that thread steps it
 itself. Requests join and leave the running batch at step boundaries
 (continuous batching). Each step's outputs come back to the event loop as one
 batch, where each lands in its request's ``RequestOutputCollector``, which
@@ -53,12 +55,12 @@ __all__ = [
 
 
 def uses_core_process(config: EngineConfig) -> bool:
-    """Whether serving runs this config's engine core in a child process (``engine_core_process``).
+    """Whether serving runs this config's engine core in another process (``engine_core_process``).
 
-    Not with the Ray executor or KV transfer: the child is no Ray worker, and those need one.
+    Not with KV transfer: its handles hold Ray object references, which the core's pipe (plain pickle)
+    would carry outside Ray's reference counting.
     """
-    parallel = config.parallel_config
-    return parallel.engine_core_process and parallel.executor_backend == "uni" and config.kv_transfer_config is None
+    return config.parallel_config.engine_core_process and config.kv_transfer_config is None
 
 
 def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process: bool) -> EngineConfig:
@@ -73,6 +75,8 @@ def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process:
     device_config = config.device_config
     if device_config.num_threads is not None or (num_cpus is None and not core_process):
         return config
+    if config.parallel_config.executor_backend != "uni":
+        return config  # the forward runs in Ray worker actors, each with threads for its own CPUs
     num_cpus = num_cpus or os.cpu_count() or 1
     num_threads = max(1, num_cpus - 1) if core_process else num_cpus
     return dataclasses.replace(config, device_config=device_config.model_copy(update={"num_threads": num_threads}))
@@ -135,7 +139,7 @@ class AsyncLLM(EngineClient):
     def engine_core_pid(self) -> int | None:
         """The engine-core process's id, or None when the core runs in this process."""
         core = self._engine_thread.engine.engine_core
-        return core.process.pid if isinstance(core, EngineCoreProcess) else None
+        return core.pid if isinstance(core, EngineCoreProcess) else None
 
     def get_tokenizer(self):
         return self.tokenizer

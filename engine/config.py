@@ -137,8 +137,9 @@ class ParallelConfig(_FrozenConfig):
     # streaming) and the busy loop (schedule, forward, sample) then each have a GIL of their own.
     engine_core_process: bool = Field(
         True,
-        description="Serving (AsyncLLM) with the in-process executor: the engine core (busy loop, scheduler, "
-        "worker) runs in a child process. The offline LLM, the Ray executor and KV transfer keep it in process.",
+        description="Serving (AsyncLLM): the engine core (busy loop, scheduler, executor) runs in another "
+        "process: a child process, or with the Ray executor (TP/PP) a Ray actor beside the server. The offline "
+        "LLM and KV transfer keep it in process.",
     )
 
     @property

@@ -1,5 +1,8 @@
-"""The front end's handle on an engine core running in a child process (``engine.core_proc``).
+"""The front end's handle on an engine core running in another process (``engine.core_proc``).
 
+The core runs in a child process, or, when it drives Ray worker actors (the Ray executor: TP/PP), in
+a Ray actor (``cluster.core_actor``, found by import path: ``engine/`` never imports Ray), since only
+a Ray worker can drive actors; either is a ``CoreHost`` behind the same pipe protocol.
 ``EngineCoreProcess`` offers the front end (``LLMEngine``) what it calls on an
 in-process ``EngineCore``: ``add_request``, ``abort_requests``, ``make_stats``,
 ``kv_block_counts``, ``take_kv_load_latencies``, ``take_kv_events``, ``check_health``,
@@ -11,6 +14,7 @@ If the process dies, the sink gets one ``CoreDied`` and nothing after it.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import os
@@ -21,6 +25,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
+from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import PrefixCacheStats
@@ -42,6 +47,32 @@ logger = logging.getLogger(__name__)
 HEALTH_CHECK_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0
 
+# What starts a core, by executor backend: a function () -> (the front end's end of the pipe, CoreHost).
+CORE_HOST_IMPORT_PATHS = {
+    "uni": "engine.core_client:start_child_process",
+    "ray": "cluster.core_actor:start_core_actor",
+}
+
+
+class CoreHost(Protocol):
+    """What an engine core runs in, as ``EngineCoreProcess`` sees it (it talks to the core over the pipe)."""
+
+    def poll(self) -> int | None:
+        """None while the core runs, else its exit code; never waits."""
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Its exit code once it has ended within ``timeout_s``, else None."""
+
+    def kill(self) -> None:
+        """Ends it now and frees what it holds (its process; Ray worker actors it owns). Idempotent."""
+
+
+def start_core(config: EngineConfig) -> tuple[Connection, CoreHost]:
+    """Starts a core host for ``config``'s executor backend; the core then waits for EngineCoreStart."""
+    backend = config.parallel_config.executor_backend
+    module_name, _, function_name = CORE_HOST_IMPORT_PATHS[backend].partition(":")
+    return getattr(importlib.import_module(module_name), function_name)()
+
 
 class CoreDied:
     """What the sink gets once the core process is gone (``reason`` says how)."""
@@ -51,7 +82,7 @@ class CoreDied:
 
 
 class EngineCoreProcess:
-    """Starts the engine core in a child process; ``wait_ready`` waits for its model to load.
+    """Starts the engine core in another process; ``wait_ready`` waits for its model to load.
 
     ``add_request``/``abort_requests``/``check_health``/``shutdown`` may be called
     from any thread; ``make_stats``/``kv_block_counts``/``take_kv_load_latencies``
@@ -61,7 +92,8 @@ class EngineCoreProcess:
     def __init__(self, config: EngineConfig, executor_class: type | None = None, kv_events: bool = False) -> None:
         """``kv_events``: the core reports its prefix cache's changes (``take_kv_events``)."""
         self._send_lock = threading.Lock()
-        self._conn, self.process = _spawn_core_process()
+        self._conn, self.host = start_core(config)
+        self.pid: int | None = None  # the core's process id, known once ready
         self._send(EngineCoreStart(config, executor_class, kv_events))
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
@@ -79,13 +111,13 @@ class EngineCoreProcess:
         try:
             message = self._conn.recv()
         except EOFError:
-            code = self.process.wait()
+            code = self.host.wait(SHUTDOWN_TIMEOUT_S)
             raise RuntimeError(f"The engine core process exited at start-up (code {code}).") from None
         if isinstance(message, CoreFailed):
-            self.process.wait()
+            self.host.wait(SHUTDOWN_TIMEOUT_S)
             raise RuntimeError(f"The engine core failed to start:\n{message.error}")
         assert isinstance(message, CoreReady)
-        self.num_blocks = message.num_blocks
+        self.pid, self.num_blocks = message.pid, message.num_blocks
 
     def attach(self, sink: Callable[[object], None]) -> None:
         """After ``wait_ready``: delivers every CoreStep (then one CoreDied at the end) to ``sink``,
@@ -103,8 +135,9 @@ class EngineCoreProcess:
 
     def check_health(self) -> None:
         """Raises if the process is gone or the executor's own check fails (a Ray worker lost)."""
-        if self.process.poll() is not None:
-            raise RuntimeError(f"The engine core process is gone (exit code {self.process.returncode}).")
+        code = self.host.poll()
+        if code is not None:
+            raise RuntimeError(f"The engine core process is gone (exit code {code}).")
         self.call("check_health", timeout_s=HEALTH_CHECK_TIMEOUT_S)
 
     def check_integrity(self) -> None:
@@ -160,7 +193,7 @@ class EngineCoreProcess:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                sink(CoreDied(f"The engine core process exited (code {_wait(self.process, SHUTDOWN_TIMEOUT_S)})."))
+                sink(CoreDied(f"The engine core process exited (code {self.host.wait(SHUTDOWN_TIMEOUT_S)})."))
                 return
             if isinstance(message, UtilityResult):
                 self._resolve(message)
@@ -188,14 +221,34 @@ class EngineCoreProcess:
             self._send(None)
         except OSError:
             pass  # already gone
-        if _wait(self.process, SHUTDOWN_TIMEOUT_S) is None:
+        if self.host.wait(SHUTDOWN_TIMEOUT_S) is None:
             logger.warning("The engine core process did not stop in %.0f s; killing it.", SHUTDOWN_TIMEOUT_S)
-            self.process.kill()
-            self.process.wait()
+        self.host.kill()
         self._conn.close()
 
 
-def _spawn_core_process() -> tuple[Connection, subprocess.Popen]:
+class ChildProcess:
+    """A ``CoreHost``: the core in a child process of this one."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_child_process() -> tuple[Connection, ChildProcess]:
     """``python -m engine.core_proc`` with one end of a socket pair; this process keeps the other.
 
     Not multiprocessing's spawn: that re-runs the parent's main script in the child, which breaks
@@ -209,12 +262,4 @@ def _spawn_core_process() -> tuple[Connection, subprocess.Popen]:
         env=env,
     )
     child_socket.close()
-    return Connection(parent_socket.detach()), process
-
-
-def _wait(process: subprocess.Popen, timeout_s: float) -> int | None:
-    """The process's exit code once it exits within ``timeout_s``, else None."""
-    try:
-        return process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return None
+    return Connection(parent_socket.detach()), ChildProcess(process)

@@ -1,5 +1,7 @@
 """The engine core in its own process (vLLM's ``EngineCoreProc``): the busy loop away from the server's GIL.
 
+The process is a child of the front end's (``python -m engine.core_proc``), or, for a core that drives
+Ray worker actors (TP/PP), a Ray actor (``cluster.core_actor``); ``engine.core_client`` starts either.
 The protocol, over one duplex pipe (pickled messages, in order both ways):
 
     parent -> core   EngineCoreStart first, then Request (add), AbortRequests,
@@ -114,10 +116,14 @@ def exit_with_parent(parent_pid: int, interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="EngineCore-parent-watch", daemon=True).start()
 
 
-def run_engine_core(conn: Connection, parent_pid: int) -> None:
-    """The child's entry point: builds the core, reports ready, and runs the busy loop until told to stop."""
-    exit_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which shuts this down
+def run_engine_core(conn: Connection, parent_pid: int | None) -> None:
+    """The core's entry point: builds the core, reports ready, and runs the busy loop until told to stop.
+
+    ``parent_pid``: exit when that parent process is gone (a child process); None where something else
+    ends this process with its owner (a Ray actor: Ray kills it with the replica that created it).
+    """
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
     from engine.engine_core import EngineCore
 
     try:
@@ -206,6 +212,7 @@ class EngineCoreLoop:
 
 if __name__ == "__main__":  # python -m engine.core_proc <socket fd> <parent pid> (engine.core_client starts it)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s engine-core %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which shuts this down
     # Through the module's import name: what crosses the pipe must pickle as engine.core_proc.*, not __main__.*
     from engine import core_proc
 

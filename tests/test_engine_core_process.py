@@ -78,7 +78,7 @@ def test_the_core_steps_in_another_process_and_matches_offline(async_llm, model_
     rng = random.Random(3)
     prompts = [token_prompt(random_token_ids(rng, n)) for n in (5, 40, 17, 90)]
     core = core_of(async_llm)
-    assert core.process.pid != os.getpid() and is_running(core.process.pid)
+    assert core.pid != os.getpid() and is_running(core.pid)
 
     async def body():
         return await asyncio.gather(
@@ -95,20 +95,31 @@ def test_the_core_steps_in_another_process_and_matches_offline(async_llm, model_
 
 
 def test_an_idle_core_blocks_instead_of_spinning(async_llm):
-    pid = core_of(async_llm).process.pid
+    pid = core_of(async_llm).pid
     time.sleep(0.5)  # whatever the previous test left running has finished
     before = cpu_seconds(pid)
     time.sleep(2.0)
     assert cpu_seconds(pid) - before < 0.2
 
 
+DELTA = RequestOutputKind.DELTA
+
+
 def test_aborted_and_cancelled_streams_leave_the_core_consistent(async_llm):
     async def body():
-        stream = async_llm.generate(token_prompt([7] * 30), greedy(400, output_kind=RequestOutputKind.DELTA), "x")
+        stream = async_llm.generate(token_prompt([7] * 30), greedy(400, output_kind=DELTA), "x")
         await stream.__anext__()
         await stream.aclose()  # the consumer leaves: the request is aborted in the core
-        task = asyncio.create_task(collect(async_llm, token_prompt([9] * 30), greedy(400), "y"))
-        await asyncio.sleep(0.2)
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in async_llm.generate(token_prompt([9] * 30), greedy(480, output_kind=DELTA), "y"):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        # Cancelled while it waits inside the stream, right after its first output (not after a fixed sleep:
+        # on an idle machine the tiny model finishes 400 tokens in under 0.2 s, and there was nothing to abort).
+        await first.wait()
         task.cancel()
         await async_llm.abort("never-existed")
         deadline = time.monotonic() + 20
@@ -125,7 +136,7 @@ def test_aborted_and_cancelled_streams_leave_the_core_consistent(async_llm):
 
 def test_a_killed_core_fails_open_streams_at_once(model_path):
     llm = make_async_llm(model_path, **KWARGS)
-    pid = core_of(llm).process.pid
+    pid = core_of(llm).pid
 
     async def body():
         stream = llm.generate(token_prompt([5] * 20), greedy(480, output_kind=RequestOutputKind.DELTA), "doomed")
@@ -153,7 +164,7 @@ def test_the_core_process_exits_with_its_parent(model_path, tmp_path):
         sys.path.insert(0, {str(REPO)!r})
         from tests.conftest import make_async_llm
         llm = make_async_llm({model_path!r}, **{KWARGS!r})
-        print(llm._engine_thread.engine.engine_core.process.pid, flush=True)
+        print(llm._engine_thread.engine.engine_core.pid, flush=True)
         time.sleep(600)
         """
     )

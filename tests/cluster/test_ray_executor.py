@@ -15,6 +15,7 @@ import json
 import os
 import random
 import signal
+import time
 
 import pytest
 
@@ -111,45 +112,104 @@ def test_pipeline_keeps_two_micro_batches_in_flight(local_ray, tiny_checkpoint, 
         llm.shutdown()
 
 
-def _worker_pids(engine: AsyncLLM) -> list[int]:
+def _alive_actor_pids(class_name: str) -> list[int]:
+    """This module's cluster's live actors of ``class_name`` (from the GCS: the cluster has no dashboard)."""
     import ray
 
-    executor = engine._engine_thread.engine.engine_core.executor
-    return ray.get([worker.ping.remote() for worker in executor.workers])
+    actors = ray._private.state.actors().values()
+    return sorted(a["Pid"] for a in actors if a["ActorClassName"] == class_name and a["State"] == "ALIVE")
 
 
-@pytest.mark.parametrize("compiled_graph", CONTROL_PATHS)
-def test_a_killed_worker_fails_streams_and_health(local_ray, tiny_checkpoint, compiled_graph):
+def _tp2_async_llm(tiny_checkpoint, **overrides) -> AsyncLLM:
     args = EngineArgs(
         model=tiny_checkpoint("llama"),
         tensor_parallel_size=2,
         distributed_executor_backend="ray",
         num_cpus_per_worker=0.4,
-        ray_compiled_graph=compiled_graph,
-        **{**ENGINE_KWARGS, "max_model_len": 512},
+        **{**ENGINE_KWARGS, "max_model_len": 512, **overrides},
     )
-    engine = AsyncLLM.from_engine_args(args)
+    return AsyncLLM.from_engine_args(args)
+
+
+async def _first_output_of_a_long_stream(engine: AsyncLLM, request_id: str):
+    stream = engine.generate(
+        _prompts()[1], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=400), request_id
+    )
+    first = await anext(stream)
+    assert first.outputs[0].token_ids
+    return stream
+
+
+async def _assert_engine_dead(engine: AsyncLLM, stream) -> None:
+    with pytest.raises(EngineDeadError):
+        async with asyncio.timeout(30):
+            async for _ in stream:
+                pass
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    with pytest.raises(EngineDeadError):
+        await anext(engine.generate(_prompts()[0], GREEDY, "after"))
+
+
+@pytest.mark.parametrize("compiled_graph", CONTROL_PATHS)
+def test_a_killed_worker_fails_streams_and_health(local_ray, tiny_checkpoint, compiled_graph):
+    engine = _tp2_async_llm(tiny_checkpoint, ray_compiled_graph=compiled_graph)
 
     async def scenario() -> None:
         await engine.check_health()
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=400)
-        stream = engine.generate(_prompts()[1], params, "victim")
-        first = await anext(stream)
-        assert first.outputs[0].token_ids
-        os.kill(_worker_pids(engine)[1], signal.SIGKILL)
-        with pytest.raises(EngineDeadError):
-            async with asyncio.timeout(30):
-                async for _ in stream:
-                    pass
-        with pytest.raises(EngineDeadError):
-            await engine.check_health()
-        with pytest.raises(EngineDeadError):
-            await anext(engine.generate(_prompts()[0], GREEDY, "after"))
+        stream = await _first_output_of_a_long_stream(engine, "victim")
+        os.kill(_alive_actor_pids("RayWorker")[1], signal.SIGKILL)
+        await _assert_engine_dead(engine, stream)
 
     try:
         asyncio.run(scenario())
     finally:
         engine.shutdown()
+
+
+def test_the_core_of_a_tp_engine_is_a_ray_actor_and_dies_loudly_with_its_workers(local_ray, tiny_checkpoint):
+    """Serving a TP engine, the core (scheduler, executor) runs in an EngineCoreActor, not in this process:
+    greedy tokens equal the single-device engine's; SIGKILLing it fails the open stream at once and the
+    worker actors it owned go with it; shutting down a live one leaves no actor behind."""
+    engine = _tp2_async_llm(tiny_checkpoint)
+
+    async def scenario() -> None:
+        outputs = [await _collect(engine, prompt, f"r{i}") for i, prompt in enumerate(_prompts())]
+        assert [list(output.outputs[0].token_ids) for output in outputs] == reference
+        stream = await _first_output_of_a_long_stream(engine, "victim")
+        os.kill(engine.engine_core_pid, signal.SIGKILL)
+        await _assert_engine_dead(engine, stream)
+
+    reference = [
+        list(output.outputs[0].token_ids)
+        for output in LLM(tiny_checkpoint("llama"), **ENGINE_KWARGS).generate(_prompts(), GREEDY, use_tqdm=False)
+    ]
+    assert engine.engine_core_pid not in (None, os.getpid())
+    assert _alive_actor_pids("EngineCoreActor") == [engine.engine_core_pid]
+    assert len(_alive_actor_pids("RayWorker")) == 2
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert _wait_until(lambda: not _alive_actor_pids("RayWorker") and not _alive_actor_pids("EngineCoreActor"), 30)
+
+    engine = _tp2_async_llm(tiny_checkpoint)  # the group's CPUs are free again; a clean shutdown frees them too
+    engine.shutdown()
+    assert _wait_until(lambda: not _alive_actor_pids("RayWorker") and not _alive_actor_pids("EngineCoreActor"), 30)
+
+
+async def _collect(engine: AsyncLLM, prompt, request_id: str):
+    outputs = [output async for output in engine.generate(prompt, GREEDY, request_id)]
+    return outputs[-1]
+
+
+def _wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def test_structured_outputs_under_tp2_x_pp2_equal_single_device(local_ray, tiny_checkpoint):

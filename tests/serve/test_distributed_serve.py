@@ -1,9 +1,9 @@
 """TP and PP behind the Serve app: each replica drives a TP=2 x PP=2 group of Ray worker actors.
 
 The workers live in the replica's own placement group (bundle 0 holds the
-replica and rank 0). Greedy completions over HTTP equal the single-device
+replica, its engine core's actor and rank 0). Greedy completions over HTTP equal the single-device
 offline engine. A worker
-process killed mid-stream ends the stream with an error event (no hang), the
+process or the engine core's actor killed mid-stream ends the stream with an error event (no hang), the
 replica reports unhealthy, Serve replaces it (new workers in a new placement
 group), and requests succeed again afterwards. Structured outputs (the step's
 grammar bitmask reaching the output rank) equal the single-device engine's.
@@ -77,24 +77,31 @@ def test_greedy_completions_equal_the_single_device_engine(client, offline_texts
     assert [complete(client, prompt) for prompt in PROMPTS] == offline_texts
 
 
-def test_workers_share_the_replica_placement_group(client):
+def test_the_core_and_workers_share_the_replica_placement_group(client):
+    """The replica's engine core runs in its own process, an EngineCoreActor beside the replica."""
     replica = next(actor for actor in alive_actors("ServeReplica:llm:" + SERVER))
     workers = alive_actors("RayWorker")
+    [core] = alive_actors("EngineCoreActor")
     assert len(workers) == WORLD_SIZE
     assert replica.placement_group_id is not None
-    assert {worker.placement_group_id for worker in workers} == {replica.placement_group_id}
+    assert {worker.placement_group_id for worker in [*workers, core]} == {replica.placement_group_id}
+    assert core.pid != replica.pid and core.node_id == replica.node_id
 
 
-def test_a_killed_worker_errors_the_stream_and_serve_replaces_the_replica(ray_head, client, offline_texts):
+@pytest.mark.parametrize("victim", ["RayWorker", "EngineCoreActor"])
+def test_a_killed_worker_or_core_errors_the_stream_and_serve_replaces_the_replica(
+    ray_head, client, offline_texts, victim
+):
     pids = worker_pids()
     assert len(pids) == WORLD_SIZE
+    [victim_pid] = [pids[1]] if victim == "RayWorker" else [actor.pid for actor in alive_actors(victim)]
     replicas_before = replica_ids(ray_head)
     stream = client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
     chunks = iter(stream)
     assert next(chunks).choices[0].text is not None
-    os.kill(pids[1], signal.SIGKILL)
+    os.kill(victim_pid, signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(openai.APIError):
         for _ in chunks:
