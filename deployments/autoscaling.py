@@ -80,8 +80,8 @@ class TTFTPolicyOptions(BaseModel):
     idle_requests_per_replica: float = Field(
         1.0,
         ge=0,
-        description="Scale down by one while nothing waits, the objective holds and the ongoing "
-        "requests fit on one replica fewer at this many each.",
+        description="Scale down by one while the objective holds and the requests in flight (running and "
+        "waiting) fit on one replica fewer at this many each.",
     )
 
 
@@ -194,8 +194,8 @@ def decide(
     Up by one while the TTFT percentile misses the target (with at least ``min_ttft_samples`` TTFTs, and
     not within ``ttft_window_s`` of the last change of the replica count: the window still holds TTFTs
     measured before it) or more requests wait than ``max_waiting_per_replica`` per replica. Down by one
-    while nothing waits, the objective holds and the ongoing requests fit on a replica fewer at
-    ``idle_requests_per_replica`` each. Held while replicas start or stop (their effect is not measured
+    while neither holds, the objective is met and the requests in flight (running and waiting) fit on a
+    replica fewer at ``idle_requests_per_replica`` each. Held while replicas start or stop (their effect is not measured
     yet). Always within ``[min_replicas, max_replicas]``.
     """
     state = _note_replica_changes(state, inputs)
