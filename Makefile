@@ -11,7 +11,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # Ray token authentication for the clusters make starts and the drivers that join them (see deployments/launcher.py).
 export RAY_AUTH_MODE ?= token
 
-.PHONY: venv lint test serve stop models clean bench-scheduler prometheus
+.PHONY: venv lint test serve stop models clean bench-scheduler prometheus iproute2
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,12 +48,19 @@ prometheus:
 	  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; }
 	@prometheus --version | head -1
 
+# The two-host tests make their hosts with iproute2's `ip netns` (Debian's package); without it (or root) they skip.
+iproute2:
+	@command -v ip >/dev/null || { export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends iproute2 >/dev/null || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends iproute2 >/dev/null; } || \
+	  echo "No iproute2: tests/cluster/test_two_hosts.py will be skipped."; }
+
 # ruff first (seconds): a formatting or lint error fails before the 20-minute suite starts.
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-test: venv prometheus lint
+test: venv prometheus iproute2 lint
 	$(PY) -m pytest -q
 
 # The tests' embedded model: a deterministic random-weight checkpoint made locally (no downloads); remade
