@@ -76,7 +76,7 @@ def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
     ingress = serve.deployment(OpenAiIngress).options(
         name=INGRESS_DEPLOYMENT_NAME, **serving_args.ingress_deployment_config.to_options()
     )
-    return ingress.bind(servers, serving_args.server_options())
+    return ingress.bind(servers, serving_args.server_options(), serving_args.migration_limit)
 
 
 def build_pd_openai_app(args: dict[str, Any] | PDServingArgs) -> Application:

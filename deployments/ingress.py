@@ -15,6 +15,7 @@ the cores), which is why one-model apps use it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,13 +28,16 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from deployments.llm_config import LLMConfig
+from deployments.llm_config import DEFAULT_MIGRATION_LIMIT, LLMConfig
 from deployments.llm_server import LLMServer
+from deployments.metrics import MigrationMetrics
 from deployments.metrics_export import scrape_serval_metrics
+from deployments.migration import MigratingCall
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from deployments.routing_hints import PromptTokenizer, make_hint, session_id, session_middleware
 from engine.entrypoints.openai import api_server
 from engine.entrypoints.openai.api_server import LocalModelRouter
+from engine.entrypoints.openai.continuation import Continuation
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
 from engine.entrypoints.openai.server_options import ServerOptions
 from engine.llm_engine import load_tokenizer
@@ -46,8 +50,17 @@ class RayModelRouter:
     ``RoutingHint`` (``deployments.routing_hints``); the first call asks the deployment whether it is one.
     """
 
-    def __init__(self, servers: dict[str, DeploymentHandle]) -> None:
+    def __init__(
+        self,
+        servers: dict[str, DeploymentHandle],
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+        migration_metrics: MigrationMetrics | None = None,
+    ) -> None:
+        """``migration_limit``: how many times one request may move to another replica after the one
+        serving it died (``deployments.migration``; 0: never)."""
         self.servers = servers
+        self.migration_limit = migration_limit
+        self.migration_metrics = migration_metrics
         self.streams = {model_id: handle.options(stream=True) for model_id, handle in servers.items()}
         self._tokenizers: dict[str, asyncio.Task] = {}  # model id -> its PromptTokenizer, or None: no hints
         self._tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="routing-hints")
@@ -84,21 +97,33 @@ class RayModelRouter:
         return list(self.servers)
 
     async def call(self, model_id: str, method_name: str, request: BaseModel) -> AsyncGenerator[Any, None]:
-        """The LLM server's items. Failing to reach it is one error item (503 when Serve sheds load);
-        closing this generator cancels the call on the replica, which aborts its engine requests."""
+        """The LLM server's items, moved to another replica if the one serving them dies (``MigratingCall``).
+        Failing to reach one is one error item (503 when Serve sheds load); closing this generator cancels
+        the call on the replica, which aborts its engine requests."""
         routing_kwargs = await self._routing_kwargs(model_id, method_name, request)
-        response = self.streams[model_id].call.remote(method_name, request, **routing_kwargs)
+
+        def open_call(continuation: Continuation | None, track: bool) -> Any:
+            if continuation is None and not track:
+                return self.streams[model_id].call.remote(method_name, request, **routing_kwargs)
+            return self.streams[model_id].call.remote(
+                method_name, request, **routing_kwargs, continuation=continuation, track=track
+            )
+
+        def on_migration(kind: str) -> None:
+            if self.migration_metrics is not None:
+                self.migration_metrics.record(model_id, kind)
+
+        call = MigratingCall(method_name, request, open_call, self.migration_limit, on_migration)
         try:
-            async for item in response:
-                yield item
+            async with contextlib.aclosing(call.items()) as items:
+                async for item in items:
+                    yield item
         except BackPressureError as exc:
             yield make_error(
                 f"Too many requests queued for {model_id!r}; retry later. ({exc})", 503, retry_after=RETRY_AFTER_S
             )
-        except Exception as exc:  # noqa: BLE001 - a replica that raised or died: answer, keep serving
+        except Exception as exc:  # noqa: BLE001 - a replica that raised: answer, keep serving
             yield from_exception(exc)
-        finally:
-            response.cancel()
 
     async def model_card(self, model_id: str) -> BaseModel:
         return await self.servers[model_id].model_card.remote()
@@ -144,9 +169,15 @@ class OpenAiIngress:
     replica's environment (``SERVAL_API_KEY``) are.
     """
 
-    def __init__(self, llm_servers: dict[str, DeploymentHandle], server_options: ServerOptions | None = None) -> None:
+    def __init__(
+        self,
+        llm_servers: dict[str, DeploymentHandle],
+        server_options: ServerOptions | None = None,
+        migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+    ) -> None:
         bind_replica_grpc_to_node_ip()
-        self.router = RayModelRouter(llm_servers)
+        metrics = MigrationMetrics(serve.get_replica_context().replica_id.unique_id)
+        self.router = RayModelRouter(llm_servers, migration_limit, metrics)
         self.server_options = server_options or ServerOptions()
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -25,6 +25,7 @@ from deployments.metrics import RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from deployments.routing_hints import precomputed_prompt
 from engine.async_llm import AsyncLLM
+from engine.entrypoints.openai.continuation import StreamProgress
 from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
 
 logger = logging.getLogger("ray.serve")
@@ -68,7 +69,9 @@ class LLMServer:
         self.serving = OpenAIServing(self.engine, self.model_id)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 
-    async def call(self, method_name: str, request: Any, routing_hint: Any = None) -> AsyncIterator[Any]:
+    async def call(
+        self, method_name: str, request: Any, routing_hint: Any = None, continuation: Any = None, track: bool = False
+    ) -> AsyncIterator[Any]:
         """Streams the items of one ``OpenAIServing`` endpoint (one item for non-streamed calls).
 
         The caller closing the stream (a client disconnect cancels the ingress
@@ -76,15 +79,21 @@ class LLMServer:
         which aborts the engine request and frees its KV blocks. ``routing_hint`` is for the
         deployment's request router (``deployments.routing``); the replica serves the prompt the ingress
         tokenized for it (``precomputed_prompt``), so chat templates and tokenizers run once per request.
+        ``track`` (a chat / completions stream the ingress may migrate): each SSE item comes as a
+        ``continuation.StreamedItem``; ``continuation``: continue that stream (``deployments.migration``).
         """
         if method_name not in ENDPOINT_METHODS:
             raise ValueError(f"Unknown serving method {method_name!r}.")
         endpoint = getattr(self.serving, method_name)
         precomputed = precomputed_prompt(method_name, routing_hint)
-        # Only chat and completions take a precomputed prompt (it is None for the other endpoints).
-        items = endpoint(request) if precomputed is None else endpoint(request, precomputed)
-        async for item in items:
-            yield item
+        if not track and continuation is None:  # the other endpoints take the request alone
+            items = endpoint(request) if precomputed is None else endpoint(request, precomputed)
+            async for item in items:
+                yield item
+            return
+        progress = StreamProgress() if track else None
+        async for item in endpoint(request, precomputed, continuation, progress):
+            yield progress.take(item) if progress is not None and isinstance(item, str) else item
 
     async def model_card(self) -> Any:
         return self.serving.model_card()

@@ -315,3 +315,20 @@ class RouterMetrics:
         for replica, view in index.replicas.items():
             self.indexed_blocks.set(len(view.held), self._tags(replica))
             self.replica_load.set(view.load, self._tags(replica))
+
+
+class MigrationMetrics:
+    """The ingress's request migrations (``deployments.migration``): ``serval_migrations``, by model, by the
+    ingress replica that moved them, and by kind (``continued``: a stream resumed mid-way; ``resent``: a
+    request sent again whole before anything of it was sent)."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self.migrations = metrics.Counter(
+            "serval_migrations",
+            "Requests moved to another LLM-server replica after the one serving them died, by kind.",
+            tag_keys=(*TAG_KEYS, "kind"),
+        )
+
+    def record(self, model_name: str, kind: str) -> None:
+        self.migrations.inc(1, {"model_name": model_name, "replica": self.replica, "kind": kind})

@@ -28,9 +28,9 @@ from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
-from serval.bench.soak_client import FATES, Outcome, RequestSpec, random_spec, send
+from serval.bench.soak_client import FATES, Outcome, RequestSpec, random_spec, read_migrations, send
 from serval.bench.soak_faults import Fault, FaultRecord, ServeApp, parse_fault
-from serval.bench.soak_report import build_record, format_summary, passed, plot_timeline
+from serval.bench.soak_report import build_record, format_summary, migrations_during, passed, plot_timeline
 
 SUMMARY = "soak an OpenAI endpoint: concurrent mixed clients for a bounded time, a fault schedule, every fate counted"
 
@@ -105,9 +105,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"serval bench soak: error: {remote[0]} is not on loopback (pass --allow-remote)", file=sys.stderr)
         return 2
     app = ServeApp(args.dashboard_url, args.app, args.model, args.seed) if args.fault or args.ray_address else None
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    migrations_before = read_migrations(args.url, headers)
     outcomes, faults, duration_s = asyncio.run(soak(args, app))
     record = build_record(outcomes, faults, duration_s, settings(args))
     record["after"] = after_checks(args, app)
+    record["migrations"] = migrations_during(migrations_before, read_migrations(args.url, headers))
     paths = write_results(record, args)
     print(format_summary(record))
     print("wrote:\n" + "\n".join(f"  {path}" for path in paths))

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 
 FATES = ("ok", "disconnected", "error", "cut", "hung")
+MIGRATIONS_METRIC = "serval_migrations"  # the ingress's count (deployments/metrics.py MigrationMetrics)
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven small birds sing about rivers mountains and the sea "
     "under a bright morning sky full of clouds"
@@ -144,3 +145,20 @@ async def _read_stream(response, spec: RequestSpec, outcome: Outcome) -> None:
             outcome.fate, outcome.detail = "disconnected", f"after {chunks} chunks"
             return  # leaving the ``client.stream`` block closes the connection mid-stream
     _judge_usage(outcome, spec, usage, done=False)
+
+
+def read_migrations(base_url: str, headers=None) -> dict[str, float] | None:
+    """The app's ``serval_migrations`` counts by kind (``continued``, ``resent``) from its ``/metrics``; None
+    when it cannot be read. A migrated request that completes is ``ok``: only this count tells it apart."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30).text
+    except httpx.HTTPError:
+        return None
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(MIGRATIONS_METRIC) and 'kind="' in line:
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            counts[kind] = counts.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts

@@ -66,6 +66,14 @@ def build_record(outcomes: list[Outcome], faults: list[FaultRecord], duration_s:
     }
 
 
+def migrations_during(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, int] | None:
+    """Requests migrated during the soak, by kind (the ingress's counter read before and after; Ray exports
+    it every few seconds, so the last ones may be missing); None if either read failed."""
+    if before is None or after is None:
+        return None
+    return {kind: int(after[kind] - before.get(kind, 0.0)) for kind in sorted(after)}
+
+
 def passed(record: dict) -> bool:
     """Nothing cut or hung, errors only inside fault windows, and the after-checks (when run) held."""
     counts, outside = record["counts"], record["failures_outside_windows"]
@@ -89,6 +97,9 @@ def format_summary(record: dict) -> str:
         f"{'Failures inside fault windows:':<34}{_counts_text(record['failures_inside_windows']):>10}",
         f"{'Failures outside fault windows:':<34}{_counts_text(record['failures_outside_windows']):>10}",
     ]
+    if "migrations" in record:
+        migrations = "unknown" if record["migrations"] is None else _counts_text(record["migrations"])
+        lines.append(f"{'Migrated (ok when complete):':<34}{migrations:>10}")
     for fault in record["faults"]:
         recover = "never" if fault["recover_s"] is None else f"{fault['recover_s']:.2f} s"
         settled = (

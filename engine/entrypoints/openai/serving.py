@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from engine.engine_client import EngineClient
+from engine.entrypoints.openai.continuation import Continuation, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -59,16 +60,24 @@ class OpenAIServing:
         self._tokenization = TokenizationServing(engine, model_id)
 
     def completions(
-        self, request: CompletionRequest, precomputed: PrecomputedPrompt | None = None
+        self,
+        request: CompletionRequest,
+        precomputed: PrecomputedPrompt | None = None,
+        continuation: Continuation | None = None,
+        progress: StreamProgress | None = None,
     ) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
         """``/v1/completions`` (see CompletionServing.completions)."""
-        return self._completion.completions(request, precomputed)
+        return self._completion.completions(request, precomputed, continuation, progress)
 
     def chat(
-        self, request: ChatCompletionRequest, precomputed: PrecomputedPrompt | None = None
+        self,
+        request: ChatCompletionRequest,
+        precomputed: PrecomputedPrompt | None = None,
+        continuation: Continuation | None = None,
+        progress: StreamProgress | None = None,
     ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
         """``/v1/chat/completions`` (see ChatServing.chat)."""
-        return self._chat.chat(request, precomputed)
+        return self._chat.chat(request, precomputed, continuation, progress)
 
     def tokenize(self, request: TokenizeRequest) -> AsyncIterator[ErrorResponse | TokenizeResponse]:
         """vLLM's ``/tokenize`` (see TokenizationServing.tokenize)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.core.request import check_prompt_not_empty
 from engine.engine_client import EngineClient
+from engine.entrypoints.openai.continuation import ResumedRequest, resumed_outputs
 from engine.entrypoints.openai.errors import from_exception
 from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
 from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
@@ -119,6 +120,24 @@ class ServingBase:
             )
             for index, prompt in enumerate(prompts)
         ]
+
+    def start_or_resume(
+        self,
+        request_id: str,
+        prompts: Sequence[Mapping],
+        params: SamplingParams,
+        request: SamplingRequest,
+        resumed: ResumedRequest | None,
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """``start_requests``, or for a continued stream its one engine request (none once it had finished)."""
+        if resumed is None:
+            return self.start_requests(request_id, prompts, params, request)
+        if resumed.params is None:
+            return []
+        [generator] = self.start_requests(
+            f"{request_id}-r{resumed.num_generated}", [resumed.prompt], resumed.params, request
+        )
+        return [resumed_outputs(generator, resumed, self.tokenizer)]
 
     async def respond(
         self,

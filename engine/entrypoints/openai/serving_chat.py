@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from engine.entrypoints.openai.continuation import Continuation, ResumedRequest, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import chat_logprobs
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
@@ -39,31 +40,43 @@ from engine.request_output import CompletionOutput, RequestOutput
 
 class ChatServing(ServingBase):
     async def chat(
-        self, request: ChatCompletionRequest, precomputed: PrecomputedPrompt | None = None
+        self,
+        request: ChatCompletionRequest,
+        precomputed: PrecomputedPrompt | None = None,
+        continuation: Continuation | None = None,
+        progress: StreamProgress | None = None,
     ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
         """Not streamed: one ChatCompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
 
         ``precomputed`` (with its ``text``): the conversation as the caller rendered and tokenized it, used
-        instead of the chat template and the tokenizer. Closing the iterator aborts the engine request.
+        instead of the chat template and the tokenizer. ``continuation``: continue that stream
+        (``continuation`` module; the conversation is not rendered again); ``progress``: filled in as each
+        streamed batch is formatted. Closing the iterator aborts the engine request.
         """
+        resumed = None
         try:
-            if precomputed is not None and precomputed.text is not None:
+            if continuation is not None:
+                text, token_ids = None, continuation.prompt_token_ids
+            elif precomputed is not None and precomputed.text is not None:
                 text, token_ids = precomputed.text, precomputed.token_ids
             else:
                 text, token_ids = self.render_chat(request)
             self.check_context_length(len(token_ids), request.requested_max_tokens)
             params = request.to_sampling_params(request.requested_max_tokens, request.num_logprobs)
+            if continuation is not None:
+                resumed = ResumedRequest.of(continuation, self.tokenizer, params)
         except ValueError as exc:
             yield from_exception(exc)
             return
         request_id = f"chatcmpl-{random_uuid()}"
-        generators = self.start_requests(request_id, [{"prompt": text, "prompt_token_ids": token_ids}], params, request)
+        prompts = [{"prompt": text, "prompt_token_ids": token_ids}]
+        generators = self.start_or_resume(request_id, prompts, params, request, resumed)
         async with contextlib.aclosing(
             self.respond(
                 generators,
                 request.stream,
                 lambda outputs: self._response(request, request_id, outputs[0]),
-                lambda: _ChatStream(self, request, request_id, num_prompt_tokens=len(token_ids)),
+                lambda: _ChatStream(self, request, request_id, len(token_ids), resumed, progress),
             )
         ) as items:
             async for item in items:
@@ -110,7 +123,13 @@ class _ChatStream:
     """Per-request state of a streamed chat completion."""
 
     def __init__(
-        self, serving: ChatServing, request: ChatCompletionRequest, request_id: str, num_prompt_tokens: int
+        self,
+        serving: ChatServing,
+        request: ChatCompletionRequest,
+        request_id: str,
+        num_prompt_tokens: int,
+        resumed: ResumedRequest | None = None,
+        progress: StreamProgress | None = None,
     ) -> None:
         self.serving = serving
         self.request = request
@@ -120,6 +139,13 @@ class _ChatStream:
         self.num_completion_tokens = 0
         self.is_role_sent = False
         self.parsers: dict[int, ToolParser | None] = {}  # choice index -> its tool-call parser
+        self.progress = progress
+        if progress is not None:
+            progress.request_id, progress.created = request_id, self.created
+        if resumed is not None:  # continues a stream that had sent its role chunk
+            self.request_id, self.created = resumed.continuation.request_id, resumed.continuation.created
+            self.num_completion_tokens, self.is_role_sent = resumed.num_generated, True
+            resumed.progress(progress)
 
     def format_batch(self, batch: list[tuple[int, RequestOutput]]) -> str:
         events = [] if self.is_role_sent else [self._role_event()]
@@ -127,6 +153,8 @@ class _ChatStream:
         for _, output in batch:
             for completion in output.outputs:
                 self.num_completion_tokens += len(completion.token_ids)
+                if self.progress is not None:
+                    self.progress.add(output, completion.token_ids, completion.text, completion.finish_reason)
                 events.extend(sse_event(self._chunk([choice])) for choice in self._choices(completion))
         return "".join(events)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from engine.entrypoints.openai.continuation import Continuation, ResumedRequest, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import completion_logprobs
 from engine.entrypoints.openai.protocol import CompletionRequest
@@ -28,27 +29,36 @@ from engine.sampling_params import SamplingParams
 
 class CompletionServing(ServingBase):
     async def completions(
-        self, request: CompletionRequest, precomputed: PrecomputedPrompt | None = None
+        self,
+        request: CompletionRequest,
+        precomputed: PrecomputedPrompt | None = None,
+        continuation: Continuation | None = None,
+        progress: StreamProgress | None = None,
     ) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
         """Not streamed: one CompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
 
         ``precomputed``: the first prompt's token ids as the caller tokenized them, used instead of the
-        tokenizer when that prompt is text. Closing the iterator aborts the engine requests.
+        tokenizer when that prompt is text. ``continuation``: continue that stream (``continuation``
+        module) instead of starting one; ``progress``: filled in as each streamed batch is formatted.
+        Closing the iterator aborts the engine requests.
         """
+        resumed = None
         try:
-            prompts = self._tokenize_prompts(request, precomputed)
+            prompts = self._tokenize_prompts(request, precomputed if continuation is None else None)
             params = self._sampling_params(request, prompts)
+            if continuation is not None:
+                resumed = ResumedRequest.of(continuation, self.tokenizer, params)
         except ValueError as exc:
             yield from_exception(exc)
             return
         request_id = f"cmpl-{random_uuid()}"
-        generators = self.start_requests(request_id, prompts, params, request)
+        generators = self.start_or_resume(request_id, prompts, params, request, resumed)
         async with contextlib.aclosing(
             self.respond(
                 generators,
                 request.stream,
                 lambda outputs: self._response(request, request_id, prompts, outputs),
-                lambda: _CompletionStream(self, request, request_id, prompts),
+                lambda: _CompletionStream(self, request, request_id, prompts, resumed, progress),
             )
         ) as items:
             async for item in items:
@@ -74,6 +84,10 @@ class CompletionServing(ServingBase):
         # echo + logprobs reports the prompt's logprobs too (the first prompt token has none).
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         return request.to_sampling_params(request.max_tokens, request.logprobs, prompt_logprobs)
+
+    def prompt_text_of(self, prompt: dict) -> str:
+        """The text of one of ``_tokenize_prompts``' prompts (echoed)."""
+        return prompt["prompt"] if "prompt" in prompt else self.tokenizer.decode(prompt["prompt_token_ids"])
 
     def prompt_text(self, output: RequestOutput) -> str:
         return output.prompt if output.prompt is not None else self.tokenizer.decode(output.prompt_token_ids)
@@ -128,10 +142,17 @@ class CompletionServing(ServingBase):
 
 
 class _CompletionStream:
-    """Per-request state of a streamed completion: what each choice has sent so far."""
+    """Per-request state of a streamed completion: what each choice has sent so far (a continued
+    stream's: what the stream it continues had sent)."""
 
     def __init__(
-        self, serving: CompletionServing, request: CompletionRequest, request_id: str, prompts: list[dict]
+        self,
+        serving: CompletionServing,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[dict],
+        resumed: ResumedRequest | None = None,
+        progress: StreamProgress | None = None,
     ) -> None:
         self.serving = serving
         self.request = request
@@ -140,12 +161,23 @@ class _CompletionStream:
         self.num_prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt in prompts)
         self.num_completion_tokens = 0
         self.num_sent_chars: dict[int, int] = {}  # choice index -> characters of text streamed
+        self.progress = progress
+        if progress is not None:
+            progress.request_id, progress.created = request_id, self.created
+        if resumed is not None:  # one choice, its echo (if any) already sent
+            self.request_id, self.created = resumed.continuation.request_id, resumed.continuation.created
+            self.num_completion_tokens = resumed.num_generated
+            echo_chars = len(serving.prompt_text_of(prompts[0])) if request.echo else 0
+            self.num_sent_chars[0] = echo_chars + resumed.continuation.num_sent_chars
+            resumed.progress(progress)
 
     def format_batch(self, batch: list[tuple[int, RequestOutput]]) -> str:
         events = []
         for prompt_index, output in batch:
             for completion in output.outputs:
                 self.num_completion_tokens += len(completion.token_ids)
+                if self.progress is not None:
+                    self.progress.add(output, completion.token_ids, completion.text, completion.finish_reason)
                 event = self._event(prompt_index, output, completion)
                 if event:
                     events.append(event)
