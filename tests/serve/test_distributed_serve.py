@@ -68,6 +68,15 @@ def worker_pids() -> list[int]:
     return sorted(actor.pid for actor in alive_actors("RayWorker"))
 
 
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def replica_ids(head) -> list[str]:
     replicas = app_status(head).get("deployments", {}).get(SERVER, {}).get("replicas", [])
     return [replica["replica_id"] for replica in replicas if replica["state"] == "RUNNING"]
@@ -92,9 +101,11 @@ def test_the_core_and_workers_share_the_replica_placement_group(client):
 def test_a_killed_worker_or_core_errors_the_stream_and_serve_replaces_the_replica(
     ray_head, client, offline_texts, victim
 ):
+    # Under a heavily loaded machine Serve's health check may just have replaced the replica: wait for a whole one.
+    assert wait_until(lambda: len(worker_pids()) == WORLD_SIZE and len(alive_actors("EngineCoreActor")) == 1, 60)
     pids = worker_pids()
-    assert len(pids) == WORLD_SIZE
-    [victim_pid] = [pids[1]] if victim == "RayWorker" else [actor.pid for actor in alive_actors(victim)]
+    [core_pid] = [actor.pid for actor in alive_actors("EngineCoreActor")]
+    victim_pid = pids[1] if victim == "RayWorker" else core_pid
     replicas_before = replica_ids(ray_head)
     stream = client.completions.create(
         model=MODEL, prompt=PROMPTS[1], max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
@@ -117,6 +128,8 @@ def test_a_killed_worker_or_core_errors_the_stream_and_serve_replaces_the_replic
         time.sleep(1)
     new_pids = worker_pids()
     assert len(new_pids) == WORLD_SIZE and not set(new_pids) & set(pids)
+    # Nothing of the old replica's engine is left running (its core and every worker, survivors included).
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in [*pids, core_pid]), 30)
     assert [complete(client, prompt) for prompt in PROMPTS] == offline_texts
 
 
