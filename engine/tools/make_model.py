@@ -40,6 +40,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.lora.make_adapter import add_lora_arguments, run_lora
+
 SUMMARY = "Write a small random-weight Hugging Face checkpoint (offline, deterministic)."
 SPEC_FILE = "serval_model_spec.json"
 SPEC_VERSION = 1
@@ -300,10 +302,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="generate this many tensors at once (same bytes as 1; default 1)"
     )
+    add_lora_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``make-model`` for parsed ``args``; returns the exit code."""
+    if args.lora is not None:
+        return run_lora(args)
     if args.train:
         from engine.tools.train_model import train_pair
 

@@ -1,0 +1,1 @@
+"""Multi-LoRA: PEFT adapters over one base model, batched per token (see ``engine.lora.manager``)."""

@@ -1,0 +1,24 @@
+"""``LoRARequest``: which adapter a request runs with (vLLM's shape; pure Python, crosses processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A PEFT adapter directory, named, with a positive integer id unique per adapter.
+
+    ``lora_int_id`` keys everything downstream (device slots, the host LRU, the prefix
+    cache): two requests with the same id must name the same adapter.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest.lora_int_id must be a positive integer, got {self.lora_int_id!r}.")
+        if not self.lora_name or not self.lora_path:
+            raise ValueError("LoRARequest needs a lora_name and a lora_path.")
