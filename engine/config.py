@@ -229,6 +229,32 @@ class SpeculativeConfig(_FrozenConfig):
         return self
 
 
+class LoRAConfig(_FrozenConfig):
+    """Multi-LoRA (vLLM's ``enable_lora``): PEFT adapters over the base model, mixed in one batch.
+
+    ``max_loras`` adapters live in device slots; the scheduler runs at most that many distinct
+    adapters at once (a request whose adapter has no slot waits). ``max_cpu_loras`` more are kept
+    loaded in host memory, least recently used dropped first.
+    """
+
+    enable_lora: bool = Field(False, description="Serve PEFT LoRA adapters named by requests' lora_request.")
+    max_loras: int = Field(1, ge=1, description="LoRA: adapters on the device at once (one step's batch at most).")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="LoRA: highest adapter rank accepted.")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA: adapters kept loaded in host memory (LRU); None: max_loras."
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_the_slots(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) is smaller than max_loras ({self.max_loras}).")
+        return self
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
 class DeviceConfig(_FrozenConfig):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
     num_threads: int | None = Field(
@@ -254,3 +280,4 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None  # disaggregated prefill only
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     speculative_config: SpeculativeConfig | None = None  # speculative decoding only
+    lora_config: LoRAConfig = LoRAConfig()  # multi-LoRA; off by default

@@ -25,6 +25,7 @@ from engine.config import (
     DeviceConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -33,7 +34,14 @@ from engine.config import (
 )
 
 # The configs whose every field is an EngineArgs field, in EngineArgs' field order.
-ROUTED_CONFIGS: tuple[type[BaseModel], ...] = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig, DeviceConfig)
+ROUTED_CONFIGS: tuple[type[BaseModel], ...] = (
+    ModelConfig,
+    SchedulerConfig,
+    CacheConfig,
+    ParallelConfig,
+    DeviceConfig,
+    LoRAConfig,
+)
 
 # vLLM's name, where it differs from the field's: EngineArgs field -> (config, its field).
 RENAMED_FIELDS: dict[str, tuple[type[BaseModel], str]] = {
@@ -129,6 +137,7 @@ class _EngineArgsBase(BaseModel):
             kv_transfer_config=self.kv_transfer_config,
             structured_outputs_config=self.structured_outputs_config,
             speculative_config=self._checked_speculative_config(max_model_len),
+            lora_config=LoRAConfig(**self._routed_values(LoRAConfig)),
         )
 
     def _checked_speculative_config(self, max_model_len: int) -> SpeculativeConfig | None:

@@ -10,6 +10,7 @@ from engine.config import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -18,7 +19,7 @@ from engine.config import (
 )
 from engine.engine_args import DERIVED_DEFAULTS, ROUTED_CONFIGS, ROUTES, UNROUTED_FIELDS, EngineArgs
 
-CONFIGS = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig, DeviceConfig)
+CONFIGS = (ModelConfig, SchedulerConfig, CacheConfig, ParallelConfig, DeviceConfig, LoRAConfig)
 # The user-facing names (vLLM's) that are not the config's: the YAML keys and LLM(...) kwargs rely on them.
 EXPECTED_RENAMES = {
     "num_gpu_blocks_override": (CacheConfig, "num_blocks"),
@@ -58,6 +59,10 @@ NON_DEFAULTS = dict(
     engine_core_process=False,
     device="cpu",
     num_threads=2,
+    enable_lora=True,
+    max_loras=2,
+    max_lora_rank=8,
+    max_cpu_loras=4,
     disable_log_stats=True,
     kv_transfer_config=KVTransferConfig(kv_role="kv_both"),
     structured_outputs_config=StructuredOutputsConfig(disable_any_whitespace=True, num_compile_threads=2),
@@ -127,6 +132,7 @@ def test_create_engine_config_routes_every_value_to_its_config_field(tmp_path):
         CacheConfig: config.cache_config,
         ParallelConfig: config.parallel_config,
         DeviceConfig: config.device_config,
+        LoRAConfig: config.lora_config,
     }
     for name, (config_class, field_name) in ROUTES.items():
         assert getattr(parts[config_class], field_name) == getattr(args, name), name
