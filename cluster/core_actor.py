@@ -8,17 +8,19 @@ over a Unix socket that the front end listens on in Linux's abstract
 namespace (nothing on disk, nothing on the network; the actor shares the
 front end's node, so it can connect).
 
-Placement: in bundle 0 of the caller's placement group when it has one (a
-Serve replica's; bundle 0 holds the replica and rank 0, the core takes no
-CPU of its own), else on the caller's node. The core's executor then finds
-the same placement group (``cluster.placement``) and puts one worker in each
-bundle.
+Placement: in bundle 0 of the caller's placement group (a Serve replica's;
+bundle 0 holds the replica and rank 0, the core takes no CPU of its own), or
+of one made here for the engine when the caller has none. The core's
+executor then finds that group (``cluster.placement``) and puts one worker in
+each bundle.
 
 Lifetime: the actor and the worker actors it creates are owned by the process
 that created it, so Ray kills them all when that process dies (a SIGKILLed
 replica leaves nothing behind); ``RayActorHost.kill`` ends them after a
-shutdown. A dead core actor closes the socket: the front end's streams fail
-at once (``engine.core_client``).
+shutdown, and removes the group if it made it. (A group the core made itself
+would outlive a killed core: groups belong to the job, not to the actor.) A
+dead core actor closes the socket: the front end's streams fail at once
+(``engine.core_client``).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import uuid
 from multiprocessing.connection import Connection
 
 import ray
-from ray.util.placement_group import get_current_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.placement_group import PlacementGroup, get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus
 from cluster.ray_executor import ensure_ray_initialized
+from engine.config import EngineConfig
 
 CONNECT_TIMEOUT_S = 120.0  # the actor's process start and imports; it has no resources to wait for
 
@@ -51,8 +55,9 @@ class EngineCoreActor:
 class RayActorHost:
     """A ``CoreHost`` (``engine.core_client``): the core in an ``EngineCoreActor``."""
 
-    def __init__(self, actor, run_ref) -> None:
+    def __init__(self, actor, run_ref, owned_group: PlacementGroup | None) -> None:
         self.actor, self.run_ref = actor, run_ref  # run_ref resolves when the core stops (an error if it died)
+        self.owned_group = owned_group  # the group made for this engine, removed by kill()
 
     def poll(self) -> int | None:
         return self.wait(0)
@@ -72,33 +77,36 @@ class RayActorHost:
             ray.kill(self.actor, no_restart=True)
         except Exception:  # already gone, or the cluster is shutting down
             pass
+        if self.owned_group is not None:
+            group, self.owned_group = self.owned_group, None
+            release_placement_group(group)
 
 
-def start_core_actor() -> tuple[Connection, RayActorHost]:
-    """Starts an ``EngineCoreActor`` beside this process and connects to it (``CORE_HOST_IMPORT_PATHS``)."""
+def start_core_actor(config: EngineConfig) -> tuple[Connection, RayActorHost]:
+    """Starts an ``EngineCoreActor`` for ``config``'s engine and connects to it (``CORE_HOST_IMPORT_PATHS``)."""
     ensure_ray_initialized()
+    group, owned_group = get_current_placement_group(), None
+    if group is None:  # made here, not in the core, so that it goes with this process's handle on the core
+        group, _ = acquire_placement_group(config.parallel_config, uses_gpus(config.device_config.device))
+        owned_group = group
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     address = b"\0serval-engine-core-" + uuid.uuid4().hex.encode()  # abstract: gone with the socket
+    host = None
     try:
         listener.bind(address)
         listener.listen(1)
-        actor = ray.remote(EngineCoreActor).options(num_cpus=0, scheduling_strategy=_beside_this_process()).remote()
-        host = RayActorHost(actor, actor.run.remote(address))
-        try:
-            return Connection(_accept(listener, host).detach()), host
-        except BaseException:
+        in_bundle_0 = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        actor = ray.remote(EngineCoreActor).options(num_cpus=0, scheduling_strategy=in_bundle_0).remote()
+        host = RayActorHost(actor, actor.run.remote(address), owned_group)
+        return Connection(_accept(listener, host).detach()), host
+    except BaseException:
+        if host is not None:
             host.kill()
-            raise
+        elif owned_group is not None:
+            release_placement_group(owned_group)
+        raise
     finally:
         listener.close()
-
-
-def _beside_this_process():
-    """Bundle 0 of this process's placement group (a replica's), else this node."""
-    group = get_current_placement_group()
-    if group is not None:
-        return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def _accept(listener: socket.socket, host: RayActorHost) -> socket.socket:

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 HEALTH_CHECK_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0
 
-# What starts a core, by executor backend: a function () -> (the front end's end of the pipe, CoreHost).
+# What starts a core, by executor backend: a function (config) -> (the front end's end of the pipe, CoreHost).
 CORE_HOST_IMPORT_PATHS = {
     "uni": "engine.core_client:start_child_process",
     "ray": "cluster.core_actor:start_core_actor",
@@ -71,7 +71,7 @@ def start_core(config: EngineConfig) -> tuple[Connection, CoreHost]:
     """Starts a core host for ``config``'s executor backend; the core then waits for EngineCoreStart."""
     backend = config.parallel_config.executor_backend
     module_name, _, function_name = CORE_HOST_IMPORT_PATHS[backend].partition(":")
-    return getattr(importlib.import_module(module_name), function_name)()
+    return getattr(importlib.import_module(module_name), function_name)(config)
 
 
 class CoreDied:
@@ -248,8 +248,9 @@ class ChildProcess:
             self.process.wait()
 
 
-def start_child_process() -> tuple[Connection, ChildProcess]:
-    """``python -m engine.core_proc`` with one end of a socket pair; this process keeps the other.
+def start_child_process(config: EngineConfig) -> tuple[Connection, ChildProcess]:
+    """``python -m engine.core_proc`` with one end of a socket pair; this process keeps the other
+    (``config`` reaches the child in EngineCoreStart).
 
     Not multiprocessing's spawn: that re-runs the parent's main script in the child, which breaks
     scripts without a ``__main__`` guard and Ray's worker processes alike.

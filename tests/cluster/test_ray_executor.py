@@ -191,11 +191,19 @@ def test_the_core_of_a_tp_engine_is_a_ray_actor_and_dies_loudly_with_its_workers
         asyncio.run(scenario())
     finally:
         engine.shutdown()
-    assert _wait_until(lambda: not _alive_actor_pids("RayWorker") and not _alive_actor_pids("EngineCoreActor"), 30)
+    assert _wait_until(_nothing_of_the_engine_is_left, 30)
 
-    engine = _tp2_async_llm(tiny_checkpoint)  # the group's CPUs are free again; a clean shutdown frees them too
+    engine = _tp2_async_llm(tiny_checkpoint)  # and a clean shutdown of a live one
     engine.shutdown()
-    assert _wait_until(lambda: not _alive_actor_pids("RayWorker") and not _alive_actor_pids("EngineCoreActor"), 30)
+    assert _wait_until(_nothing_of_the_engine_is_left, 30)
+
+
+def _nothing_of_the_engine_is_left() -> bool:
+    """No core or worker actor alive, and the placement group made for them removed (every CPU free)."""
+    import ray
+
+    actors_gone = not _alive_actor_pids("RayWorker") and not _alive_actor_pids("EngineCoreActor")
+    return actors_gone and ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
 
 
 async def _collect(engine: AsyncLLM, prompt, request_id: str):
