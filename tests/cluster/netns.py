@@ -37,6 +37,7 @@ GCS_PORT, DASHBOARD_PORT, HTTP_PORT = 6379, 8265, 8000  # inside the namespaces:
 HOST_LABEL = "serval-host"  # the Ray node label naming each host ("h0", "h1"), for placement
 NODE_CPUS = 1  # logical CPUs per host: two one-CPU pipeline stages cannot share a host
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the drivers are modules of this repository
 RESULT_PREFIX = "RESULT "  # a driver's result line: this prefix, then JSON
 
 # GCS health checks every second, a node dead after 3 misses (Ray's defaults: 3 s and 5): a killed
@@ -92,12 +93,23 @@ class TwoHostCluster:
     def run_driver(self, module: str, *args: str, timeout_s: float) -> dict:
         """Runs ``python -m module args`` inside the head host and returns its result line's JSON."""
         command = self.head.exec_command(sys.executable, "-m", module, *args)
-        done = subprocess.run(
-            command, env=ray_host_env(), capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-        lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-        assert done.returncode == 0 and lines, f"{module} {args} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+        try:
+            done = subprocess.run(
+                command, cwd=REPO_ROOT, env=ray_host_env(), capture_output=True, timeout=timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired as expired:
+            raise AssertionError(f"{module} {args}: no result in {timeout_s} s:\n{_tail(expired)}") from None
+        lines = [line for line in done.stdout.decode().splitlines() if line.startswith(RESULT_PREFIX)]
+        assert done.returncode == 0 and lines, f"{module} {args} failed ({done.returncode}):\n{_tail(done)}"
         return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+
+
+def _tail(done: subprocess.CompletedProcess | subprocess.TimeoutExpired) -> str:
+    """The end of a driver's stdout and stderr, for a failure's message."""
+    return "\n".join(
+        (stream or b"").decode(errors="replace")[-limit:]
+        for stream, limit in ((done.stdout, 2000), (done.stderr, 6000))
+    )
 
 
 def ray_host_env() -> dict[str, str]:
@@ -137,6 +149,15 @@ def remove_host(host: Host) -> None:
     subprocess.run(["ip", "netns", "delete", host.netns], capture_output=True, check=False)
 
 
+def remove_stale_hosts() -> None:
+    """Removes the hosts of earlier runs whose process is gone (a run killed before its clean-up)."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    for name in set(re.findall(r"^serval-(\d+)-h[01]\b", listing, flags=re.MULTILINE)):
+        if not ray_processes.is_running(int(name)):
+            for i, address in enumerate(ADDRESSES):
+                remove_host(Host(f"serval-{name}-h{i}", address, f"h{i}"))
+
+
 def start_ray(head: Host, worker: Host, temp_dir: Path) -> None:
     """A Ray head in ``head`` (dashboard on its loopback), a worker node in ``worker``; each labelled."""
     common = ["--num-cpus", str(NODE_CPUS), "--object-store-memory", str(OBJECT_STORE_BYTES), "--disable-usage-stats"]
@@ -170,6 +191,7 @@ def two_host_cluster() -> Iterator[TwoHostCluster]:
     temp_dir = Path(tempfile.mkdtemp(prefix="serval-2h-"))  # short: Ray's socket paths live under it
     try:
         create_hosts(head, worker)
+        remove_stale_hosts()
         start_ray(head, worker, temp_dir)
         yield TwoHostCluster(head, worker, temp_dir)
     finally:

@@ -186,8 +186,7 @@ def node_loss(raylet_pid: int) -> dict:
             outcomes.append(one_request(next(counter), started))
 
     with ThreadPoolExecutor(CLIENTS) as pool:
-        for _ in range(CLIENTS):
-            pool.submit(load)
+        clients = [pool.submit(load) for _ in range(CLIENTS)]
         time.sleep(2.0)
         os.kill(raylet_pid, signal.SIGKILL)
         killed = time.monotonic() - started
@@ -197,6 +196,8 @@ def node_loss(raylet_pid: int) -> dict:
             replaced = time.monotonic() - started
             time.sleep(3.0)  # load on the new replica
             stop.set()
+    for finished in clients:
+        finished.result()  # a client that raised something unclassified fails the driver
     after = one_request(1, started)
     return {
         "killed": killed,
