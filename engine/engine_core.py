@@ -40,7 +40,11 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks)
         self.cache_config = cache_config.model_copy(update={"num_blocks": num_blocks})
         self.scheduler = Scheduler(
-            config.scheduler_config, self.cache_config, config.kv_transfer_config, config.speculative_config
+            config.scheduler_config,
+            self.cache_config,
+            config.kv_transfer_config,
+            config.speculative_config,
+            max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
         )
         self.structured_outputs = StructuredOutputManager(config)
         self.config = config

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from engine.engine_args import EngineArgs
 from engine.frontend.processor import PromptType
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.metrics.reader import Metric, engine_metrics
 from engine.request_output import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -49,8 +50,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in the prompts' order.
+
+        ``lora_request``: multi-LoRA (``enable_lora``): one adapter for every prompt, or a list aligned with
+        the prompts (None entries: the base model).
 
         A bad prompt or parameter raises ValueError before any of this call's
         requests run.
@@ -58,6 +63,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
+        loras = self._loras_per_prompt(lora_request, len(prompts))
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -67,6 +73,7 @@ class LLM:
                     prompt,
                     params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
                     priority=priority[i] if priority else 0,
+                    lora_request=loras[i],
                 )
                 request_ids.append(request_id)
         except ValueError:
@@ -103,6 +110,14 @@ class LLM:
         if len(sampling_params) != num_prompts:
             raise ValueError(f"Got {len(sampling_params)} SamplingParams for {num_prompts} prompts.")
         return list(sampling_params)
+
+    @staticmethod
+    def _loras_per_prompt(lora_request, num_prompts: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * num_prompts
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"Got {len(lora_request)} LoRA requests for {num_prompts} prompts.")
+        return list(lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm

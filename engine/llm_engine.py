@@ -20,6 +20,7 @@ from engine.engine_core import EngineCore
 from engine.executor.base import Executor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.processor import Processor, PromptType
+from engine.lora.request import LoRARequest, check_lora_supported
 from engine.metrics import EngineStats, EngineTotals, IterationStats, StatLogger
 from engine.model.architecture import Architecture
 from engine.request_output import RequestOutput
@@ -59,6 +60,7 @@ class LLMEngine:
         """``core_process``: the core runs in a child process (``engine.core_client``), which steps on its
         own: its steps come through ``process_core_step``, and ``step()`` is not called. ``kv_events``:
         the prefix cache's changes are kept for ``take_kv_events`` (a KV-aware router's feed)."""
+        check_lora_supported(config)  # before any process or model starts
         self.config = config
         self.stat_loggers = list(stat_loggers or [])
         self.log_interval_s = log_interval_s
@@ -80,7 +82,9 @@ class LLMEngine:
         self._kv_feed = (
             self.engine_core.scheduler.kv_cache_manager.kv_event_feed() if kv_events and not core_process else None
         )
-        self.processor = Processor(config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch))
+        self.processor = Processor(
+            config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch), arch=arch
+        )
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
         self.core_ids_of: dict[str, list[str]] = {}  # user request id -> the core's ids (n of them)
         self.totals = EngineTotals()
@@ -97,11 +101,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, list[int]]:
         """Queues a request (``n`` > 1 fans out into n core requests); returns its (prompt text, prompt
         token ids). Raises ValueError on bad input.
 
-        ``kv_transfer_params`` (disaggregated prefill, see ``engine.core.kv_transfer``) go to every child.
+        ``kv_transfer_params`` (disaggregated prefill, see ``engine.core.kv_transfer``) go to every child,
+        and ``lora_request`` (multi-LoRA: the adapter, checked here; None: the base model).
         """
         if request_id in self.core_ids_of:
             raise ValueError(f"Request id {request_id!r} is already in use.")
@@ -109,7 +115,13 @@ class LLMEngine:
         children, parent = self._fan_out(request_id, params)
         requests = [
             self.processor.make_request(
-                core_id, prompt_token_ids, child_params, priority, cache_salt, kv_transfer_params=kv_transfer_params
+                core_id,
+                prompt_token_ids,
+                child_params,
+                priority,
+                cache_salt,
+                kv_transfer_params=kv_transfer_params,
+                lora_request=lora_request,
             )
             for core_id, child_params in children
         ]  # validates everything before queueing anything

@@ -63,6 +63,7 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None,
+    lora_int_id: int = 0,
 ) -> None:
     """Appends the hash of every full block of ``token_ids`` not hashed yet (the prefix cache's and the
     KV-aware router's hashes): each block's is ``hash_block_tokens`` of its parent's, its tokens and, for the
@@ -70,13 +71,16 @@ def extend_block_hashes(
 
     One pass: the unhashed tokens are encoded once and each block hashes a slice of that (encoding block by
     block made hashing a 4k-token prompt about twice as slow); decoding hashes only the blocks it filled.
+    ``lora_int_id`` (multi-LoRA; 0: the base model) joins the first block's extra keys like the salt, so
+    requests of different adapters never share a block (their KV differs).
     """
     num_full_blocks = len(token_ids) // block_size
     if len(block_hashes) >= num_full_blocks:
         return
-    if not block_hashes and cache_salt is not None:
+    if not block_hashes and (cache_salt is not None or lora_int_id):
         # The salt goes into the first block only; chaining carries it to every later block.
-        block_hashes.append(hash_block_tokens(hash_fn, ROOT_HASH, token_ids[:block_size], (cache_salt,)))
+        extra_keys = (cache_salt,) if not lora_int_id else (cache_salt, ("lora", lora_int_id))
+        block_hashes.append(hash_block_tokens(hash_fn, ROOT_HASH, token_ids[:block_size], extra_keys))
     start = len(block_hashes) * block_size
     encoded = _encode_tokens(token_ids[start : num_full_blocks * block_size])
     block_bytes = block_size * _TOKEN_BYTES

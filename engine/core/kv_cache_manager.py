@@ -126,7 +126,12 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             extend_block_hashes(
-                self.hash_fn, request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+                self.hash_fn,
+                request.block_hashes,
+                request.all_token_ids,
+                self.block_size,
+                request.cache_salt,
+                request.lora_int_id,
             )
 
     def free(self, request: Request) -> None:

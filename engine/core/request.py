@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora.request import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -83,6 +86,7 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         check_prompt_not_empty(len(prompt_token_ids))
         self.request_id = request_id
@@ -95,6 +99,8 @@ class Request:
         # Disaggregated prefill: {"do_remote_decode": True} on the prefill side, {"remote_kv": KVHandle} on
         # the decode side (see ``kv_connector``); the connector consumes the handle when it plans the load.
         self.kv_transfer_params = dict(kv_transfer_params) if kv_transfer_params else None
+        # Multi-LoRA: the adapter this request runs with (None: the base model); it keys the prefix cache.
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -119,6 +125,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
@@ -138,3 +149,13 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
             f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+def lora_slot_blocked(request: Request, running: list[Request], max_loras: int) -> bool:
+    """Multi-LoRA admission: True when ``request``'s adapter is not among the running requests' and
+    those already hold ``max_loras`` distinct adapters (the device's slots), so it must wait.
+    ``max_loras`` 0: LoRA is off, nothing is ever blocked."""
+    if not max_loras or not request.lora_int_id:
+        return False
+    active = {r.lora_int_id for r in running if r.lora_int_id}
+    return request.lora_int_id not in active and len(active) >= max_loras

@@ -17,7 +17,7 @@ from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig, Specul
 from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, check_pool_holds_one_sequence
 from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
-from engine.core.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus, lora_slot_blocked
 from engine.core.request_queue import make_request_queue
 from engine.core.spec_decode import SpecDecodeScheduling
 from engine.core.spec_decode_stats import SpecDecodingStats
@@ -44,6 +44,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_transfer_config: KVTransferConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -62,6 +63,7 @@ class Scheduler:
             if kv_transfer_config is None
             else KVConnectorScheduler(kv_transfer_config.kv_role, cache_config.block_size)
         )
+        self.max_loras = max_loras  # multi-LoRA: distinct adapters the running batch may hold; 0: off
         self.spec_decode = (
             None if speculative_config is None else SpecDecodeScheduling(speculative_config, self.max_model_len)
         )
@@ -193,6 +195,8 @@ class Scheduler:
             len(self.waiting) > 0 and plan.token_budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if lora_slot_blocked(request, self.running, self.max_loras):
+                break  # its adapter has no device slot free: it (and, FCFS, those behind it) wait
             # Waiting requests (new or preempted) hold no blocks: start from the prefix cache.
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             # Then what a remote prefill computed (disaggregated serving): loaded, not computed, this step.
@@ -260,8 +264,6 @@ class Scheduler:
                 output.num_scheduled_tokens, self.kv_cache_manager.get_block_ids
             )
         self.finished_req_ids = set()
-
-    # ------------------------------------------------------------------ update
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -333,8 +335,6 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         return None if self.kv_connector is None else self.kv_connector.request_finished(request)
-
-    # ------------------------------------------------------------------- stats
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(

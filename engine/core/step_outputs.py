@@ -8,10 +8,13 @@ ids; the model runner builds tensors from them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.core.kv_transfer import KVConnectorMetadata, KVTransferOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.lora.request import LoRARequest
 
 
 @dataclass
@@ -24,6 +27,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already cached (prefix-cache hit), before this step
+    lora_request: LoRARequest | None = None  # multi-LoRA: the request's adapter (None: the base model)
 
 
 @dataclass

@@ -60,6 +60,7 @@ class StepPlan:
                 sampling_params=request.sampling_params,
                 block_ids=get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
+                lora_request=request.lora_request,
             )
             for request in self.scheduled_new
         ]

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from engine.config import EngineConfig
 from engine.core.request import Request, check_prompt_fits
+from engine.lora.request import LoRARequest
 from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
 from engine.sampling_params import SamplingParams
@@ -21,8 +22,10 @@ PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} / {"prompt"
 
 
 class Processor:
-    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: EngineConfig, tokenizer, vocab_size: int, eos_token_ids: list[int], arch=None) -> None:
         self.config = config
+        self.arch = arch  # the model's Architecture: LoRA adapters are checked against it
+        self._checked_loras: dict[int, str] = {}  # adapter id -> path, each adapter read and checked once
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = config.scheduler_config.max_model_len
@@ -80,8 +83,11 @@ class Processor:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            self.validate_lora(lora_request)
         if params.bad_words and params.bad_words_token_ids is None:
             # Workers ban token ids and never load a tokenizer: the words become ids here, once.
             params = params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
@@ -96,7 +102,28 @@ class Processor:
             arrival_time=arrival_time or time.time(),
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            lora_request=lora_request,
         )
+
+    def validate_lora(self, lora_request: LoRARequest) -> None:
+        """The adapter is readable, well formed and fits the model and ``max_lora_rank`` (ValueError naming
+        what is wrong); an id keeps the path it was first checked with."""
+        lora_config = self.config.lora_config
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+        if not lora_config.enable_lora:
+            raise ValueError("This engine serves no LoRA adapters: start it with enable_lora=True.")
+        known = self._checked_loras.get(lora_request.lora_int_id)
+        if known == lora_request.lora_path:
+            return
+        if known is not None:
+            raise ValueError(f"LoRA id {lora_request.lora_int_id} already names the adapter at {known!r}.")
+        import torch
+
+        from engine.lora.adapter import load_adapter
+
+        load_adapter(lora_request.lora_path, self.arch, lora_config.max_lora_rank, torch.float32)
+        self._checked_loras[lora_request.lora_int_id] = lora_request.lora_path
 
 
 def _as_token_ids(token_ids) -> list[int]:

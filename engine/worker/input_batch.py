@@ -52,6 +52,7 @@ class InputBatch:
                 num_computed_tokens=new.num_computed_tokens,
                 slot=self.block_table.add_request(new.block_ids),
                 generator=generator,
+                lora_request=new.lora_request,
             )
         cached = scheduler_output.scheduled_cached_reqs
         drafts = scheduler_output.scheduled_spec_decode_tokens

@@ -27,6 +27,7 @@ from engine.core.kv_transfer import KVTransferOutput
 from engine.core.step_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.distributed.parallel_state import get_parallel_state, recv_from_prev_stage, send_to_next_stage
 from engine.kv_transfer import KVConnectorWorker
+from engine.lora.manager import LoRAManager
 from engine.model import get_model
 from engine.model.layers.cpu_prepack import prepack_linears, skinny_products
 from engine.sample import Sampler
@@ -76,6 +77,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only, set up with the caches
         self.spec_decode: SpecDecodeRunner | None = None  # speculative decoding, on the output rank only
+        self.lora: LoRAManager | None = None  # multi-LoRA (enable_lora) only
         # Disaggregated prefill: loads remote KV before a step's forward, saves finished prompts after it.
         self.kv_connector = (
             None
@@ -99,6 +101,8 @@ class ModelRunner:
             pp_size=parallel.pp_size,
         )
         prepack_linears(self.model)  # bf16 on CPU: oneDNN layouts once, not per call
+        if self.config.lora_config.enable_lora:
+            self.lora = LoRAManager(self.model, self.config.lora_config, self.dtype, self.device)
         self.vocab_size = self.model.arch_config.vocab_size
         self.hidden_size = self.model.arch_config.hidden_size
         self.eos_token_ids = list(self.model.arch_config.eos_token_ids)
@@ -121,8 +125,13 @@ class ModelRunner:
         self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size)
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
-        self.decode_graphs = capture_decode_graphs(
-            self.model, self.kv_caches, self.config, self.max_num_blocks_per_req, self.device
+        # LoRA's per-step grouping is host-side control flow a graph cannot replay: eager with adapters.
+        self.decode_graphs = (
+            None
+            if self.lora is not None
+            else capture_decode_graphs(
+                self.model, self.kv_caches, self.config, self.max_num_blocks_per_req, self.device
+            )
         )
 
     def profile_run(self) -> None:
@@ -203,6 +212,8 @@ class ModelRunner:
             intermediate = recv_from_prev_stage(
                 inputs.attn_metadata.num_actual_tokens, self.hidden_size, self.dtype, self.device
             )
+        if self.lora is not None:  # which adapter slot each token's rows go through
+            self.lora.prepare([self.requests[r].lora_request for r in inputs.req_ids], inputs.query_lens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs.attn_metadata):
             return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         with skinny_products(any(inputs.num_draft_tokens)):  # a verify step: its few rows per request

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     # Speculative decoding: the drafts this step verifies, computed after token_ids' last token.
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # multi-LoRA: its adapter (None: the base model)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

@@ -42,7 +42,13 @@ def _param(shape: tuple[int, ...], loader: Callable) -> nn.Parameter:
 
 
 class LinearBase(nn.Module):
-    """y = x @ W.T + b with W of shape [out_local, in_local]."""
+    """y = x @ W.T + b with W of shape [out_local, in_local].
+
+    ``lora``: multi-LoRA (``engine.lora.layers.LinearLoRA``) adds each token's adapter delta to y;
+    None (LoRA off) costs one attribute test per call.
+    """
+
+    lora = None
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int):
         super().__init__()
@@ -56,7 +62,8 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        y = linear(x, self.weight, self.bias, self.packed_weight)
+        return y if self.lora is None else self.lora.apply(x, y)
 
 
 class ReplicatedLinear(LinearBase):
@@ -154,7 +161,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.packed_weight)
+            y = linear(x, self.weight, self.bias, self.packed_weight)
+            return y if self.lora is None else self.lora.apply(x, y)
         y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias
 
