@@ -25,6 +25,7 @@ import inspect
 import os
 import random
 import shutil
+import time
 
 # Ray reads this at import: with it, "127.0.0.1" stays loopback instead of being swapped for this
 # machine's network address (tests talk to 127.0.0.1 only).
@@ -102,6 +103,16 @@ def random_token_ids(rng: random.Random, length: int, vocab_size: int = TINY_VOC
 
 def token_prompt(token_ids) -> dict:
     return {"prompt_token_ids": list(token_ids)}
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Polls ``predicate`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True
 
 
 def assert_pool_clean(llm) -> None:

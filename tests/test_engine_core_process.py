@@ -22,7 +22,7 @@ import pytest
 
 from engine import LLM, EngineDeadError, RequestOutputKind, SamplingParams
 from engine.core_client import EngineCoreProcess
-from tests.conftest import engine_kwargs, make_async_llm, random_token_ids, token_prompt
+from tests.conftest import engine_kwargs, make_async_llm, random_token_ids, token_prompt, wait_until
 
 KWARGS = engine_kwargs(max_model_len=512, max_num_seqs=8, num_gpu_blocks_override=8 * 512 // 16 + 1)
 REPO = Path(__file__).resolve().parents[1]
@@ -50,15 +50,6 @@ def is_running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
-
-
-def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 async def collect(llm, prompt, params, request_id):
@@ -175,7 +166,7 @@ def test_the_core_process_exits_with_its_parent(model_path, tmp_path):
     finally:
         parent.kill()
         parent.wait()
-    assert wait_for(lambda: not is_running(core_pid), timeout_s=10.0), "the core process outlived its parent"
+    assert wait_until(lambda: not is_running(core_pid), timeout_s=10.0), "the core process outlived its parent"
 
 
 def test_torch_threads_follow_the_engines_cpu_share_and_leave_a_core_to_the_front_end(model_path):

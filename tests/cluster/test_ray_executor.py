@@ -15,14 +15,13 @@ import json
 import os
 import random
 import signal
-import time
 
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.engine_args import EngineArgs
-from tests.conftest import assert_pool_clean, engine_kwargs, random_token_ids, token_prompt
+from tests.conftest import assert_pool_clean, engine_kwargs, random_token_ids, token_prompt, wait_until
 from tests.serve.cluster import is_loopback, listening_addresses
 
 PROMPT_LENGTHS = (3, 17, 40, 66, 97)
@@ -191,11 +190,11 @@ def test_the_core_of_a_tp_engine_is_a_ray_actor_and_dies_loudly_with_its_workers
         asyncio.run(scenario())
     finally:
         engine.shutdown()
-    assert _wait_until(_nothing_of_the_engine_is_left, 30)
+    assert wait_until(_nothing_of_the_engine_is_left, 30)
 
     engine = _tp2_async_llm(tiny_checkpoint)  # and a clean shutdown of a live one
     engine.shutdown()
-    assert _wait_until(_nothing_of_the_engine_is_left, 30)
+    assert wait_until(_nothing_of_the_engine_is_left, 30)
 
 
 def _nothing_of_the_engine_is_left() -> bool:
@@ -209,15 +208,6 @@ def _nothing_of_the_engine_is_left() -> bool:
 async def _collect(engine: AsyncLLM, prompt, request_id: str):
     outputs = [output async for output in engine.generate(prompt, GREEDY, request_id)]
     return outputs[-1]
-
-
-def _wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 def test_structured_outputs_under_tp2_x_pp2_equal_single_device(local_ray, tiny_checkpoint):

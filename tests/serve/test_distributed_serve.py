@@ -20,6 +20,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.conftest import wait_until
 from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
 
 MODEL = "tiny-llama-tp2-pp2"
@@ -66,15 +67,6 @@ def alive_actors(class_name: str) -> list:
 
 def worker_pids() -> list[int]:
     return sorted(actor.pid for actor in alive_actors("RayWorker"))
-
-
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.5)
-    return True
 
 
 def replica_ids(head) -> list[str]:
