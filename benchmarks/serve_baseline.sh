@@ -3,7 +3,7 @@
 #
 #   benchmarks/serve_baseline.sh [RESULT_DIR]      (default results/serve-baseline)
 #
-# 1. `make serve` (configs/serve/default.yaml: models/tiny-llama, one replica), then `serval bench serve`
+# 1. `make serve` (configs/serve/default.yaml: MODEL_ID from MODEL_DIR, one replica), then `serval bench serve`
 #    at each request rate of RATES on the random dataset (IN prompt tokens, OUT output tokens), then
 #    `serval bench tune` over max_num_seqs x max_num_batched_tokens with 32 closed-loop users under
 #    TUNE_SLO; `make stop`.
@@ -20,25 +20,27 @@ NUM_PROMPTS=${NUM_PROMPTS:-100}
 SLO=${SLO:-ttft=1000,tpot=100}
 TUNE_SLO=${TUNE_SLO:-ttft=1000,tpot=30}   # for 32 users always waiting on a reply
 PEER_PORT=${PEER_PORT:-8100}
+MODEL_ID=${MODEL_ID:-serval-llama-10m}                     # what configs/serve/default.yaml serves
+export PEER_MODEL_DIR=${MODEL_DIR:-$PWD/assets/trained/serval-llama-10m}
 export RAY_AUTH_MODE=token
 mkdir -p "$OUT"
 source benchmarks/peer.sh
 
 bench() {  # bench ENGINE URL MODEL RATE
   echo "== $1 at $4 req/s"
-  .venv/bin/serval bench serve --url "$2" --model "$3" --tokenizer models/tiny-llama --dataset-name random \
+  .venv/bin/serval bench serve --url "$2" --model "$3" --tokenizer "$PEER_MODEL_DIR" --dataset-name random \
     --random-input-len "$IN" --random-output-len "$OUT_LEN" --num-prompts "$NUM_PROMPTS" --request-rate "$4" \
     --max-concurrency 64 --num-warmups 4 --slo "$SLO" --result-dir "$OUT/$1" --result-filename "rate-$4.json"
 }
 
 make serve
-for rate in $RATES; do bench serval http://127.0.0.1:8000 tiny-llama "$rate"; done
-.venv/bin/serval bench tune --config configs/serve/default.yaml --model tiny-llama --tokenizer models/tiny-llama \
+for rate in $RATES; do bench serval http://127.0.0.1:8000 "$MODEL_ID" "$rate"; done
+.venv/bin/serval bench tune --config configs/serve/default.yaml --model "$MODEL_ID" --tokenizer "$PEER_MODEL_DIR" \
   --max-num-seqs 16 64 --max-num-batched-tokens 512 2048 --random-input-len "$IN" --random-output-len "$OUT_LEN" \
   --num-prompts "$NUM_PROMPTS" --request-rate inf --max-concurrency 32 --slo "$TUNE_SLO" --result-dir "$OUT/tune"
 make stop
 
 start_vllm_peer "$OUT/vllm-server.log" "$PEER_PORT"
-for rate in $RATES; do bench vllm-cpu "http://127.0.0.1:$PEER_PORT" "$PWD/models/tiny-llama" "$rate"; done
+for rate in $RATES; do bench vllm-cpu "http://127.0.0.1:$PEER_PORT" "$PEER_MODEL_DIR" "$rate"; done
 
 .venv/bin/python benchmarks/serve_sweep_report.py "$OUT/serval" "$OUT/vllm-cpu" --plot "$OUT/latency-vs-rate.png"
