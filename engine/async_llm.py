@@ -38,6 +38,7 @@ from engine.executor.base import Executor
 from engine.frontend.output_collector import RequestOutputCollector
 from engine.frontend.processor import PromptType
 from engine.llm_engine import LLMEngine, load_tokenizer
+from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -153,6 +154,7 @@ class AsyncLLM(EngineClient):
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs as ``sampling_params.output_kind`` says; the last has finished=True.
 
@@ -160,14 +162,25 @@ class AsyncLLM(EngineClient):
         EngineDeadError are raised by the first ``__anext__``, before any output.
         Closing or cancelling the generator early aborts the request (its KV
         blocks are freed); ``abort(request_id)`` ends it with finish_reason "abort".
-        ``kv_transfer_params``: disaggregated prefill (``engine.core.kv_transfer``).
+        ``kv_transfer_params``: disaggregated prefill (``engine.core.kv_transfer``); ``lora_request``: the
+        adapter (multi-LoRA, ``enable_lora``; checked like the rest of the input).
         """
         if request_id in self._collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         collector = RequestOutputCollector(request_id, sampling_params, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._engine_thread.submit_add(
-            AddCommand(request_id, prompt, sampling_params, priority, cache_salt, kv_transfer_params, collector, future)
+            AddCommand(
+                request_id,
+                prompt,
+                sampling_params,
+                priority,
+                cache_salt,
+                kv_transfer_params,
+                collector,
+                future,
+                lora_request=lora_request,
+            )
         )
         self._collectors[request_id] = collector
         is_finished = False

@@ -25,6 +25,7 @@ from engine.engine_client import EngineDeadError, EngineOverloadedError
 from engine.frontend.output_collector import RequestOutputCollector
 from engine.frontend.processor import PromptType
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class AddCommand:
     collector: RequestOutputCollector
     # (prompt text, prompt token ids) once queued in the engine, or the ValueError that refused it.
     future: concurrent.futures.Future
+    lora_request: LoRARequest | None = None  # multi-LoRA: the request's adapter
 
 
 @dataclass
@@ -245,6 +247,7 @@ class EngineThread:
                 command.priority,
                 command.cache_salt,
                 command.kv_transfer_params,
+                command.lora_request,
             )
         except Exception as error:  # bad input: refuse this request, keep serving the others
             command.future.set_exception(error)

@@ -3,15 +3,20 @@ batch beyond ``max_loras`` (the slots swap mid-run), a prefix cache keyed by ada
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.engine_args import EngineArgs
+from engine.frontend.processor import Processor
 from engine.lora.make_adapter import make_lora_adapter
 from engine.lora.request import LoRARequest
-from tests.conftest import FIRST_ORDINARY_TOKEN, engine_kwargs
+from engine.model.architecture import Architecture
+from tests.conftest import FIRST_ORDINARY_TOKEN, engine_kwargs, make_async_llm
 
 MAX_TOKENS = 6
 # Three adapters for two slots and a host LRU of two: every reuse of the third swaps a slot.
@@ -104,3 +109,65 @@ def test_a_batch_mixing_the_base_and_more_adapters_than_slots(llm, base, loras):
         _check(output, _reference(base, lora, prompt))
     assert manager.num_slot_swaps > swaps_before  # three adapters went through two slots
     assert manager.num_host_evictions > 0
+
+
+def test_the_prefix_cache_never_shares_blocks_across_adapters(llm, base, loras):
+    prompt = _prompt(99, length=13)  # three full blocks of 4
+
+    def cached(lora) -> int:
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False, lora_request=lora)
+        if lora is not None:
+            _check(output, _reference(base, lora, prompt))
+        return output.num_cached_tokens
+
+    assert cached(loras["a"]) == 0
+    assert cached(loras["b"]) == 0  # same tokens, another adapter: a miss
+    assert cached(None) == 0  # nor the base model
+    assert cached(loras["a"]) == 12  # the same adapter hits its own blocks
+    assert cached(None) == 12
+
+
+def test_bad_lora_requests_are_refused_and_the_engine_serves_on(llm, base, loras, tmp_path):
+    prompt = [{"prompt_token_ids": _prompt(5)}]
+    lacking = make_lora_adapter(tmp_path / "lacking", base, rank=2)
+    config = json.loads((lacking / "adapter_config.json").read_text())
+    (lacking / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["embed_tokens"]}))
+    bad = {
+        "no adapter_config.json": LoRARequest("missing", 20, str(tmp_path / "missing")),
+        "above max_lora_rank": LoRARequest("big", 21, str(make_lora_adapter(tmp_path / "big", base, rank=16))),
+        "targets modules the model lacks": LoRARequest("lacking", 22, str(lacking)),
+        "already names the adapter": LoRARequest("again", loras["a"].lora_int_id, loras["b"].lora_path),
+    }
+    for message, lora in bad.items():
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)
+    with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=[loras["a"], None])
+    with pytest.raises(ValueError, match="positive integer"):
+        LoRARequest("zero", 0, loras["a"].lora_path)
+    assert not llm.llm_engine.has_unfinished_requests()
+    (output,) = llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=loras["c"])
+    _check(output, _reference(base, loras["c"], prompt[0]["prompt_token_ids"]))
+
+
+def test_lora_refuses_speculative_decoding_at_start_and_needs_enable_lora(base, loras):
+    with pytest.raises(ValueError, match="enable_lora with speculative_config is not supported"):
+        LLM(base, enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    config = EngineArgs(model=base).create_engine_config()
+    processor = Processor(config, None, 512, [1], arch=Architecture.from_dir(base))
+    with pytest.raises(ValueError, match="start it with enable_lora=True"):
+        processor.make_request("r", [5, 6, 7], GREEDY, lora_request=loras["a"])
+
+
+def test_async_llm_carries_the_adapter_to_a_core_process(base, loras):
+    async def run():
+        engine = make_async_llm(base, enable_lora=True, max_loras=1, engine_core_process=True)
+        try:
+            prompt = _prompt(7)
+            stream = engine.generate({"prompt_token_ids": prompt}, GREEDY, "x", lora_request=loras["b"])
+            outputs = [output async for output in stream]
+            _check(outputs[-1], _reference(base, loras["b"], prompt))
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
