@@ -15,6 +15,7 @@ Usage::
     python -m engine.tools.make_model /tmp/llama-8b --arch llama --size 8b --dtype bfloat16 \
         --max-shard-size 4000000000 --threads 16
     serval make-model assets/trained --train   # trained, not random: see engine/tools/train_model.py
+    serval make-model /tmp/lora-a --lora /tmp/llama-tiny --lora-rank 8   # a PEFT adapter: engine/lora/make_adapter.py
 
 ``--train`` writes the trained target/draft pair (``serval-llama-10m``,
 ``serval-llama-draft``: the ``10m`` and ``draft`` presets) into PATH instead;
