@@ -13,8 +13,9 @@ UTF-8 character). The new server sends that held-back text first (``pending_text
 strings that start in it (``resumed_outputs``), so the client receives the text an uninterrupted
 stream would have sent. Greedy output is the same token for token (unless presence / frequency
 penalties are set: they count output tokens only, and the new engine sees those generated before as
-prompt); seeded sampling continues with a fresh generator (not the same tokens). Only single-choice streams without tools or an output
-constraint can be continued (``can_continue``); a tool parser's or a grammar's state does not travel.
+prompt); seeded sampling continues with a fresh generator (not the same tokens). Only single-choice
+streams without tools or an output constraint can be continued (``can_continue``); a tool parser's or
+a grammar's state does not travel.
 """
 
 from __future__ import annotations
