@@ -153,8 +153,8 @@ def test_bad_lora_requests_are_refused_and_the_engine_serves_on(llm, base, loras
 def test_lora_refuses_speculative_decoding_at_start_and_needs_enable_lora(base, loras):
     with pytest.raises(ValueError, match="enable_lora with speculative_config is not supported"):
         LLM(base, enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="enable_lora supports tensor_parallel_size=1"):
-        LLM(base, enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_lora supports pipeline_parallel_size=1"):
+        LLM(base, enable_lora=True, pipeline_parallel_size=2)
     config = EngineArgs(model=base).create_engine_config()
     processor = Processor(config, None, 512, [1], arch=Architecture.from_dir(base))
     with pytest.raises(ValueError, match="start it with enable_lora=True"):

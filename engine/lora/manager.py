@@ -97,18 +97,21 @@ def _attach(model, batch: LoRABatch, config: LoRAConfig, dtype, device) -> list[
     for offset, layer in enumerate(decoder.local_layers):
         index = decoder.start_layer + offset
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = attn.qkv_proj
+        qkv, rank = attn.qkv_proj, attn.qkv_proj.tp_rank
         q, kv = qkv.num_heads * qkv.head_dim, qkv.num_kv_heads * qkv.head_dim
+        kv_source = rank // qkv.kv_replicas * kv  # KV heads replicated past num_kv_heads ranks
         inter = mlp.gate_up_proj.out_features // 2
         for linear, slices in (
-            (qkv, {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)}),
-            (attn.o_proj, {"o_proj": (0, attn.o_proj.out_features)}),
-            (mlp.gate_up_proj, {"gate_proj": (0, inter), "up_proj": (inter, inter)}),
-            (mlp.down_proj, {"down_proj": (0, mlp.down_proj.out_features)}),
+            (qkv, {"q_proj": (0, q, rank * q), "k_proj": (q, kv, kv_source), "v_proj": (q + kv, kv, kv_source)}),
+            (attn.o_proj, {"o_proj": (0, attn.o_proj.out_features, 0)}),
+            (mlp.gate_up_proj, {"gate_proj": (0, inter, rank * inter), "up_proj": (inter, inter, rank * inter)}),
+            (mlp.down_proj, {"down_proj": (0, mlp.down_proj.out_features, 0)}),
         ):
+            row_parallel = linear is attn.o_proj or linear is mlp.down_proj
+            in_shard = (rank * linear.in_features, linear.in_features) if row_parallel and linear.tp_size > 1 else None
             lora = LinearLoRA(
                 batch, slices, linear.in_features, linear.out_features, config.max_loras, config.max_lora_rank,
-                dtype, device,
+                dtype, device, in_shard,
             )  # fmt: skip
             linear.lora = lora
             attached.append((index, lora))

@@ -34,9 +34,5 @@ def check_lora_supported(config: Any) -> None:
             "enable_lora with speculative_config is not supported yet: the draft would propose without the "
             "request's adapter. Turn one of them off."
         )
-    parallel = config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ValueError(
-            "enable_lora supports tensor_parallel_size=1 and pipeline_parallel_size=1 only for now "
-            "(adapters are not sharded)."
-        )
+    if config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("enable_lora supports pipeline_parallel_size=1 only for now.")

@@ -164,6 +164,8 @@ class RowParallelLinear(LinearBase):
             y = linear(x, self.weight, self.bias, self.packed_weight)
             return y if self.lora is None else self.lora.apply(x, y)
         y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
+        if self.lora is not None:  # after the reduction: the LoRA delta reduces its own shrink
+            y = self.lora.apply(x, y)
         return y if self.bias is None else y + self.bias
 
 
