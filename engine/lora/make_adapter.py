@@ -34,28 +34,16 @@ def make_lora_adapter(
     seed: int = 0,
 ) -> Path:
     """Writes the adapter into ``path`` (created); returns it. ``targets``: short names (q, k, ..., down)."""
-    import torch
     from safetensors.torch import save_file
 
-    from engine.lora.adapter import CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, module_shape
+    from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE
     from engine.model.architecture import Architecture
 
     unknown = sorted(set(targets) - set(SHORT_NAMES))
     if unknown or rank < 1:
         raise ValueError(f"--lora-targets: unknown {unknown} (choose from {list(SHORT_NAMES)}); rank must be >= 1.")
-    arch = Architecture.from_dir(str(base))
     modules = [SHORT_NAMES[t] for t in SHORT_NAMES if t in targets]  # a fixed order: deterministic bytes
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(arch.num_hidden_layers):
-        for module in modules:
-            in_features, out_features = module_shape(arch, module)
-            prefix = f"base_model.model.model.layers.{layer}.{TARGET_MODULES[module]}.{module}"
-            # A ~ N(0, 1/in), B ~ N(0, 0.01/r): a clear change, not a different model.
-            a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
-            b = torch.randn(out_features, rank, generator=generator) / rank**0.5 * 0.1
-            tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
-            tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    tensors = _random_weights(Architecture.from_dir(str(base)), modules, rank, seed)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = {
@@ -74,6 +62,26 @@ def make_lora_adapter(
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return out
+
+
+def _random_weights(arch, modules: list[str], rank: int, seed: int) -> dict:
+    """PEFT's tensors of every layer's ``modules``: A ~ N(0, 1/in), B ~ N(0, 0.01/r), a clear change to the
+    model's outputs, not a different model."""
+    import torch
+
+    from engine.lora.adapter import TARGET_MODULES, module_shape
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(arch.num_hidden_layers):
+        for module in modules:
+            in_features, out_features = module_shape(arch, module)
+            prefix = f"base_model.model.model.layers.{layer}.{TARGET_MODULES[module]}.{module}"
+            a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+            b = torch.randn(out_features, rank, generator=generator) / rank**0.5 * 0.1
+            tensors[f"{prefix}.lora_A.weight"] = a.contiguous()
+            tensors[f"{prefix}.lora_B.weight"] = b.contiguous()
+    return tensors
 
 
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
