@@ -155,6 +155,8 @@ def test_lora_refuses_speculative_decoding_at_start_and_needs_enable_lora(base, 
         LLM(base, enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="enable_lora supports pipeline_parallel_size=1"):
         LLM(base, enable_lora=True, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="enable_lora with kv_transfer_config is not supported"):
+        LLM(base, enable_lora=True, kv_transfer_config={"kv_role": "kv_both"})
     config = EngineArgs(model=base).create_engine_config()
     processor = Processor(config, None, 512, [1], arch=Architecture.from_dir(base))
     with pytest.raises(ValueError, match="start it with enable_lora=True"):

@@ -8,6 +8,7 @@ import multiprocessing
 import traceback
 from collections import defaultdict
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -80,6 +81,7 @@ def _run_rank(rank, path, adapters, init_method, results) -> None:
         results.put((rank, None, traceback.format_exc()))
 
 
+@pytest.mark.slow  # two spawned worker processes (gloo) plus a one-device run: ~35 s at load
 def test_tp2_equals_one_device_with_adapters(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama")
     adapters = [

@@ -34,5 +34,7 @@ def check_lora_supported(config: Any) -> None:
             "enable_lora with speculative_config is not supported yet: the draft would propose without the "
             "request's adapter. Turn one of them off."
         )
+    if config.kv_transfer_config is not None:
+        raise ValueError("enable_lora with kv_transfer_config is not supported yet: KV would move without its adapter.")
     if config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("enable_lora supports pipeline_parallel_size=1 only for now.")
