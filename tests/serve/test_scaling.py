@@ -3,14 +3,17 @@
 1 -> 2 through the dashboard's REST API (PUT /api/serve/applications/, what
 ``serve deploy`` sends) with Serve's per-deployment override; 2 -> 1 through
 Serve's external-scaler endpoint; 1 -> 2 by editing the builder's args. In
-each case every stream that was in flight completes, and after a scale-up
-both replicas serve traffic.
+each case every stream that was in flight completes (``[DONE]`` and its full
+token count), and after a scale-up both replicas serve traffic. The streams
+in flight at 2 -> 1 run for seconds past the stopping replica's drain window: it lets
+them finish within its ``graceful_shutdown_timeout_s`` before its engine stops.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +28,7 @@ from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_c
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
 STREAM_TOKENS = 250
+LONG_STREAM_TOKENS = 1500  # seconds of streaming: past the drain window, well inside graceful_shutdown_timeout_s
 
 
 def replica_states(head) -> tuple[str, list[str]]:
@@ -42,9 +46,23 @@ def wait_for_replicas(head, count: int, timeout_s: float = 240.0) -> None:
         time.sleep(0.5)
 
 
-def stream_completion(base_url: str, started: threading.Event) -> tuple[int, str | None]:
-    """One streamed completion; sets ``started`` at its first token; returns (tokens, finish_reason)."""
-    finish_reason, num_tokens = None, None
+def sse_lines(response: httpx.Response):
+    """The lines of an SSE body, split where SSE splits them (CR, LF, CRLF) and nowhere else.
+
+    Not ``httpx``'s ``iter_lines``: it splits like ``str.splitlines``, also at U+0085, U+2028 and U+2029,
+    which JSON leaves unescaped, so a text holding one would read as a cut data line.
+    """
+    pending = ""
+    for text in response.iter_text():
+        *lines, pending = re.split(r"\r\n|\r|\n", pending + text)
+        yield from lines
+    if pending:
+        yield pending
+
+
+def stream_completion(base_url: str, started: threading.Event, tokens: int) -> tuple[int, str | None, bool]:
+    """One streamed completion; sets ``started`` at its first token; returns (tokens, finish_reason, done)."""
+    finish_reason, num_tokens, done = None, None, False
     with httpx.Client(timeout=300) as http:
         with http.stream(
             "POST",
@@ -52,31 +70,38 @@ def stream_completion(base_url: str, started: threading.Event) -> tuple[int, str
             json={
                 "model": LLAMA,
                 "prompt": "Once upon a time",
-                "max_tokens": STREAM_TOKENS,
+                "max_tokens": tokens,
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },
         ) as response:
             assert response.status_code == 200
-            for line in response.iter_lines():
+            previous = ""
+            for line in sse_lines(response):
+                done = done or line == "data: [DONE]"
                 if not line.startswith("data: {"):
                     continue
                 started.set()
-                chunk = json.loads(line.removeprefix("data: "))
+                try:
+                    chunk = json.loads(line.removeprefix("data: "))
+                except ValueError:  # what came before and with it, to tell a cut from a malformed event
+                    raise AssertionError(f"a cut SSE line {line!r} after {previous!r}; {response.headers}") from None
+                previous = line
                 if chunk.get("choices"):
                     finish_reason = chunk["choices"][0]["finish_reason"] or finish_reason
                 if chunk.get("usage"):
                     num_tokens = chunk["usage"]["completion_tokens"]
-    return num_tokens, finish_reason
+    return num_tokens, finish_reason, done
 
 
 class InFlightStreams:
     """Starts ``count`` streams and waits until each has produced a token."""
 
-    def __init__(self, pool: ThreadPoolExecutor, base_url: str, count: int) -> None:
+    def __init__(self, pool: ThreadPoolExecutor, base_url: str, count: int, tokens: int = STREAM_TOKENS) -> None:
         events = [threading.Event() for _ in range(count)]
-        self.futures: list[Future] = [pool.submit(stream_completion, base_url, event) for event in events]
+        self.tokens = tokens
+        self.futures: list[Future] = [pool.submit(stream_completion, base_url, event, tokens) for event in events]
         for event, future in zip(events, self.futures):
             while not event.wait(0.1):
                 if future.done():
@@ -84,9 +109,8 @@ class InFlightStreams:
                     raise AssertionError("a stream finished before its first token")
 
     def assert_all_complete(self) -> None:
-        assert [future.result(timeout=300) for future in self.futures] == [(STREAM_TOKENS, "length")] * len(
-            self.futures
-        )
+        results = [future.result(timeout=300) for future in self.futures]
+        assert results == [(self.tokens, "length", True)] * len(self.futures)
 
 
 def replica_stats(num_calls: int = 40) -> dict[str, dict]:
@@ -119,7 +143,7 @@ def assert_every_replica_serves(base_url: str, pool: ThreadPoolExecutor, num_rep
 
 @pytest.fixture(scope="module")
 def config(ray_head, tiny_checkpoint):
-    return serve_config(ray_head.http_port, [llm_config(LLAMA, tiny_checkpoint("llama"), max_model_len=512)])
+    return serve_config(ray_head.http_port, [llm_config(LLAMA, tiny_checkpoint("llama"), max_model_len=2048)])
 
 
 def test_an_unknown_key_fails_the_deploy_with_its_name(ray_head, config):
@@ -144,10 +168,13 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
         streams.assert_all_complete()
         assert_every_replica_serves(base_url, pool, 2)
 
-        # 2 -> 1 through Serve's external-scaler endpoint; the stopping replica drains its streams.
+        # 2 -> 1 through Serve's external-scaler endpoint; the stopping replica drains its streams, long ones
+        # (seconds past its drain window) included: both replicas hold some, so whichever stops has them.
         scaled["applications"][0]["external_scaler_enabled"] = True
         launcher.deploy(scaled, ray_head.dashboard_url)
-        streams = InFlightStreams(pool, base_url, 6)
+        streams = InFlightStreams(pool, base_url, 6, LONG_STREAM_TOKENS)
+        running = {rid: s["num_running_reqs"] for rid, s in replica_stats().items()}
+        assert len(running) == 2 and all(count > 0 for count in running.values()), running
         url = f"{ray_head.dashboard_url}/api/v1/applications/llm/deployments/{SERVER}/scale"
         headers = {"Authorization": f"Bearer {launcher.ray_auth_token()}"}  # the cluster uses token auth
         assert httpx.post(url, json={"target_num_replicas": 1}, headers=headers, timeout=30).status_code == 200
