@@ -79,9 +79,37 @@ def build_directory() -> Path:
     return Path(_get_build_directory(_MODULE_NAME, verbose=False))
 
 
+def _sources_digest() -> str:
+    """What the module is built from: every source and header's bytes, and the flags."""
+    digest = hashlib.sha1("\n".join(_CFLAGS).encode())
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _load_built(directory: Path, digest: str):
+    """The module already built from these sources, imported without torch's loader; None if there is none.
+
+    torch's loader takes the build directory's ``lock`` file on every load, even when nothing needs
+    building, and a process killed while holding it (a replica or engine core SIGKILLed at start-up)
+    leaves every later load waiting on it forever; a load of what is built needs no lock.
+    """
+    stamp = directory / "sources.sha1"
+    if not (directory / f"{_MODULE_NAME}.so").exists() or not stamp.exists() or stamp.read_text() != digest:
+        return None
+    from torch.utils.cpp_extension import _import_module_from_library
+
+    return _import_module_from_library(_MODULE_NAME, str(directory), True)
+
+
 @functools.cache
 def _build():
-    lock = build_directory() / "lock"
+    directory = build_directory()
+    digest = _sources_digest()
+    built = _load_built(directory, digest)
+    if built is not None:
+        return built
+    lock = directory / "lock"
     if os.environ.get(_NO_WAIT_ENV) == "1" and lock.exists():
         logger.warning("Serval's CPU kernels are being built by another process (%s); using plain torch.", lock)
         return None
@@ -91,7 +119,7 @@ def _build():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         from torch.utils.cpp_extension import load
 
-        return load(
+        module = load(
             name=_MODULE_NAME,
             sources=[str(_CSRC / s) for s in _SOURCES],
             extra_include_paths=[str(_CSRC)],
@@ -99,6 +127,8 @@ def _build():
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
+        (directory / "sources.sha1").write_text(digest)  # built from exactly these: later loads skip the lock
+        return module
     except Exception as error:  # no compiler, no ninja, ...: plain torch still works
         logger.warning("Serval's CPU kernels could not be built (%s); using plain torch.", error)
         return None
