@@ -156,12 +156,14 @@ def test_every_dashboard_panel_query_returns_data(prometheus, bench_run):
     # The disaggregated-prefill row needs a PD app (tests/serve/test_pd_serve.py checks its series), the
     # KV-aware routing row a KV-routed deployment (tests/serve/test_kv_routing.py checks its series), the
     # speculative decoding row an engine with speculative_config (tests/test_spec_decode_metrics.py checks
-    # its series are the ones deployments/metrics.py exports).
+    # its series are the ones deployments/metrics.py exports). Request migrations need a replica killed
+    # mid-request (tests/serve/test_migration.py reads serval_migrations off the app's /metrics).
     queries = [
-        query
+        (title, expr)
         for row, row_queries in panel_queries_by_row(load_dashboard()).items()
         if row not in ("Disaggregated prefill", "KV-aware routing", "Speculative decoding")
-        for query in row_queries
+        for title, expr in row_queries
+        if title != "Request migrations"
     ]
     assert len(queries) >= 15
     deadline = time.monotonic() + 90  # Ray's agents export every few seconds; Prometheus scrapes every second
