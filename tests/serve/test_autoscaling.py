@@ -117,26 +117,26 @@ def test_a_load_ramp_adds_a_replica_and_idling_removes_it_without_cutting_a_stre
     assert running_replicas(app) == 1
     ramp_stop, trickle_stop = threading.Event(), threading.Event()
     with ThreadPoolExecutor(max_workers=RAMP_STREAMS + TRICKLE_STREAMS) as pool:
-        started = time.monotonic()
-        ramp: list[Future] = [
-            pool.submit(stream_until, base_url, ramp_stop, i, STREAM_TOKENS) for i in range(RAMP_STREAMS)
-        ]
-        try:
+        try:  # whatever fails, every stream loop stops: the pool's exit waits for them
+            started = time.monotonic()
+            ramp: list[Future] = [
+                pool.submit(stream_until, base_url, ramp_stop, i, STREAM_TOKENS) for i in range(RAMP_STREAMS)
+            ]
             upscale_s = wait_for_replicas(app, 2, UPSCALE_BUDGET_S, started)
             time.sleep(2.0)  # streams reach the new replica
+            ramp_stop.set()
+            trickle = [
+                pool.submit(stream_until, base_url, trickle_stop, RAMP_STREAMS + i, TRICKLE_TOKENS)
+                for i in range(TRICKLE_STREAMS)
+            ]
+            ramp_results = [result for future in ramp for result in future.result(timeout=120)]
+            ramp_ended = time.monotonic()
+            downscale_s = wait_for_replicas(app, 1, DOWNSCALE_BUDGET_S, ramp_ended)
+            trickle_stop.set()
+            trickle_results = [result for future in trickle for result in future.result(timeout=120)]
         finally:
             ramp_stop.set()
-        trickle = [
-            pool.submit(stream_until, base_url, trickle_stop, RAMP_STREAMS + i, TRICKLE_TOKENS)
-            for i in range(TRICKLE_STREAMS)
-        ]
-        ramp_results = [result for future in ramp for result in future.result(timeout=120)]
-        ramp_ended = time.monotonic()
-        try:
-            downscale_s = wait_for_replicas(app, 1, DOWNSCALE_BUDGET_S, ramp_ended)
-        finally:
             trickle_stop.set()
-        trickle_results = [result for future in trickle for result in future.result(timeout=120)]
     print(f"upscale after {upscale_s:.1f} s of ramp, downscale {downscale_s:.1f} s after it")
     print(f"{len(ramp_results)} ramp streams, {len(trickle_results)} trickle streams")
     assert len(ramp_results) > RAMP_STREAMS and len(trickle_results) > TRICKLE_STREAMS
