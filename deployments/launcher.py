@@ -188,7 +188,8 @@ def start_ray_head(
             [ray_bin("ray"), "get-auth-token", "--generate"], check=True, env=ray_env(), stdout=subprocess.DEVNULL
         )
     print(f"Starting a Ray head on {LOOPBACK}:{gcs_port} (dashboard {dashboard_url(dashboard_port)}) ...", flush=True)
-    ray_processes.start_head(command, {**ray_env(), **haproxy_env(gcs_port)}, gcs_port)
+    env = {**ray_env(), **haproxy_env(gcs_port), **ray_processes.private_metric_ports()}
+    ray_processes.start_head(command, env, gcs_port)
 
 
 def load_config(config_path: str) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -145,3 +146,14 @@ def start_head(command: list[str], env: dict[str, str], gcs_port: int) -> None:
         f"  `ray start` failed (above); stopped the {stop_head(gcs_port)} processes it left; once more ...", flush=True
     )
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def private_metric_ports() -> dict[str, str]:
+    """Free loopback ports for a head's dashboard and autoscaler metrics, which Ray otherwise binds at fixed
+    ports (44227, 44217): a second head on the machine could not bind them, and Prometheus found them refused."""
+    ports = {}
+    for name in ("DASHBOARD_METRIC_PORT", "AUTOSCALER_METRIC_PORT"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports[name] = str(sock.getsockname()[1])
+    return ports
