@@ -5,8 +5,10 @@ within ``DOWNSCALE_BUDGET_S``, and every stream on the way ends with its full to
 replica scaled down drains its stream).
 
 Only the TTFT objective can scale up here: ``max_waiting_per_replica`` is out of reach. With two sequences
-per engine step (``max_num_seqs``), twelve concurrent streams queue, and the queued ones' TTFTs miss the 300 ms
-target; two at a time do not.
+per engine step (``max_num_seqs``), sixteen concurrent 128-token streams queue up to seven rounds of 128 steps
+deep, and the queued ones' TTFTs miss the 200 ms target on any machine whose engine step takes over 0.3 ms
+(a CI machine twice this one's speed kept the p90 of twelve 64-token streams under 300 ms); two at a time
+do not.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ pytestmark = pytest.mark.slow
 
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
-STREAM_TOKENS = 64
+STREAM_TOKENS = 128
 TRICKLE_TOKENS = 256
-RAMP_STREAMS = 12
+RAMP_STREAMS = 16
 TRICKLE_STREAMS = 2
 UPSCALE_BUDGET_S = 60.0  # ramp start -> second replica RUNNING (its start is most of it)
 DOWNSCALE_BUDGET_S = 45.0  # ramp end -> one replica (a TTFT window, the downscale delay, the drain)
@@ -43,7 +45,7 @@ AUTOSCALING = {
     "policy": {
         "policy_function": TTFT_POLICY,
         "policy_kwargs": {
-            "target_ttft_ms": 300,
+            "target_ttft_ms": 200,
             "ttft_window_s": 4,
             "min_ttft_samples": 4,
             "max_waiting_per_replica": 1000,
@@ -75,7 +77,8 @@ def wait_for_replicas(head, count: int, budget_s: float, since: float) -> float:
         replicas = app_status(head).get("deployments", {}).get(SERVER, {}).get("replicas", [])
         if [r["state"] for r in replicas] == ["RUNNING"] * count:
             return time.monotonic() - since
-        assert time.monotonic() - since < budget_s, f"not {count} running replicas: {replicas}"
+        if time.monotonic() - since >= budget_s:
+            pytest.fail(f"not {count} running replicas: {replicas}; the policy's gauges: {policy_gauges(head)}")
         time.sleep(0.25)
 
 
@@ -145,18 +148,20 @@ def test_a_load_ramp_adds_a_replica_and_idling_removes_it_without_cutting_a_stre
     assert_policy_gauges(app)
 
 
+def policy_gauges(head) -> list[str]:
+    """The policy's ``serval_autoscaling_*`` gauge lines on the node's Prometheus endpoint."""
+    text = httpx.get(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=10).text
+    return [line for line in text.splitlines() if line.startswith("ray_serval_autoscaling_")]
+
+
 def assert_policy_gauges(head) -> None:
     """The policy's inputs reach the node's Prometheus endpoint (the controller's gauges): it asks for one
     replica now, and has seen TTFTs."""
     deadline = time.monotonic() + 30
     while True:
-        text = httpx.get(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=10).text
-        lines = [
-            line
-            for line in text.splitlines()
-            if line.startswith("ray_serval_autoscaling_num_replicas{") and f'deployment="{SERVER}"' in line
-        ]
-        if lines and lines[0].endswith(" 1.0") and "ray_serval_autoscaling_ttft_samples{" in text:
+        gauges = policy_gauges(head)
+        wanted = [line for line in gauges if line.startswith("ray_serval_autoscaling_num_replicas{") and SERVER in line]
+        if wanted and wanted[0].endswith(" 1.0") and any("ttft_samples{" in line for line in gauges):
             return
-        assert time.monotonic() < deadline, lines or "no serval_autoscaling_num_replicas gauge"
+        assert time.monotonic() < deadline, gauges or "no serval_autoscaling gauges"
         time.sleep(1)
