@@ -47,17 +47,34 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One token per row from ``probs`` via the exponential race ``argmax(probs / E)``.
+    """One token per row drawn from ``probs`` (``sample_inverse_cdf``), at one uniform per row.
 
-    ``E ~ Exponential(1)`` i.i.d. per token, which samples exactly from
-    ``probs``. Row ``i`` in ``generators`` draws its noise from its own
-    generator only (reproducible whatever the batch); others use the default one.
+    Row ``i`` in ``generators`` draws its uniform from its own generator only
+    (reproducible whatever the batch); others use the default one.
     """
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
+    return sample_inverse_cdf(probs, draw_uniforms(probs.shape[0], generators, probs.device))
+
+
+def draw_uniforms(num_rows: int, generators: dict[int, torch.Generator], device) -> torch.Tensor:
+    """``[num_rows]`` uniforms in [0, 1): the rows in ``generators`` from theirs, the rest (all at once)
+    from torch's default generator."""
+    uniforms = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if len(generators) < num_rows:
+        uniforms.uniform_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    # Exponential draws of exactly 0 would turn 0/0 into NaN.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div_(noise).argmax(dim=-1)
+        uniforms[row : row + 1].uniform_(generator=generator)
+    return uniforms
+
+
+def sample_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of non-negative ``weights`` (``[rows, vocab]``, any positive sum) the token where its
+    cumulative weight first exceeds ``uniforms[row]`` times the row's total: exactly a draw from the
+    normalised row. One cumulative sum and a binary search a row: some 20x cheaper on CPU than an
+    exponential race (``argmax(p / E)``), whose vocabulary-wide Exponential noise was a fifth of a
+    decode step of the 10M model at 64 sequences.
+    """
+    cdf = weights.cumsum(dim=-1)  # [rows, vocab]
+    total = cdf[:, -1:]  # [rows, 1]
+    # Strictly below the total, so rounding never lands past the last token of non-zero weight.
+    targets = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)

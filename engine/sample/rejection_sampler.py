@@ -31,8 +31,8 @@ replacement is drawn from ``normalize(max(p - q, 0))`` (for a point mass: ``p``
 without ``d``), the standard scheme (Leviathan et al. 2023; Chen et al. 2023).
 
 Seed guarantee: a request with a generator draws only from it, always in the
-same order (``num_draft_tokens[i]`` uniforms, then one vocabulary-wide
-exponential race for the extra token), so the same seed and inputs give the
+same order (``num_draft_tokens[i]`` uniforms, then one uniform for the
+extra token, drawn by ``sample_inverse_cdf``), so the same seed and inputs give the
 same tokens whatever else is in the batch; with no drafts that is exactly the
 :class:`Sampler`'s draw. Other random requests use torch's default generator.
 The caller's logits are never modified.
@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from engine.core.step_outputs import LogprobsLists
-from engine.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p
+from engine.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p, sample_inverse_cdf
 from engine.sample.logprobs import compute_logprobs, gather_logprobs
 from engine.sample.masks import apply_all_masks
 from engine.sample.metadata import SamplingMetadata
@@ -121,10 +121,10 @@ class RejectionSampler:
         raw_logprobs = None if metadata.max_num_logprobs is None else compute_logprobs(logits)
         target = target_distributions(logits, metadata)
         greedy = _greedy_requests(metadata, layout.starts)
-        uniforms, noise = _draw(layout, metadata, greedy, logits.shape[1], logits.device)
+        uniforms, extra_uniforms = _draw(layout, metadata, greedy, logits.device)
         accepted = _accept(layout, target, greedy, uniforms, draft_probs)
         num_accepted = _leading_true_counts(accepted.tolist(), layout.num_drafts)
-        extra = _extra_tokens(layout, target, greedy, num_accepted, noise, draft_probs)
+        extra = _extra_tokens(layout, target, greedy, num_accepted, extra_uniforms, draft_probs)
         draft_lists = [list(ids) for ids in draft_token_ids]
         token_ids = [draft_lists[i][:m] + [t] for i, (m, t) in enumerate(zip(num_accepted, extra))]
         logprobs = None
@@ -167,29 +167,28 @@ def _greedy_requests(metadata: SamplingMetadata, starts: list[int]) -> list[bool
     return metadata.is_greedy_row[starts].tolist()
 
 
-def _draw(layout: _Layout, metadata, greedy: list[bool], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per draft a uniform in [0, 1), per request a row of Exponential(1) noise (random requests).
+def _draw(layout: _Layout, metadata, greedy: list[bool], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per draft a uniform in [0, 1), then per request one for its extra token (random requests).
 
-    A seeded request draws its uniforms, then its noise row, from its own generator; the rest
-    share the default generator (the noise over the whole batch at once, as the Sampler does).
+    A seeded request draws its draft uniforms, then its extra one, from its own generator; the rest
+    share the default generator (the extra uniforms of the whole batch at once, as the Sampler draws).
     """
     uniforms = torch.zeros(len(layout.draft_ids), dtype=torch.float32, device=device)
-    noise = torch.ones((len(layout.starts), vocab), dtype=torch.float32, device=device)
+    extra = torch.zeros(len(layout.starts), dtype=torch.float32, device=device)
     if all(greedy):
-        return uniforms, noise
+        return uniforms, extra
     generators = [metadata.generators.get(start) for start in layout.starts]
     if any(g is None and not gr for g, gr in zip(generators, greedy)):
         uniforms.uniform_()
-        noise.exponential_()
+        extra.uniform_()
     for i, generator in enumerate(generators):
         if generator is None or greedy[i]:
             continue
         first, k = layout.draft_starts[i], layout.num_drafts[i]
         if k:
             uniforms[first : first + k].uniform_(generator=generator)
-        noise[i].exponential_(generator=generator)
-    # Exponential draws of exactly 0 would turn 0/0 into NaN.
-    return uniforms, noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        extra[i : i + 1].uniform_(generator=generator)
+    return uniforms, extra
 
 
 def _accept(layout: _Layout, target: TargetDistributions, greedy, uniforms, draft_probs) -> torch.Tensor:
@@ -220,19 +219,23 @@ def _leading_true_counts(accepted: list[bool], num_drafts: list[int]) -> list[in
     return counts
 
 
-def _extra_tokens(layout: _Layout, target, greedy, num_accepted, noise, draft_probs) -> list[int]:
+def _extra_tokens(layout: _Layout, target, greedy, num_accepted, extra_uniforms, draft_probs) -> list[int]:
     """The token after the accepted drafts: the target's argmax (greedy), else a draw from the
     residual ``max(p - q, 0)`` at a rejected position or from ``p`` at the bonus position."""
-    rows = torch.tensor([s + m for s, m in zip(layout.starts, num_accepted)], dtype=torch.int64, device=noise.device)
+    rows = torch.tensor(
+        [s + m for s, m in zip(layout.starts, num_accepted)], dtype=torch.int64, device=extra_uniforms.device
+    )
     greedy_tokens = None if target.greedy_ids is None else target.greedy_ids[rows]
     if target.probs is None:
         return greedy_tokens.tolist()
     dist = target.probs[rows]  # advanced indexing copies
     rejected = [i for i, (m, k) in enumerate(zip(num_accepted, layout.num_drafts)) if m < k and not greedy[i]]
     if rejected:
-        req_idx = torch.tensor(rejected, dtype=torch.int64, device=noise.device)
+        req_idx = torch.tensor(rejected, dtype=torch.int64, device=extra_uniforms.device)
         draft_idx = torch.tensor(
-            [layout.draft_starts[i] + num_accepted[i] for i in rejected], dtype=torch.int64, device=noise.device
+            [layout.draft_starts[i] + num_accepted[i] for i in rejected],
+            dtype=torch.int64,
+            device=extra_uniforms.device,
         )
         if draft_probs is None:
             dist[req_idx, layout.draft_ids[draft_idx]] = 0.0
@@ -241,9 +244,9 @@ def _extra_tokens(layout: _Layout, target, greedy, num_accepted, noise, draft_pr
         # p <= q everywhere only through rounding (then p == q); keep p rather than an empty row.
         empty = dist.sum(dim=-1) <= 0.0
         dist[empty] = target.probs[rows[empty]]
-    sampled = dist.div_(noise).argmax(dim=-1)
+    sampled = sample_inverse_cdf(dist, extra_uniforms)
     if greedy_tokens is not None:
-        is_greedy = torch.tensor(greedy, dtype=torch.bool, device=noise.device)
+        is_greedy = torch.tensor(greedy, dtype=torch.bool, device=extra_uniforms.device)
         sampled = torch.where(is_greedy, greedy_tokens, sampled)
     return sampled.tolist()
 
