@@ -18,6 +18,11 @@ base output, is complete after the reduction.
 ``groups`` lists (slot, token indices) per adapter in the step (indices None:
 every token), and is empty when no token has an adapter, so the layers then add
 no work.
+
+Kernels: on CUDA the shrink and expand are Triton kernels (``engine.lora.triton_ops``,
+the step's tokens sorted by slot once, on the first layer); elsewhere plain torch.
+``lora_kernels`` chooses, once per layer, from the device, as the attention
+backend's ``auto`` does.
 """
 
 from __future__ import annotations
@@ -28,11 +33,40 @@ from engine.distributed.parallel_state import tp_all_reduce
 from engine.lora.adapter import LoRAAdapter
 
 
+def lora_kernels(device: torch.device) -> str:
+    """``"triton"`` on CUDA, ``"torch"`` elsewhere (the Triton kernels run on CPU only interpreted: tests)."""
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
 class LoRABatch:
     """The step's (slot, token rows) groups; set by ``LoRAManager.prepare`` before each forward."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self._groups: list[tuple[int, torch.Tensor | None]] = []
+        self._plan = None  # the groups as the Triton kernels read them, made on first use
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        return self._groups
+
+    @groups.setter
+    def groups(self, groups: list[tuple[int, torch.Tensor | None]]) -> None:
+        self._groups, self._plan = groups, None
+
+    def token_plan(self, num_tokens: int, max_loras: int, device: torch.device):
+        """The groups as one slot per token (-1: none), sorted by slot (``triton_ops.LoRATokenPlan``);
+        made once per step and shared by every layer."""
+        from engine.lora.triton_ops import plan_lora_tokens
+
+        if self._plan is None or self._plan.num_tokens != num_tokens:
+            slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
+            for slot, rows in self._groups:
+                if rows is None:
+                    slots.fill_(slot)
+                else:
+                    slots[rows] = slot
+            self._plan = plan_lora_tokens(slots, max_loras)
+        return self._plan
 
 
 class LinearLoRA:
@@ -59,6 +93,10 @@ class LinearLoRA:
         width = len(slices) * max_rank
         self.lora_a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
+        self.kernels = lora_kernels(device)
+        # Each slice's (offset, size) in the output, as the expand kernel reads them.
+        pieces = [(offset, size) for offset, size, _ in slices.values()]
+        self.slice_table = torch.tensor(pieces, dtype=torch.int32, device=device)
 
     def set_slot(self, slot: int, adapter: LoRAAdapter, layer: int) -> None:
         """Writes ``adapter``'s weights of decoder layer ``layer`` into ``slot`` (zeros where it has none)."""
@@ -77,6 +115,24 @@ class LinearLoRA:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base projection of ``x``, [T, out]) plus each token's adapter delta, in place."""
+        if not self.batch.groups:
+            return y
+        if self.kernels == "triton":
+            return self.apply_triton(x, y)
+        return self.apply_torch(x, y)
+
+    def apply_triton(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``apply`` through the Triton kernels (any device Triton runs on; CPU: interpreted)."""
+        from engine.lora.triton_ops import lora_expand, lora_shrink
+
+        plan = self.batch.token_plan(x.shape[0], self.lora_a.shape[0], x.device)
+        shrunk = lora_shrink(x, self.lora_a, plan)
+        if self.in_shard is not None:  # every TP rank runs the same groups: the collectives pair up
+            shrunk = tp_all_reduce(shrunk)
+        return lora_expand(shrunk, self.lora_b, y, self.slice_table, self.max_rank, plan)
+
+    def apply_torch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``apply`` in plain torch: one shrink and one expand per adapter group."""
         for slot, rows in self.batch.groups:
             shrunk = (x if rows is None else x.index_select(0, rows)) @ self.lora_a[slot].T
             if self.in_shard is not None:  # every TP rank runs the same groups: the collectives pair up
