@@ -8,16 +8,16 @@ The engine core (scheduler, executor, the busy loop that steps them) runs in
 another process by default (``engine_core_process``; ``engine.core_proc``), so
 that it does not share this process's GIL with the server's event loop: a
 child process, or a Ray actor beside this process when it drives Ray worker
-actors (TP/PP). Here,
+actors (TP/PP) or moves KV blocks through Ray (disaggregated prefill). Here,
 one daemon thread alone touches the ``LLMEngine`` front end (tokenize, send,
 detokenize; it is not thread-safe): ``engine.engine_thread.EngineThread``.
 Requests reach it through its command queue, and the core's steps arrive in
-the same queue, one message per step; with the core in process (KV transfer,
-or ``engine_core_process=False``) that thread steps it
-itself. Requests join and leave the running batch at step boundaries
-(continuous batching). Each step's outputs come back to the event loop as one
-batch, where each lands in its request's ``RequestOutputCollector``, which
-merges what a slow consumer has not read yet.
+the same queue, one message per step; with the core in process
+(``engine_core_process=False``, or KV transfer with one CUDA worker) that
+thread steps it itself. Requests join and leave the running batch at step
+boundaries (continuous batching). Each step's outputs come back to the event
+loop as one batch, where each lands in its request's ``RequestOutputCollector``,
+which merges what a slow consumer has not read yet.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.worker.worker import resolve_device
 
 # Importers of this module also reach these here (EngineStats moved to engine.metrics, the busy loop to
 # engine.engine_thread, the errors to engine.engine_client).
@@ -58,10 +59,15 @@ __all__ = [
 def uses_core_process(config: EngineConfig) -> bool:
     """Whether serving runs this config's engine core in another process (``engine_core_process``).
 
-    Not with KV transfer: its handles hold Ray object references, which the core's pipe (plain pickle)
-    would carry outside Ray's reference counting.
+    With KV transfer the core runs in a Ray actor (``engine.core_client.core_host_kind``), which holds
+    no GPU of its own: there, an engine with one in-process CUDA worker keeps its core in this process.
     """
-    return config.parallel_config.engine_core_process and config.kv_transfer_config is None
+    if not config.parallel_config.engine_core_process:
+        return False
+    in_process_worker = config.parallel_config.executor_backend == "uni"
+    if config.kv_transfer_config is not None and in_process_worker:
+        return resolve_device(config.device_config.device).type == "cpu"
+    return True
 
 
 def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process: bool) -> EngineConfig:

@@ -1,8 +1,9 @@
 """The front end's handle on an engine core running in another process (``engine.core_proc``).
 
-The core runs in a child process, or, when it drives Ray worker actors (the Ray executor: TP/PP), in
-a Ray actor (``cluster.core_actor``, found by import path: ``engine/`` never imports Ray), since only
-a Ray worker can drive actors; either is a ``CoreHost`` behind the same pipe protocol.
+The core runs in a child process, or, when it drives Ray worker actors (the Ray executor: TP/PP) or moves
+KV blocks through Ray (disaggregated prefill), in a Ray actor (``cluster.core_actor``, found by import
+path: ``engine/`` never imports Ray), since only a Ray worker can do either; both are a ``CoreHost``
+behind the same pipe protocol. KV handles go by the host, not the pipe (``engine.kv_transfer.handle_stash``).
 ``EngineCoreProcess`` offers the front end (``LLMEngine``) what it calls on an
 in-process ``EngineCore``: ``add_request``, ``abort_requests``, ``make_stats``,
 ``kv_block_counts``, ``take_kv_load_latencies``, ``take_kv_events``, ``check_health``,
@@ -41,16 +42,18 @@ from engine.core_proc import (
     UtilityCall,
     UtilityResult,
 )
+from engine.kv_transfer.handle_stash import StashedKV, remote_kv_data, with_remote_kv_data
 
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0
 
-# What starts a core, by executor backend: a function (config) -> (the front end's end of the pipe, CoreHost).
+# What starts a core, by host kind (``core_host_kind``): a function (config) -> (the front end's end of the
+# pipe, CoreHost).
 CORE_HOST_IMPORT_PATHS = {
-    "uni": "engine.core_client:start_child_process",
-    "ray": "cluster.core_actor:start_core_actor",
+    "child": "engine.core_client:start_child_process",
+    "actor": "cluster.core_actor:start_core_actor",
 }
 
 
@@ -66,11 +69,25 @@ class CoreHost(Protocol):
     def kill(self) -> None:
         """Ends it now and frees what it holds (its process; Ray worker actors it owns). Idempotent."""
 
+    def stash_kv(self, entries: dict[str, object]) -> None:
+        """Puts KV handles' data in the core's stash, by request id; returns once they are there.
+        Raises where the host cannot (a child process holds no Ray references)."""
+
+    def claim_kv(self, keys: list[str]) -> dict[str, object]:
+        """Takes KV handles' data out of the core's stash; a key with none is absent."""
+
+
+def core_host_kind(config: EngineConfig) -> str:
+    """Where ``config``'s core runs: "actor" when it drives Ray worker actors or moves KV through Ray (only
+    a Ray worker can), else "child"."""
+    if config.parallel_config.executor_backend == "ray" or config.kv_transfer_config is not None:
+        return "actor"
+    return "child"
+
 
 def start_core(config: EngineConfig) -> tuple[Connection, CoreHost]:
-    """Starts a core host for ``config``'s executor backend; the core then waits for EngineCoreStart."""
-    backend = config.parallel_config.executor_backend
-    module_name, _, function_name = CORE_HOST_IMPORT_PATHS[backend].partition(":")
+    """Starts a core host for ``config`` (``core_host_kind``); the core then waits for EngineCoreStart."""
+    module_name, _, function_name = CORE_HOST_IMPORT_PATHS[core_host_kind(config)].partition(":")
     return getattr(importlib.import_module(module_name), function_name)(config)
 
 
@@ -128,6 +145,10 @@ class EngineCoreProcess:
     # ----------------------------------------------------------------- commands
 
     def add_request(self, request: Request) -> None:
+        data = remote_kv_data(request.kv_transfer_params)
+        if data is not None:  # a decode request's KV handle goes by the host (engine.kv_transfer.handle_stash)
+            self.host.stash_kv({request.request_id: data})
+            request.kv_transfer_params = with_remote_kv_data(request.kv_transfer_params, StashedKV(request.request_id))
         self._send(request)
 
     def abort_requests(self, request_ids) -> None:
@@ -167,7 +188,22 @@ class EngineCoreProcess:
         self._kv_load_latencies.extend(step.kv_load_latencies)
         if step.kv_events:
             self._kv_events.merge(step.kv_events)
+        self._claim_kv_handles(step.outputs)
         return step.outputs
+
+    def _claim_kv_handles(self, outputs: list) -> None:
+        """Gives a prefill's outputs their KV handles' data back from the core's stash, in one call a step."""
+        stashed = [output for output in outputs if isinstance(remote_kv_data(output.kv_transfer_params), StashedKV)]
+        if not stashed:
+            return
+        try:
+            claimed = self.host.claim_kv([output.request_id for output in stashed])
+        except Exception:  # the core is going; its CoreDied follows
+            logger.exception("Taking KV handles from the engine core failed; their requests lose their KV.")
+            claimed = {}
+        for output in stashed:
+            data = claimed.get(output.request_id)
+            output.kv_transfer_params = with_remote_kv_data(output.kv_transfer_params, data)
 
     def make_stats(self) -> SchedulerStats:
         if self._latest is None:
@@ -246,6 +282,12 @@ class ChildProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+    def stash_kv(self, entries: dict[str, object]) -> None:
+        raise RuntimeError("KV handles hold Ray references: a core with KV transfer runs in a Ray actor.")
+
+    def claim_kv(self, keys: list[str]) -> dict[str, object]:
+        raise RuntimeError("KV handles hold Ray references: a core with KV transfer runs in a Ray actor.")
 
 
 def start_child_process(config: EngineConfig) -> tuple[Connection, ChildProcess]:

@@ -20,6 +20,9 @@ steps (continuous batching). The process exits when told to, when its parent
 goes (the pipe closes, or a watchdog sees it gone), or
 when a step raises (it sends CoreFailed first).
 
+KV handles (disaggregated prefill) hold Ray references, which never cross the pipe: they go by Ray
+calls to the core's actor, and the pipe carries their keys (``engine.kv_transfer.handle_stash``).
+
 The core trusts its input: the front end (``engine.frontend.processor``)
 has validated every request before it is sent.
 """
@@ -41,6 +44,7 @@ from engine.core.kv_events import KVEventBatch
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerStats
 from engine.core.step_outputs import EngineCoreOutput
+from engine.kv_transfer.handle_stash import stash_outputs, unstash_request
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +192,7 @@ class EngineCoreLoop:
 
     def _apply(self, command) -> None:
         if isinstance(command, Request):
+            unstash_request(command)  # its KV handle came by the core actor (engine.kv_transfer.handle_stash)
             self.core.add_request(command)
         elif isinstance(command, AbortRequests):
             self.core.abort_requests(command.request_ids)
@@ -205,6 +210,7 @@ class EngineCoreLoop:
     def _report(self, outputs: list[EngineCoreOutput]) -> None:
         core = self.core
         kv_events = None if self.kv_feed is None else self.kv_feed.take()
+        stash_outputs(outputs)  # a prefill's KV handles go by the core actor, not the pipe
         self.conn.send(
             CoreStep(outputs, core.make_stats(), core.kv_block_counts(), core.take_kv_load_latencies(), kv_events)
         )

@@ -213,3 +213,61 @@ def test_object_store_packs_small_blocks_and_fetches_only_the_objects_needed(loc
     assert [int(block[0, 0, 0, 0, 0]) for block in loaded] == list(range(20, 40))
     with pytest.raises(Exception, match="must not be fetched"):
         transport.load("req", data, [3])
+
+
+def test_cores_in_actors_pass_handles_by_ray_calls_and_leak_no_object(local_ray, model, prompts, colocated_tokens):
+    """Serving's engines (``AsyncLLM``) run their cores in Ray actors (``cluster.core_actor``): each handle
+    crosses by an actor call, never by the core's pipe, so once the responses are dropped the object
+    store holds none of the blocks (a handle pickled through the pipe would pin its objects for good)."""
+    import asyncio
+    import gc
+    import os
+
+    from engine.async_llm import AsyncLLM
+
+    def async_engine(role: str) -> AsyncLLM:
+        args = EngineArgs(model=model, kv_transfer_config=KVTransferConfig(kv_role=role), **ENGINE_KWARGS)
+        return AsyncLLM(args.create_engine_config(), num_cpus=1)
+
+    async def final(llm: AsyncLLM, rid: str, ids: list[int], max_tokens: int, kv_params: dict):
+        async for output in llm.generate(token_prompt(ids), _greedy(max_tokens), rid, kv_transfer_params=kv_params):
+            last = output
+        return last
+
+    async def disaggregated() -> dict[str, list[int]]:
+        prefilled = await asyncio.gather(
+            *(final(prefill, rid, ids, 1, {"do_remote_decode": True}) for rid, ids in prompts.items())
+        )
+        decoded = await asyncio.gather(
+            *(
+                final(decode, rid, prompts[rid], MAX_TOKENS, out.kv_transfer_params)
+                for rid, out in zip(prompts, prefilled)
+            )
+        )
+        return {output.request_id: output.outputs[0].token_ids for output in decoded}
+
+    prefill, decode = async_engine("kv_producer"), async_engine("kv_consumer")
+    try:
+        assert {prefill.engine_core_pid, decode.engine_core_pid}.isdisjoint({None, os.getpid()})
+        assert asyncio.run(disaggregated()) == colocated_tokens
+        gc.collect()
+        assert _objects_in_store(local_ray) == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def _objects_in_store(ray, timeout_s: float = 10.0) -> int:
+    """How many objects the node's object store holds, once that number stops falling (frees are async)."""
+    import re
+    import time
+
+    from ray._private.internal_api import memory_summary
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        summary = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
+        count = int(re.search(r"(\d+) objects", summary).group(1))
+        if count == 0 or time.monotonic() > deadline:
+            return count
+        time.sleep(0.5)
