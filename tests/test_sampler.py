@@ -325,3 +325,25 @@ def test_native_argmax_matches_torch_including_ties_and_non_finite_values():
     assert argmax(logits).tolist() == [3, 17, 11, 0, 0, 39] == logits.argmax(dim=-1).tolist()
     strided = torch.randn(40, 8, generator=generator).t()  # non-contiguous rows
     assert torch.equal(argmax(strided), strided.argmax(dim=-1))
+
+
+def test_inverse_cdf_draws_the_normalised_row_and_never_a_zero_weight_token():
+    """``sample_inverse_cdf`` over a vocabulary of 300 (two full blocks and a padded one): the support
+    spans block boundaries, the extreme uniforms (0 and just below 1) land on the first and last tokens
+    of non-zero weight, and 200k draws match the normalised weights."""
+    from engine.sample.filters import sample_inverse_cdf
+
+    weights = torch.zeros(1, 300)
+    support = {3: 0.5, 127: 1.0, 128: 2.0, 255: 0.25, 256: 1.25, 270: 3.0}  # unnormalised
+    for token, weight in support.items():
+        weights[0, token] = weight
+    edges = sample_inverse_cdf(
+        weights.expand(2, -1), torch.tensor([0.0, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))])
+    )
+    assert edges.tolist() == [3, 270]
+    torch.manual_seed(0)
+    draws = sample_inverse_cdf(weights.expand(200_000, -1), torch.rand(200_000))
+    counts = torch.bincount(draws, minlength=300).float()
+    assert set(counts.nonzero().flatten().tolist()) == set(support)
+    expected = weights[0] / weights.sum()
+    assert torch.allclose(counts / counts.sum(), expected, atol=0.004)

@@ -8,6 +8,7 @@ at least its most likely token. Ties at the top-k threshold are all kept.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 NEG_INF = float("-inf")
 
@@ -66,15 +67,35 @@ def draw_uniforms(num_rows: int, generators: dict[int, torch.Generator], device)
     return uniforms
 
 
+CDF_BLOCK = 128  # tokens per block of sample_inverse_cdf's two-level search
+
+
 def sample_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row of non-negative ``weights`` (``[rows, vocab]``, any positive sum) the token where its
     cumulative weight first exceeds ``uniforms[row]`` times the row's total: exactly a draw from the
-    normalised row. One cumulative sum and a binary search a row: some 20x cheaper on CPU than an
-    exponential race (``argmax(p / E)``), whose vocabulary-wide Exponential noise was a fifth of a
-    decode step of the 10M model at 64 sequences.
+    normalised row, some 100x cheaper on CPU than an exponential race (``argmax(p / E)``), whose
+    vocabulary-wide Exponential noise was a fifth of a decode step of the 10M model at 64 sequences.
+
+    Two levels, since a cumulative sum over the whole vocabulary is slow on CPU (0.55 ms for 64 x 8192
+    on one thread, against 0.09 ms for this): the block whose cumulative sum passes the target, then
+    the token within that block.
     """
-    cdf = weights.cumsum(dim=-1)  # [rows, vocab]
-    total = cdf[:, -1:]  # [rows, 1]
-    # Strictly below the total, so rounding never lands past the last token of non-zero weight.
-    targets = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
+    rows, vocab = weights.shape
+    pad = -vocab % CDF_BLOCK
+    blocks = (F.pad(weights, (0, pad)) if pad else weights).view(rows, -1, CDF_BLOCK)  # [rows, n_blocks, B]
+    block_sums = blocks.sum(dim=-1)  # [rows, n_blocks]
+    block_cdf = block_sums.cumsum(dim=-1)
+    total = block_cdf[:, -1:]  # [rows, 1]
+    # Strictly below the total, so rounding never lands past the last block of non-zero weight.
+    targets = torch.minimum(uniforms.unsqueeze(1) * total, _just_below(total))
+    block = torch.searchsorted(block_cdf, targets, right=True).clamp_(max=blocks.shape[1] - 1)  # [rows, 1]
+    before = block_cdf.gather(1, block) - block_sums.gather(1, block)
+    within = blocks.gather(1, block.unsqueeze(-1).expand(rows, 1, CDF_BLOCK)).squeeze(1).cumsum(dim=-1)  # [rows, B]
+    # Within [0, the block's own total): the two sums round apart, never onto a token of zero weight.
+    offsets = torch.minimum((targets - before).clamp_(min=0.0), _just_below(within[:, -1:]))
+    token = torch.searchsorted(within, offsets, right=True).clamp_(max=CDF_BLOCK - 1)
+    return (block * CDF_BLOCK + token).squeeze(1)
+
+
+def _just_below(values: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(values, torch.zeros_like(values))
