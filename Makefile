@@ -75,8 +75,14 @@ TRAINED := assets/trained
 $(TRAINED)/serval-llama-10m/serval_model_spec.json $(TRAINED)/serval-llama-draft/serval_model_spec.json &: | venv
 	$(VENV)/bin/serval make-model $(TRAINED) --train
 
+# Two random PEFT adapters over tiny-llama for configs/serve/lora.yaml (engine/lora/make_adapter.py).
+LORAS := $(MODELS)/tiny-llama-loras
+$(LORAS)/lora-1/adapter_config.json $(LORAS)/lora-2/adapter_config.json &: $(MODELS)/tiny-llama/serval_model_spec.json
+	$(VENV)/bin/serval make-model $(LORAS)/lora-1 --lora $(MODELS)/tiny-llama --lora-rank 8 --seed 1
+	$(VENV)/bin/serval make-model $(LORAS)/lora-2 --lora $(MODELS)/tiny-llama --lora-rank 16 --seed 2
+
 models: $(MODELS)/tiny-llama/serval_model_spec.json $(TRAINED)/serval-llama-10m/serval_model_spec.json \
-  $(TRAINED)/serval-llama-draft/serval_model_spec.json
+  $(TRAINED)/serval-llama-draft/serval_model_spec.json $(LORAS)/lora-1/adapter_config.json
 
 # The main job: a local Ray head on loopback serving configs/serve/default.yaml; `make stop` ends it
 # (in-flight streams finish first; only this head's processes are stopped, never other Ray clusters here).

@@ -30,6 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.llm_config import DEFAULT_MIGRATION_LIMIT, LLMConfig
 from deployments.llm_server import LLMServer
+from deployments.lora import multiplexed_model_id
 from deployments.metrics import MigrationMetrics
 from deployments.metrics_export import scrape_serval_metrics
 from deployments.migration import MigratingCall
@@ -101,13 +102,14 @@ class RayModelRouter:
         Failing to reach one is one error item (503 when Serve sheds load); closing this generator cancels
         the call on the replica, which aborts its engine requests."""
         routing_kwargs = await self._routing_kwargs(model_id, method_name, request)
+        stream = self.streams[model_id]
+        if adapter := multiplexed_model_id(model_id, request):  # prefer replicas holding the LoRA adapter
+            stream = stream.options(multiplexed_model_id=adapter)
 
         def open_call(continuation: Continuation | None, track: bool) -> Any:
             if continuation is None and not track:
-                return self.streams[model_id].call.remote(method_name, request, **routing_kwargs)
-            return self.streams[model_id].call.remote(
-                method_name, request, **routing_kwargs, continuation=continuation, track=track
-            )
+                return stream.call.remote(method_name, request, **routing_kwargs)
+            return stream.call.remote(method_name, request, **routing_kwargs, continuation=continuation, track=track)
 
         def on_migration(kind: str) -> None:
             if self.migration_metrics is not None:
@@ -127,6 +129,10 @@ class RayModelRouter:
 
     async def model_card(self, model_id: str) -> BaseModel:
         return await self.servers[model_id].model_card.remote()
+
+    async def adapter_cards(self, model_id: str) -> list[BaseModel]:
+        """One replica's LoRA adapters (those under ``dynamic_lora_loading_path`` are listed by every replica)."""
+        return await self.servers[model_id].adapter_cards.remote()
 
     async def check_health(self, model_id: str) -> None:
         await self.servers[model_id].check_health.remote()

@@ -11,6 +11,8 @@
         api_keys: [sk-...]                        # optional; or SERVAL_API_KEY in the cluster's environment
         request_limits: {max_n: 8}                # optional; engine/entrypoints/openai/limits.py lists them
 
+An LLM config's optional ``lora_config`` serves PEFT LoRA adapters over its model (``LoraConfig``).
+
 Every model rejects unknown keys, and ``engine_kwargs`` is checked against
 ``EngineArgs`` here, so a typo fails the deploy with a message naming the key
 instead of surfacing later inside a replica.
@@ -28,7 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.autoscaling import TTFT_POLICY, TTFTPolicyOptions
 from deployments.kv_index import KVRouterOptions
+from engine.config import LoRAConfig
 from engine.engine_args import EngineArgs
+from engine.entrypoints.openai.lora_models import check_adapter_name
 from engine.entrypoints.openai.server_options import ServerOptions
 
 # Relative model sources are resolved against the Serval checkout (the directory holding deployments/),
@@ -154,11 +158,63 @@ class DeploymentConfig(_StrictModel):
         return policy.ttft_options() if policy is not None else None
 
 
+class LoraConfig(_StrictModel):
+    """Multi-LoRA: Ray Serve LLM's ``lora_config`` keys plus vLLM's static ``lora_modules``.
+
+    Setting it turns the engine's ``enable_lora`` on and sets its ``max_cpu_loras`` (so leave both out of
+    ``engine_kwargs``; ``max_loras`` and ``max_lora_rank`` stay there). Requests name an adapter as
+    ``"<model id>:<adapter>"`` or by its own name (``deployments.lora``).
+    """
+
+    dynamic_lora_loading_path: str | None = Field(
+        None,
+        description="A directory whose subdirectories are PEFT adapters, each named by its directory's name and "
+        "loaded on its first request; also turns on POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
+    )
+    max_num_adapters_per_replica: int = Field(
+        16,
+        ge=1,
+        le=1024,
+        description="Adapters one replica holds (Serve's multiplexing LRU, and the engine's max_cpu_loras).",
+    )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="vLLM's static adapters: name -> PEFT directory, held for the app's life."
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _adapter_names(cls, modules: dict[str, str]) -> dict[str, str]:
+        for name in modules:
+            check_adapter_name(name)
+        return modules
+
+    @model_validator(mode="after")
+    def _static_adapters_fit(self) -> LoraConfig:
+        if len(self.lora_modules) > self.max_num_adapters_per_replica:
+            raise ValueError(
+                f"lora_modules names {len(self.lora_modules)} adapters, more than max_num_adapters_per_replica "
+                f"({self.max_num_adapters_per_replica})."
+            )
+        return self
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """What this config sets in the engine."""
+        return {"enable_lora": True, "max_cpu_loras": self.max_num_adapters_per_replica}
+
+    def resolved_modules(self) -> dict[str, str]:
+        return {name: resolve_checkout_path(path) for name, path in self.lora_modules.items()}
+
+    def resolved_dynamic_path(self) -> str | None:
+        path = self.dynamic_lora_loading_path
+        return None if path is None else resolve_checkout_path(path)
+
+
 class LLMConfig(_StrictModel):
     """One served model: where it comes from, how its engine runs and how it is deployed."""
 
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    lora_config: LoraConfig | None = Field(None, description="Multi-LoRA adapters over this model.")
     deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
     runtime_env: dict[str, Any] | None = None
 
@@ -189,6 +245,25 @@ class LLMConfig(_StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _lora_knobs_set_once(self) -> LLMConfig:
+        """``lora_config`` sets ``enable_lora`` and ``max_cpu_loras``; the engine's other checks run on the result."""
+        if self.lora_config is None:
+            return self
+        if self.model_id in self.lora_config.lora_modules:
+            raise ValueError(f"lora_config.lora_modules names the base model's id {self.model_id!r}.")
+        doubled = sorted(set(self.lora_config.engine_kwargs()) & set(self.engine_kwargs))
+        if doubled:
+            raise ValueError(f"lora_config sets {doubled}; leave them out of engine_kwargs.")
+        engine_args = EngineArgs.model_validate(
+            {"model": "-", **self.engine_kwargs, **self.lora_config.engine_kwargs()}
+        )
+        try:
+            LoRAConfig(**{name: getattr(engine_args, name) for name in LoRAConfig.model_fields})
+        except ValueError as exc:
+            raise ValueError(f"lora_config.max_num_adapters_per_replica is the engine's max_cpu_loras: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
     def _ttft_policy_sees_ttfts(self) -> LLMConfig:
         if self.deployment_config.ttft_policy_options() is not None and self.engine_kwargs.get("disable_log_stats"):
             raise ValueError(f"{TTFT_POLICY} scales on the engine's TTFTs; disable_log_stats turns them off.")
@@ -203,6 +278,8 @@ class LLMConfig(_StrictModel):
 
     def engine_args(self) -> EngineArgs:
         engine_kwargs = dict(self.engine_kwargs)
+        if self.lora_config is not None:
+            engine_kwargs.update(self.lora_config.engine_kwargs())
         draft = engine_kwargs.get("speculative_config")
         if isinstance(draft, dict) and draft.get("model"):  # the draft checkpoint resolves like model_source
             engine_kwargs["speculative_config"] = {**draft, "model": resolve_checkout_path(draft["model"])}

@@ -21,7 +21,8 @@ from ray import serve
 from deployments.autoscaling import TTFTWindow
 from deployments.kv_index import PUBLISHED_BATCHES, publication
 from deployments.llm_config import LLMConfig
-from deployments.metrics import RayStatLogger
+from deployments.lora import build_lora_models, hold_adapters, hold_multiplexed_adapter
+from deployments.metrics import LoRAMetrics, RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from deployments.routing_hints import precomputed_prompt
 from engine.async_llm import AsyncLLM
@@ -66,7 +67,13 @@ class LLMServer:
         # The last few numbered KV event batches, repeated in each publication (a router may miss a poll).
         self._kv_batches: deque = deque(maxlen=PUBLISHED_BATCHES)
         self._kv_seq = 0
-        self.serving = OpenAIServing(self.engine, self.model_id)
+        # LoRA adapters (lora_config): checked against the engine's max_lora_rank, held per Serve's multiplexing.
+        lora_events = LoRAMetrics(metrics_model_name or self.model_id, replica_id)
+        self.lora = build_lora_models(llm_config, self.engine.config.lora_config.max_lora_rank, lora_events)
+        self._hold_adapter = None
+        if self.lora is not None:
+            self._hold_adapter = hold_adapters(self.lora, llm_config.lora_config.max_num_adapters_per_replica)
+        self.serving = OpenAIServing(self.engine, self.model_id, lora=self.lora)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 
     async def call(
@@ -79,11 +86,13 @@ class LLMServer:
         which aborts the engine request and frees its KV blocks. ``routing_hint`` is for the
         deployment's request router (``deployments.routing``); the replica serves the prompt the ingress
         tokenized for it (``precomputed_prompt``), so chat templates and tokenizers run once per request.
+        A call sent with a ``multiplexed_model_id`` holds that LoRA adapter (``deployments.lora``) first.
         ``track`` (a chat / completions stream the ingress may migrate): each SSE item comes as a
         ``continuation.StreamedItem``; ``continuation``: continue that stream (``deployments.migration``).
         """
         if method_name not in ENDPOINT_METHODS:
             raise ValueError(f"Unknown serving method {method_name!r}.")
+        await hold_multiplexed_adapter(self._hold_adapter)  # the adapter Serve routed this call by, if any
         endpoint = getattr(self.serving, method_name)
         precomputed = precomputed_prompt(method_name, routing_hint)
         if not track and continuation is None:  # the other endpoints take the request alone
@@ -97,6 +106,10 @@ class LLMServer:
 
     async def model_card(self) -> Any:
         return self.serving.model_card()
+
+    async def adapter_cards(self) -> list:
+        """This replica's LoRA adapters' ``/v1/models`` entries (``OpenAIServing.adapter_cards``)."""
+        return self.serving.adapter_cards()
 
     async def stats(self) -> dict:
         """This replica's engine statistics, tagged with the replica's id."""

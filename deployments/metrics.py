@@ -21,27 +21,8 @@ TAG_KEYS = ("model_name", "replica")
 # Seconds; vLLM's buckets for request-level latencies, finer ones for per-token latencies.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0]
 REQUEST_LATENCY_BUCKETS += [240.0, 480.0, 960.0, 1920.0, 7680.0]
-TOKEN_LATENCY_BUCKETS = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]
+TOKEN_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+TOKEN_LATENCY_BUCKETS += [20.0, 40.0, 80.0]
 
 
 def _histogram(name: str, description: str, boundaries: list[float]) -> metrics.Histogram:
@@ -332,3 +313,27 @@ class MigrationMetrics:
 
     def record(self, model_name: str, kind: str) -> None:
         self.migrations.inc(1, {"model_name": model_name, "replica": self.replica, "kind": kind})
+
+
+class LoRAMetrics:
+    """One LLM-server replica's LoRA adapters (``lora_models.LoRAEvents``), counted where its adapter set changes:
+    ``serval_lora_adapters_loaded`` (held now), ``serval_lora_adapter_loads``, ``serval_lora_adapter_evictions``
+    (dropped least recently used: the replica's cap or Serve's multiplexing), ``serval_lora_requests`` (by
+    adapter). The engine's device-slot swaps stay in its worker (not exported)."""
+
+    def __init__(self, model_name: str, replica: str) -> None:
+        self.tags = {"model_name": model_name, "replica": replica}
+        self.held = metrics.Gauge("serval_lora_adapters_loaded", "LoRA adapters held by the replica.", TAG_KEYS)
+        self.loads = metrics.Counter("serval_lora_adapter_loads", "LoRA adapters checked and added.", TAG_KEYS)
+        self.evictions = metrics.Counter("serval_lora_adapter_evictions", "LoRA adapters dropped (LRU).", TAG_KEYS)
+        self.requests = metrics.Counter("serval_lora_requests", "Requests by LoRA adapter.", (*TAG_KEYS, "adapter"))
+
+    def adapters_changed(self, change: str, num_held: int) -> None:
+        """``change``: ``loaded``, ``evicted`` or ``unloaded``; ``num_held``: adapters held after it."""
+        counter = {"loaded": self.loads, "evicted": self.evictions}.get(change)
+        if counter is not None:
+            counter.inc(1, self.tags)
+        self.held.set(num_held, self.tags)
+
+    def adapter_request(self, name: str) -> None:
+        self.requests.inc(1, {**self.tags, "adapter": name})

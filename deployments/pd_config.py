@@ -71,6 +71,8 @@ class PDServingArgs(PDOptions, ServerOptions):
                     f"{name}.engine_kwargs.kv_transfer_config is set by the PD builder; "
                     "use the app's kv_transfer_config."
                 )
+            if config.lora_config is not None or kwargs.get("enable_lora"):
+                raise ValueError(f"{name}: LoRA adapters with disaggregated prefill are not supported yet.")
             if kwargs.get("tensor_parallel_size", 1) != 1 or kwargs.get("pipeline_parallel_size", 1) != 1:
                 raise ValueError(
                     f"{name}: disaggregated serving supports tensor_parallel_size=1 and "

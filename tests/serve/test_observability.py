@@ -157,13 +157,14 @@ def test_every_dashboard_panel_query_returns_data(prometheus, bench_run):
     # KV-aware routing row a KV-routed deployment (tests/serve/test_kv_routing.py checks its series), the
     # speculative decoding row an engine with speculative_config (tests/test_spec_decode_metrics.py checks
     # its series are the ones deployments/metrics.py exports). Request migrations need a replica killed
-    # mid-request (tests/serve/test_migration.py reads serval_migrations off the app's /metrics).
+    # mid-request (tests/serve/test_migration.py reads serval_migrations off the app's /metrics); LoRA
+    # adapters a lora_config (tests/serve/test_lora_serve.py reads serval_lora_requests off /metrics).
     queries = [
         (title, expr)
         for row, row_queries in panel_queries_by_row(load_dashboard()).items()
         if row not in ("Disaggregated prefill", "KV-aware routing", "Speculative decoding")
         for title, expr in row_queries
-        if title != "Request migrations"
+        if title not in ("Request migrations", "LoRA adapters")
     ]
     assert len(queries) >= 15
     deadline = time.monotonic() + 90  # Ray's agents export every few seconds; Prometheus scrapes every second

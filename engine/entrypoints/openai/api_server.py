@@ -37,16 +37,23 @@ from engine.entrypoints.openai.errors import (
     from_exception,
     from_validation_error,
     make_error,
-    model_not_found,
 )
 from engine.entrypoints.openai.limits import LimitedRouter, RequestBodyLimit
+from engine.entrypoints.openai.lora_routes import (
+    handle_load_lora_adapter,
+    handle_unload_lora_adapter,
+    model_cards,
+    resolve_model,
+)
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     parse_json_object,
 )
 from engine.entrypoints.openai.responses import ModelList
@@ -77,6 +84,9 @@ class ModelRouter(Protocol):
     async def model_card(self, model_id: str) -> BaseModel:
         """That model's ``/v1/models`` entry (``OpenAIServing.model_card()``)."""
 
+    async def adapter_cards(self, model_id: str) -> list[BaseModel]:
+        """The ``/v1/models`` entries of that model's LoRA adapters (``OpenAIServing.adapter_cards()``)."""
+
     async def check_health(self, model_id: str) -> None:
         """Raises if that model's engine can no longer serve."""
 
@@ -97,6 +107,9 @@ class LocalModelRouter:
 
     async def model_card(self, model_id: str) -> BaseModel:
         return self.servings[model_id].model_card()
+
+    async def adapter_cards(self, model_id: str) -> list[BaseModel]:
+        return self.servings[model_id].adapter_cards()
 
     async def check_health(self, model_id: str) -> None:
         await self.servings[model_id].check_health()
@@ -123,7 +136,7 @@ async def handle_detokenize(router: ModelRouter, raw_request: Request) -> Respon
 
 async def handle_models(router: ModelRouter, raw_request: Request) -> Response:
     try:
-        cards = await asyncio.gather(*(router.model_card(model_id) for model_id in router.model_ids()))
+        cards = await model_cards(router)
     except Exception as exc:  # noqa: BLE001 - a replica failing to answer
         return error_response(from_exception(exc))
     return json_response(ModelList(data=list(cards)))
@@ -155,6 +168,8 @@ ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response
     ("POST", "/detokenize", handle_detokenize),
     ("GET", "/health", handle_health),
     ("GET", "/version", handle_version),
+    ("POST", "/v1/load_lora_adapter", handle_load_lora_adapter),
+    ("POST", "/v1/unload_lora_adapter", handle_unload_lora_adapter),
 ]
 
 # The JSON body each POST route parses (its schema is documented in /openapi.json).
@@ -163,6 +178,8 @@ REQUEST_MODELS: dict[str, Any] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 
 
@@ -255,7 +272,7 @@ async def _handle_endpoint(
         return error_response(from_validation_error(exc))
     except ValueError as exc:
         return error_response(bad_request(str(exc)))
-    model_id = _resolve_model(router, getattr(request, "model", None))
+    model_id = await resolve_model(router, getattr(request, "model", None))
     if isinstance(model_id, ErrorResponse):
         return error_response(model_id)
     return await _respond(router.call(model_id, method_name, request), raw_request)
@@ -265,17 +282,6 @@ def _parse_tokenize_request(body: dict) -> BaseModel:
     if "messages" in body:
         return TokenizeChatRequest.model_validate(body)
     return TokenizeCompletionRequest.model_validate(body)
-
-
-def _resolve_model(router: ModelRouter, model: str | None) -> str | ErrorResponse:
-    model_ids = router.model_ids()
-    if model is None:
-        if len(model_ids) == 1:
-            return model_ids[0]
-        return bad_request(f"The request has no `model`; this server serves {model_ids}.", param="model")
-    if model not in model_ids:
-        return model_not_found(model)
-    return model
 
 
 async def _respond(items: AsyncGenerator[Any, None], raw_request: Request) -> Response:

@@ -108,6 +108,9 @@ class LimitedRouter:
     async def model_card(self, model_id: str) -> BaseModel:
         return await self.router.model_card(model_id)
 
+    async def adapter_cards(self, model_id: str) -> list[BaseModel]:
+        return await self.router.adapter_cards(model_id)
+
     async def check_health(self, model_id: str) -> None:
         await self.router.check_health(model_id)
 

@@ -263,3 +263,18 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter``; ``model``: which served model (needed when several are served)."""
+
+    lora_name: str
+    lora_path: str
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter``; ``model`` as for loading."""
+
+    lora_name: str
+    model: str | None = None

@@ -20,6 +20,7 @@ from engine.entrypoints.openai.continuation import ResumedRequest, resumed_outpu
 from engine.entrypoints.openai.errors import from_exception
 from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
 from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
+from engine.lora.request import LoRARequest
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -111,12 +112,25 @@ class ServingBase:
         return text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
     def start_requests(
-        self, request_id: str, prompts: Sequence[Mapping], params: SamplingParams, request: SamplingRequest
+        self,
+        request_id: str,
+        prompts: Sequence[Mapping],
+        params: SamplingParams,
+        request: SamplingRequest,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
-        """One engine request per prompt, ids ``<request_id>-<i>``; nothing runs until iterated."""
+        """One engine request per prompt, ids ``<request_id>-<i>``, each with ``lora_request`` (the adapter the
+        request's ``model`` named; None: the base model); nothing runs until iterated."""
+        # Only an adapter request passes the keyword: not every EngineClient (a remote prefill) takes it.
+        adapter = {} if lora_request is None else {"lora_request": lora_request}
         return [
             self.engine.generate(
-                prompt, params, f"{request_id}-{index}", priority=request.priority, cache_salt=request.cache_salt
+                prompt,
+                params,
+                f"{request_id}-{index}",
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                **adapter,
             )
             for index, prompt in enumerate(prompts)
         ]
@@ -128,14 +142,15 @@ class ServingBase:
         params: SamplingParams,
         request: SamplingRequest,
         resumed: ResumedRequest | None,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         """``start_requests``, or for a continued stream its one engine request (none once it had finished)."""
         if resumed is None:
-            return self.start_requests(request_id, prompts, params, request)
+            return self.start_requests(request_id, prompts, params, request, lora_request)
         if resumed.params is None:
             return []
         [generator] = self.start_requests(
-            f"{request_id}-r{resumed.num_generated}", [resumed.prompt], resumed.params, request
+            f"{request_id}-r{resumed.num_generated}", [resumed.prompt], resumed.params, request, lora_request
         )
         return [resumed_outputs(generator, resumed, self.tokenizer)]
 

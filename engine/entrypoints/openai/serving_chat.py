@@ -35,6 +35,7 @@ from engine.entrypoints.openai.responses import (
 from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
 from engine.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser, make_tool_parser, parse_completion
+from engine.lora.request import LoRARequest
 from engine.request_output import CompletionOutput, RequestOutput
 
 
@@ -45,13 +46,15 @@ class ChatServing(ServingBase):
         precomputed: PrecomputedPrompt | None = None,
         continuation: Continuation | None = None,
         progress: StreamProgress | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
         """Not streamed: one ChatCompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
 
         ``precomputed`` (with its ``text``): the conversation as the caller rendered and tokenized it, used
         instead of the chat template and the tokenizer. ``continuation``: continue that stream
         (``continuation`` module; the conversation is not rendered again); ``progress``: filled in as each
-        streamed batch is formatted. Closing the iterator aborts the engine request.
+        streamed batch is formatted; ``lora_request``: the adapter to run with (None: the base model). Closing
+        the iterator aborts the engine request.
         """
         resumed = None
         try:
@@ -70,7 +73,7 @@ class ChatServing(ServingBase):
             return
         request_id = f"chatcmpl-{random_uuid()}"
         prompts = [{"prompt": text, "prompt_token_ids": token_ids}]
-        generators = self.start_or_resume(request_id, prompts, params, request, resumed)
+        generators = self.start_or_resume(request_id, prompts, params, request, resumed, lora_request)
         async with contextlib.aclosing(
             self.respond(
                 generators,

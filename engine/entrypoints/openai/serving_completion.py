@@ -23,6 +23,7 @@ from engine.entrypoints.openai.responses import (
 )
 from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import sse_event
+from engine.lora.request import LoRARequest
 from engine.request_output import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -34,12 +35,14 @@ class CompletionServing(ServingBase):
         precomputed: PrecomputedPrompt | None = None,
         continuation: Continuation | None = None,
         progress: StreamProgress | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
         """Not streamed: one CompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
 
         ``precomputed``: the first prompt's token ids as the caller tokenized them, used instead of the
         tokenizer when that prompt is text. ``continuation``: continue that stream (``continuation``
-        module) instead of starting one; ``progress``: filled in as each streamed batch is formatted.
+        module) instead of starting one; ``progress``: filled in as each streamed batch is formatted;
+        ``lora_request``: the adapter to run with (None: the base model).
         Closing the iterator aborts the engine requests.
         """
         resumed = None
@@ -52,7 +55,7 @@ class CompletionServing(ServingBase):
             yield from_exception(exc)
             return
         request_id = f"cmpl-{random_uuid()}"
-        generators = self.start_or_resume(request_id, prompts, params, request, resumed)
+        generators = self.start_or_resume(request_id, prompts, params, request, resumed, lora_request)
         async with contextlib.aclosing(
             self.respond(
                 generators,
