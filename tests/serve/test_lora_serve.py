@@ -85,7 +85,7 @@ def greedy(client: openai.OpenAI, model: str) -> str:
     completion = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
     )
-    assert completion.usage.completion_tokens == MAX_TOKENS
+    assert completion.usage.completion_tokens == MAX_TOKENS and completion.model == model  # vLLM names the adapter
     return completion.choices[0].text
 
 

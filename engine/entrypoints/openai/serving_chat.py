@@ -111,7 +111,7 @@ class ChatServing(ServingBase):
         num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         return ChatCompletionResponse(
             id=request_id,
-            model=self.model_id,
+            model=request.model or self.model_id,  # an adapter's request: the name it used (vLLM)
             choices=choices,
             usage=UsageInfo.of(len(output.prompt_token_ids), num_completion_tokens),
         )
@@ -211,5 +211,9 @@ class _ChatStream:
         self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None
     ) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
-            id=self.request_id, created=self.created, model=self.serving.model_id, choices=choices, usage=usage
+            id=self.request_id,
+            created=self.created,
+            model=self.request.model or self.serving.model_id,
+            choices=choices,
+            usage=usage,
         )

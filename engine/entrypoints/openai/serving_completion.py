@@ -109,7 +109,7 @@ class CompletionServing(ServingBase):
         num_prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt in prompts)
         return CompletionResponse(
             id=request_id,
-            model=self.model_id,
+            model=request.model or self.model_id,  # an adapter's request: the name it used (vLLM)
             choices=choices,
             usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
         )
@@ -206,5 +206,9 @@ class _CompletionStream:
 
     def _chunk(self, choices: list[CompletionResponseChoice], usage: UsageInfo | None = None):
         return CompletionStreamResponse(
-            id=self.request_id, created=self.created, model=self.serving.model_id, choices=choices, usage=usage
+            id=self.request_id,
+            created=self.created,
+            model=self.request.model or self.serving.model_id,
+            choices=choices,
+            usage=usage,
         )
