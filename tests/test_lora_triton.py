@@ -1,4 +1,5 @@
-"""The batched-LoRA Triton kernels (``engine.lora.triton_ops``) equal ``LinearLoRA``'s torch path.
+"""The batched-LoRA Triton kernels (``engine.lora.triton_ops``) equal ``LinearLoRA``'s torch path, and both
+equal the per-token definition.
 
 On a machine without CUDA they run through Triton's interpreter (set before the kernels are imported),
 so the shapes are tiny; on a GPU the same tests run natively. Each case fills a ``LinearLoRA``'s slots
@@ -56,13 +57,23 @@ def set_groups(layer: LinearLoRA, token_slots: list[int | None]) -> None:
     layer.batch.groups = groups
 
 
+def per_token(layer: LinearLoRA, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The definition, one token at a time: y[t] + x[t] @ A[slot].T @ B[slot].T for each grouped token."""
+    out = y.clone()
+    for slot, rows in layer.batch.groups:
+        for t in range(len(x)) if rows is None else rows.tolist():
+            out[t] += x[t] @ layer.lora_a[slot].T @ layer.lora_b[slot].T
+    return out
+
+
 def assert_paths_agree(layer: LinearLoRA, num_tokens: int, seed: int = 1) -> torch.Tensor:
+    """The Triton kernels, the torch path and the per-token definition give the same output."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, layer.lora_a.shape[2], generator=generator).to(DEVICE)
     y = torch.randn(num_tokens, layer.lora_b.shape[1], generator=generator).to(DEVICE)
-    expected = layer.apply_torch(x, y.clone())
-    got = layer.apply_triton(x, y.clone())
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    expected = per_token(layer, x, y)
+    torch.testing.assert_close(layer.apply_torch(x, y.clone()), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.apply_triton(x, y.clone()), expected, rtol=1e-5, atol=1e-5)
     return expected - y  # the deltas, for the callers' own checks
 
 
@@ -98,7 +109,7 @@ def test_a_single_token_with_every_slot_its_own():
 def test_empty_groups_and_empty_slots_add_nothing():
     """Slots with no token this step (one never filled) and a group whose row list is empty."""
     layer = make_layer(QKV, 32, ranks=[4, None, 6, 2], max_rank=8, max_loras=4)
-    set_groups(layer, [2, None, 2, None])
+    set_groups(layer, [2, None, 0, None])  # slots 0, 2 and 3: not consecutive
     layer.batch.groups = [*layer.batch.groups, (3, torch.empty(0, dtype=torch.int64, device=DEVICE))]
     delta = assert_paths_agree(layer, 4)
     assert not delta[[1, 3]].any()

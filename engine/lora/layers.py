@@ -27,6 +27,8 @@ backend's ``auto`` does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.distributed.parallel_state import tp_all_reduce
@@ -38,12 +40,52 @@ def lora_kernels(device: torch.device) -> str:
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
+@dataclass
+class PaddedGroups:
+    """The step's groups as the torch path runs them: one batched matmul over [groups, longest group, ...].
+
+    ``whole``: the one slot when every token uses it (two plain matmuls, no gather). Otherwise ``slots``
+    (a slice of the slot axis when the groups' slots are consecutive, else their indices), ``index``
+    [groups * longest] each group's token rows padded with row 0, ``mask`` [groups, longest, 1] zeroing
+    the padding's shrunk rows (None: no padding), so a padded row adds exact zeros to row 0.
+    """
+
+    whole: int | None = None
+    slots: slice | torch.Tensor | None = None
+    index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    longest: int = 0
+
+
+def pad_groups(groups: list[tuple[int, torch.Tensor | None]], device, dtype: torch.dtype) -> PaddedGroups:
+    """``PaddedGroups`` of ``LoRABatch.groups`` (sorted by slot)."""
+    if len(groups) == 1 and groups[0][1] is None:
+        return PaddedGroups(whole=groups[0][0])
+    groups = sorted(groups, key=lambda group: group[0])
+    slots = [slot for slot, _ in groups]
+    counts = [len(rows) for _, rows in groups]
+    longest = max(counts)
+    index = torch.zeros(len(groups), longest, dtype=torch.int64, device=device)
+    for row, (_, rows) in enumerate(groups):
+        index[row, : len(rows)] = rows
+    mask = None
+    if min(counts) < longest:
+        mask = (torch.arange(longest, device=device)[None, :] < torch.tensor(counts, device=device)[:, None]).to(dtype)
+        mask = mask[:, :, None]
+    consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+    chosen = slice(slots[0], slots[0] + len(slots)) if consecutive else torch.tensor(slots, device=device)
+    return PaddedGroups(slots=chosen, index=index.view(-1), mask=mask, longest=longest)
+
+
 class LoRABatch:
-    """The step's (slot, token rows) groups; set by ``LoRAManager.prepare`` before each forward."""
+    """The step's (slot, token rows) groups; set by ``LoRAManager.prepare`` before each forward.
+
+    Each kernel path reads them in its own form, made on the step's first layer and shared by the rest.
+    """
 
     def __init__(self) -> None:
         self._groups: list[tuple[int, torch.Tensor | None]] = []
-        self._plan = None  # the groups as the Triton kernels read them, made on first use
+        self._plans: dict = {}
 
     @property
     def groups(self) -> list[tuple[int, torch.Tensor | None]]:
@@ -51,22 +93,29 @@ class LoRABatch:
 
     @groups.setter
     def groups(self, groups: list[tuple[int, torch.Tensor | None]]) -> None:
-        self._groups, self._plan = groups, None
+        self._groups, self._plans = groups, {}
+
+    def padded(self, x: torch.Tensor) -> PaddedGroups:
+        """The torch path's ``PaddedGroups``."""
+        key = ("torch", x.dtype)
+        if key not in self._plans:
+            self._plans[key] = pad_groups(self._groups, x.device, x.dtype)
+        return self._plans[key]
 
     def token_plan(self, num_tokens: int, max_loras: int, device: torch.device):
-        """The groups as one slot per token (-1: none), sorted by slot (``triton_ops.LoRATokenPlan``);
-        made once per step and shared by every layer."""
+        """The groups as one slot per token (-1: none), sorted by slot (``triton_ops.LoRATokenPlan``)."""
         from engine.lora.triton_ops import plan_lora_tokens
 
-        if self._plan is None or self._plan.num_tokens != num_tokens:
+        key = ("triton", num_tokens)
+        if key not in self._plans:
             slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)
             for slot, rows in self._groups:
                 if rows is None:
                     slots.fill_(slot)
                 else:
                     slots[rows] = slot
-            self._plan = plan_lora_tokens(slots, max_loras)
-        return self._plan
+            self._plans[key] = plan_lora_tokens(slots, max_loras)
+        return self._plans[key]
 
 
 class LinearLoRA:
@@ -132,14 +181,22 @@ class LinearLoRA:
         return lora_expand(shrunk, self.lora_b, y, self.slice_table, self.max_rank, plan)
 
     def apply_torch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``apply`` in plain torch: one shrink and one expand per adapter group."""
-        for slot, rows in self.batch.groups:
-            shrunk = (x if rows is None else x.index_select(0, rows)) @ self.lora_a[slot].T
+        """``apply`` in plain torch: the groups padded to the longest, one batched shrink and expand for all
+        (a handful of ops whatever the number of adapters: per-step op overhead dominates small batches)."""
+        plan = self.batch.padded(x)
+        if plan.whole is not None:
+            shrunk = x @ self.lora_a[plan.whole].T
             if self.in_shard is not None:  # every TP rank runs the same groups: the collectives pair up
                 shrunk = tp_all_reduce(shrunk)
-            delta = shrunk @ self.lora_b[slot].T
-            if rows is None:
-                y += delta
-            else:
-                y.index_add_(0, rows, delta)
-        return y
+            return y.addmm_(shrunk, self.lora_b[plan.whole].T)
+        if plan.longest == 0:
+            return y
+        lora_a, lora_b = self.lora_a[plan.slots], self.lora_b[plan.slots]
+        rows = x.index_select(0, plan.index).view(lora_a.shape[0], plan.longest, x.shape[1])
+        shrunk = torch.bmm(rows, lora_a.transpose(1, 2))
+        if self.in_shard is not None:
+            shrunk = tp_all_reduce(shrunk)
+        if plan.mask is not None:
+            shrunk.mul_(plan.mask)
+        delta = torch.bmm(shrunk, lora_b.transpose(1, 2))
+        return y.index_add_(0, plan.index, delta.view(-1, y.shape[1]))
