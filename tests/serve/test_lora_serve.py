@@ -37,6 +37,7 @@ def adapters(tiny_checkpoint, tmp_path_factory) -> dict[str, str]:
         "dynamic": make_lora_adapter(root / "dynamic_dir" / "dynamic", base, rank=8, alpha=8.0, seed=12),
         "too-big": make_lora_adapter(root / "dynamic_dir" / "too-big", base, rank=16, seed=13),
         "later": make_lora_adapter(root / "later", base, rank=2, seed=14),
+        **{name: make_lora_adapter(root / "dynamic_dir" / name, base, rank=2, seed=15) for name in ("e1", "e2", "e3")},
     }
     broken = root / "dynamic_dir" / "broken"
     broken.mkdir()
@@ -155,6 +156,29 @@ def test_every_bad_adapter_is_a_clean_error_and_the_replica_serves_on(base_url, 
     assert missing.status_code == 400 and "lora_path" in missing.json()["error"]["message"]
     assert greedy(client, MODEL) == offline[None]
     assert greedy(client, "static") == offline["static"]
+
+
+def test_past_max_num_adapters_the_least_recently_used_is_dropped_and_loads_again(base_url, client, offline):
+    """``tiny-lora`` holds at most 4 adapters (``static`` for good): three more push ``dynamic`` out, and its
+    next request checks it in again."""
+    greedy(client, "dynamic")
+    for name in ("e1", "e2", "e3"):
+        greedy(client, f"{MODEL}:{name}")
+    held = [card.id for card in client.models.list().data if card.parent == MODEL and ":" not in card.id]
+    assert sorted(held) == ["e1", "e2", "e3", "static"], held
+    assert greedy(client, "dynamic") == offline["dynamic"]
+    deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
+    while (evictions := lora_series(base_url, "serval_lora_adapter_evictions", MODEL)) < 2:
+        assert time.monotonic() < deadline, f"serval_lora_adapter_evictions: {evictions}"
+        time.sleep(2)
+    assert lora_series(base_url, "serval_lora_adapters_loaded", MODEL) == 4
+
+
+def lora_series(base_url: str, name: str, model: str) -> float:
+    """The sum of ``name``'s samples for ``model`` in the app's ``/metrics``."""
+    lines = httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines()
+    pattern = re.compile(rf'^{name}(_total)?{{[^}}]*model_name="{model}"[^}}]*}} (\S+)$')
+    return sum(float(match[2]) for line in lines if (match := pattern.match(line)))
 
 
 def serval_lora_requests(base_url: str, model: str, adapter: str) -> dict[str, float]:
