@@ -90,7 +90,7 @@ class RayModelRouter:
         # Off the event loop (a long prompt takes milliseconds), on one thread: a fast tokenizer used from
         # several threads at once can raise "Already borrowed".
         hint = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_thread, make_hint, tokenizer, method_name, request, session_id.get()
+            self._tokenize_thread, make_hint, tokenizer, method_name, request, session_id.get(), model_id
         )
         return {"routing_hint": hint}
 

@@ -10,18 +10,26 @@ resynchronises it. Either costs a cache miss or a missed hit, never a wrong
 answer: the engine looks up its own cache. The router also records the
 blocks of each prompt it sends (``predict``), so its own decisions count
 before the replica reports them.
+
+A LoRA adapter's prompt is hashed with the adapter's name, as its replica's
+engine keys that adapter's blocks (``engine.core.block_hash.lora_hash_key``),
+so it is predicted to hit only that adapter's blocks. A request for an
+adapter (Serve's ``multiplexed_model_id``) goes first to the replicas that
+hold it, as Serve's own routers send it (``adapter_tiers``); the prefix and
+load scores order the replicas within each tier.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.core.block_hash import BlockHash, extend_block_hashes, get_hash_function
+from engine.core.block_hash import BlockHash, extend_block_hashes, get_hash_function, lora_hash_key
 from engine.core.kv_events import KVEventBatch
 
 # How many numbered batches a replica repeats in each publication: a router that misses up to
@@ -49,18 +57,20 @@ class RoutingHint:
     (``deployments.routing_hints.precomputed_prompt``) instead of tokenizing it again.
 
     ``prompt_token_ids``: the first prompt's tokens; ``prompt_text``: for chat, the rendered conversation they
-    are the tokens of (None for completions).
+    are the tokens of (None for completions); ``lora_name``: the LoRA adapter the request names (None: the base
+    model), whose name keys its blocks.
     """
 
     prompt_token_ids: list[int] | None = None
     cache_salt: str | None = None
     session_id: str | None = None
     prompt_text: str | None = None
+    lora_name: str | None = None
 
 
 def prompt_block_hashes(options: KVRouterOptions, hint: RoutingHint) -> list[BlockHash]:
     """The engine's chained hashes of the prompt's leading full blocks that a cache hit can cover
-    (never the block holding the last token: the engine computes it)."""
+    (never the block holding the last token: the engine computes it), keyed by its salt and adapter."""
     token_ids = hint.prompt_token_ids or []
     num_blocks = max(0, len(token_ids) - 1) // options.block_size
     hashes: list[BlockHash] = []
@@ -70,6 +80,7 @@ def prompt_block_hashes(options: KVRouterOptions, hint: RoutingHint) -> list[Blo
         token_ids[: num_blocks * options.block_size],
         options.block_size,
         hint.cache_salt,
+        lora_hash_key(hint.lora_name),
     )
     return hashes
 
@@ -171,17 +182,28 @@ def session_replica(session_id: str, candidates: list[str]) -> str:
     return max(candidates, key=lambda replica_id: hashlib.blake2b(f"{session_id}/{replica_id}".encode()).digest())
 
 
-def choose(
-    options: KVRouterOptions,
-    index: KVIndex,
-    candidates: list[str],
-    hint: RoutingHint | None,
-    hashes: list[BlockHash] | None = None,
+def adapter_tiers(
+    candidates: list[str], held_models: Mapping[str, Collection[str]], multiplexed_model_id: str | None
+) -> list[list[str]]:
+    """Serve's multiplexing preference (``MultiplexMixin.rank_replicas_via_multiplex``) over ``candidates``:
+    the replicas holding ``multiplexed_model_id`` (``held_models``: each replica's), then those of the rest
+    holding the fewest models (a new adapter goes where it evicts least), then the others; empty tiers left
+    out. One tier of all without a multiplexed model id."""
+    if not multiplexed_model_id:
+        return [candidates]
+    holding = [replica_id for replica_id in candidates if multiplexed_model_id in held_models.get(replica_id, ())]
+    rest = [replica_id for replica_id in candidates if replica_id not in holding]
+    fewest = min((len(held_models.get(replica_id, ())) for replica_id in rest), default=0)
+    lightest = [replica_id for replica_id in rest if len(held_models.get(replica_id, ())) == fewest]
+    others = [replica_id for replica_id in rest if replica_id not in lightest]
+    return [tier for tier in (holding, lightest, others) if tier]
+
+
+def choose_in_tier(
+    options: KVRouterOptions, index: KVIndex, candidates: list[str], hint: RoutingHint | None, hashes: list[BlockHash]
 ) -> Choice:
     """Session affinity first (while its replica is within ``session_max_extra_load`` of the least
-    loaded), else ``rank_replicas``. ``hashes``: the prompt's, if already computed (a retry)."""
-    if hashes is None:
-        hashes = prompt_block_hashes(options, hint) if hint is not None and hint.prompt_token_ids else []
+    loaded), else ``rank_replicas``."""
     choice = rank_replicas(options, index, candidates, hashes)
     if hint is None or hint.session_id is None or not candidates:
         return choice
@@ -191,3 +213,21 @@ def choose(
         return choice
     others = [replica_id for replica_id in choice.ranked if replica_id != sticky]
     return Choice([sticky, *others], "session", index.replica(sticky).matched_blocks(hashes), hashes)
+
+
+def choose(
+    options: KVRouterOptions,
+    index: KVIndex,
+    candidates: list[str],
+    hint: RoutingHint | None,
+    hashes: list[BlockHash] | None = None,
+    tiers: list[list[str]] | None = None,
+) -> Choice:
+    """The replicas ranked: each tier of ``tiers`` (``adapter_tiers``; default: ``candidates`` as one) by
+    ``choose_in_tier``, tier after tier; the reason and predicted blocks are the first tier's.
+    ``hashes``: the prompt's, if already computed (a retry)."""
+    if hashes is None:
+        hashes = prompt_block_hashes(options, hint) if hint is not None and hint.prompt_token_ids else []
+    first, *later = [choose_in_tier(options, index, tier, hint, hashes) for tier in tiers or [candidates]]
+    first.ranked += [replica_id for choice in later for replica_id in choice.ranked]
+    return first

@@ -20,6 +20,12 @@ every ``request_routing_stats_period_s`` and broadcasts changes to every
 handle's router, with no extra actor call or connection of our own; its
 delay (a period plus the controller's broadcast) is covered by the router
 recording the blocks of each prompt it sends at once (``KVIndex.predict``).
+
+Multi-LoRA: the hint names the request's adapter, whose name keys its
+blocks, and a request with a ``multiplexed_model_id`` goes first to the
+replicas that report holding that adapter, then to those holding the fewest
+(``deployments.kv_index.adapter_tiers``, Serve's multiplexing order); the
+prefix and load scores rank the replicas within each of those tiers.
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.kv_index import Choice, KVIndex, KVRouterOptions, RoutingHint, choose, prompt_block_hashes
+from deployments.kv_index import (
+    Choice,
+    KVIndex,
+    KVRouterOptions,
+    RoutingHint,
+    adapter_tiers,
+    choose,
+    prompt_block_hashes,
+)
 from deployments.llm_config import SERVER_NAME_PREFIX
 from deployments.metrics import RouterMetrics
 
@@ -63,9 +77,11 @@ class KVAwareRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         hint = routing_hint_of(pending_request)
-        if hint is None:  # control calls (stats, health, ...): Serve's own choice, least queued of a shuffle
+        adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
+        if hint is None and not adapter:  # control calls (stats, health, ...): least queued of a shuffle
             return [random.sample(candidate_replicas, len(candidate_replicas))]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        held = {replica_id: replica.multiplexed_model_ids for replica_id, replica in by_id.items()}
         for replica in candidate_replicas:
             self.index.replica(replica.replica_id.unique_id).ongoing = self.replica_queue_len_cache.get(
                 replica.replica_id
@@ -73,7 +89,8 @@ class KVAwareRouter(RequestRouter):
         request_id = pending_request.metadata.internal_request_id  # a hint comes with a request
         earlier = self._choices.get(request_id)  # a retry: the prompt is hashed already
         start = time.perf_counter()
-        choice = choose(self.options, self.index, list(by_id), hint, earlier and earlier.hashes)
+        tiers = adapter_tiers(list(by_id), held, adapter)
+        choice = choose(self.options, self.index, list(by_id), hint, earlier and earlier.hashes, tiers)
         if choice.ranked:
             self.metrics.record_routing_time(choice.ranked[0], time.perf_counter() - start)
         if len(self._choices) >= MAX_REMEMBERED_CHOICES:

@@ -16,6 +16,7 @@ import contextvars
 from typing import Any
 
 from deployments.kv_index import RoutingHint
+from engine.entrypoints.openai.lora_models import adapter_name
 from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase
 
 SESSION_HEADER = b"x-session-id"
@@ -59,9 +60,10 @@ class PromptTokenizer(ServingBase):
 
 
 def make_hint(
-    tokenizer: PromptTokenizer | None, method_name: str, request: Any, session: str | None
+    tokenizer: PromptTokenizer | None, method_name: str, request: Any, session: str | None, model_id: str | None = None
 ) -> RoutingHint | None:
-    """The request's hint (None when it has neither a prompt to hash nor a ``session`` id)."""
+    """The request's hint (None when it has neither a prompt to hash nor a ``session`` id). ``model_id``: the
+    served model's id, whose LoRA adapter ``request.model`` may name (either form, as the replica resolves it)."""
     prompt = None
     if tokenizer is not None:
         try:
@@ -71,7 +73,9 @@ def make_hint(
     if prompt is None and session is None:
         return None
     token_ids, text = (None, None) if prompt is None else (prompt.token_ids, prompt.text)
-    return RoutingHint(token_ids, getattr(request, "cache_salt", None), session, text)
+    model = getattr(request, "model", None)
+    lora_name = adapter_name(model, model_id) if model_id is not None and isinstance(model, str) else None
+    return RoutingHint(token_ids, getattr(request, "cache_salt", None), session, text, lora_name)
 
 
 def precomputed_prompt(method_name: str, hint: Any) -> PrecomputedPrompt | None:

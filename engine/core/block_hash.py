@@ -1,8 +1,8 @@
 """Chained block hashes for prefix caching.
 
 The hash of a full block covers the hash of the block before it, the block's
-token ids and any extra keys (the cache salt on the first block), so equal
-hashes mean equal prefixes, not only equal blocks. The default hash is
+token ids and any extra keys (the cache salt and the LoRA adapter on the first
+block), so equal hashes mean equal prefixes, not only equal blocks. The default hash is
 SHA-256: a collision would silently serve one request another's KV cache, so
 a fast non-cryptographic hash is not an acceptable default.
 """
@@ -12,6 +12,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.lora.request import LoRARequest
 
 BlockHash = bytes
 HashFunction = Callable[[bytes], bytes]
@@ -63,7 +67,7 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None,
-    lora_int_id: int = 0,
+    lora_key: tuple | None = None,
 ) -> None:
     """Appends the hash of every full block of ``token_ids`` not hashed yet (the prefix cache's and the
     KV-aware router's hashes): each block's is ``hash_block_tokens`` of its parent's, its tokens and, for the
@@ -71,15 +75,15 @@ def extend_block_hashes(
 
     One pass: the unhashed tokens are encoded once and each block hashes a slice of that (encoding block by
     block made hashing a 4k-token prompt about twice as slow); decoding hashes only the blocks it filled.
-    ``lora_int_id`` (multi-LoRA; 0: the base model) joins the first block's extra keys like the salt, so
-    requests of different adapters never share a block (their KV differs).
+    ``lora_key`` (multi-LoRA: ``lora_hash_key`` / ``LoRAHashKeys``; None: the base model) joins the first
+    block's extra keys like the salt, so requests of different adapters never share a block (their KV differs).
     """
     num_full_blocks = len(token_ids) // block_size
     if len(block_hashes) >= num_full_blocks:
         return
-    if not block_hashes and (cache_salt is not None or lora_int_id):
+    if not block_hashes and (cache_salt is not None or lora_key):
         # The salt goes into the first block only; chaining carries it to every later block.
-        extra_keys = (cache_salt,) if not lora_int_id else (cache_salt, ("lora", lora_int_id))
+        extra_keys = (cache_salt,) if not lora_key else (cache_salt, lora_key)
         block_hashes.append(hash_block_tokens(hash_fn, ROOT_HASH, token_ids[:block_size], extra_keys))
     start = len(block_hashes) * block_size
     encoded = _encode_tokens(token_ids[start : num_full_blocks * block_size])
@@ -88,3 +92,32 @@ def extend_block_hashes(
     for offset in range(0, len(encoded), block_bytes):
         parent = hash_fn(parent + encoded[offset : offset + block_bytes])
         block_hashes.append(parent)
+
+
+def lora_hash_key(lora_name: str | None) -> tuple | None:
+    """The first block's key for adapter ``lora_name`` (None: the base model): its name, as vLLM keys it, not
+    its int id, which each replica assigns for itself; so every replica, and the KV-aware router, which knows
+    only the name, hash one adapter's prompt alike."""
+    return None if lora_name is None else ("lora", lora_name)
+
+
+class LoRAHashKeys:
+    """One engine's ``lora_key`` for each adapter: ``lora_hash_key`` of its name, except for a name that comes
+    back from another path (unloaded, then loaded again from elsewhere), which is keyed by its path too.
+
+    A name alone would let the new adapter hit the old one's cached blocks, KV of other weights (vLLM's
+    stale-reuse bug, vllm-project/vllm#42125). The first path a name is seen with keeps the bare name, so the
+    router's predictions match in the usual case; a later path only costs the router's predicted hits for it.
+    """
+
+    def __init__(self) -> None:
+        self._first_path: dict[str, str] = {}
+
+    def key(self, lora_request: LoRARequest | None) -> tuple | None:
+        """The key for a request's adapter (None: the base model)."""
+        if lora_request is None:
+            return None
+        name, path = lora_request.lora_name, lora_request.lora_path
+        if self._first_path.setdefault(name, path) == path:
+            return lora_hash_key(name)
+        return ("lora", name, path)

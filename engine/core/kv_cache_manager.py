@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import CacheConfig
-from engine.core.block_hash import extend_block_hashes, get_hash_function
+from engine.core.block_hash import LoRAHashKeys, extend_block_hashes, get_hash_function
 from engine.core.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
 from engine.core.kv_events import KVEventFeed
 from engine.core.request import Request
@@ -40,6 +40,7 @@ class KVCacheManager:
         # How many leading blocks of each request are already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.lora_keys = LoRAHashKeys()  # adapters' blocks keyed by name, as the KV-aware router hashes them
 
     @property
     def usage(self) -> float:
@@ -131,7 +132,7 @@ class KVCacheManager:
                 request.all_token_ids,
                 self.block_size,
                 request.cache_salt,
-                request.lora_int_id,
+                self.lora_keys.key(request.lora_request),
             )
 
     def free(self, request: Request) -> None:

@@ -47,6 +47,15 @@ def split_adapter(model: str, base_ids: list[str]) -> tuple[str, str] | None:
     return None
 
 
+def adapter_name(model: str | None, base_id: str) -> str | None:
+    """The adapter ``model`` names over the model ``base_id`` (either form), or None for the base model (the
+    servers' resolution and the KV-aware router's hashing read a request's adapter alike)."""
+    if model is None or model == base_id:
+        return None
+    split = split_adapter(model, [base_id])
+    return split[1] if split is not None else model
+
+
 class AdapterNotFoundError(LookupError):
     """No adapter of that name on this server (404 ``model_not_found``)."""
 
@@ -107,10 +116,7 @@ class LoRAModels:
 
     def adapter_name(self, model: str | None) -> str | None:
         """The adapter ``model`` names (either form), or None for the base model."""
-        if model is None or model == self.base_id:
-            return None
-        split = split_adapter(model, [self.base_id])
-        return split[1] if split is not None else model
+        return adapter_name(model, self.base_id)
 
     async def resolve(self, model: str | None) -> LoRARequest | None:
         """The request's adapter (None: the base model); AdapterNotFoundError, or ValueError for a bad one."""
