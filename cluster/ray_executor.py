@@ -35,6 +35,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable
+from concurrent.futures import Future
 
 # Ray reads this once, when it is first imported: unset, the "127.0.0.1" of a local cluster (its node
 # address and its bootstrap address) is swapped for this machine's network address. So it is set here,
@@ -52,10 +53,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.kv_transfer.ray_direct import KVDirectClient
 from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
-from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, KV_CONCURRENCY_GROUP, RayWorker
+from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, KV_CONCURRENCY_GROUP, LORA_CONCURRENCY_GROUP, RayWorker
 from engine.config import EngineConfig
 from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
-from engine.executor.base import Executor, StepFuture
+from engine.executor.base import Executor, StepFuture, all_of
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,8 @@ class RayExecutor(Executor):
             raise
 
     def _start_workers(self, resources: dict[str, float]) -> list:
-        actor_class = ray.remote(concurrency_groups={HEALTH_CONCURRENCY_GROUP: 1, KV_CONCURRENCY_GROUP: 2})(RayWorker)
+        groups = {HEALTH_CONCURRENCY_GROUP: 1, KV_CONCURRENCY_GROUP: 2, LORA_CONCURRENCY_GROUP: 1}
+        actor_class = ray.remote(concurrency_groups=groups)(RayWorker)
         return [
             actor_class.options(
                 num_cpus=resources["CPU"],
@@ -223,6 +225,9 @@ class RayExecutor(Executor):
     def _raise_if_failed(self) -> None:
         if self._failure is not None:
             raise WorkerFailedError(f"A worker of this engine failed earlier: {self._failure}")
+
+    def load_lora(self, lora_request) -> Future:
+        return all_of([worker.load_lora.remote(lora_request).future() for worker in self.workers])
 
     def check_health(self) -> None:
         """Raises WorkerFailedError if a step failed or a worker does not answer a ping."""

@@ -21,6 +21,8 @@ from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 HEALTH_CONCURRENCY_GROUP = "health"
 # KV transfers (disaggregated prefill) run beside steps: a pull must not wait for a long prefill to finish.
 KV_CONCURRENCY_GROUP = "kv"
+# LoRA adapters load beside steps too (engine.lora.manager.LoRAManager.load_async): off the step's path.
+LORA_CONCURRENCY_GROUP = "lora"
 
 
 class RayWorker:
@@ -95,6 +97,11 @@ class RayWorker:
         from cluster.kv_transfer.transports import get_outbox
 
         get_outbox().deliver(req_id, blocks)
+
+    @ray.method(concurrency_group=LORA_CONCURRENCY_GROUP)
+    def load_lora(self, lora_request) -> None:
+        """Returns once the adapter is in this rank's host LRU (raises its loading error)."""
+        self.worker.load_lora(lora_request).result()
 
     # Health calls run in their own thread: with the task control path a step occupies the default one.
     @ray.method(concurrency_group=HEALTH_CONCURRENCY_GROUP)

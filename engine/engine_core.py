@@ -23,11 +23,13 @@ from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.core.step_outputs import EngineCoreOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture
+from engine.lora.loading import LoRALoading
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-# How long a core with only grammar-waiting requests blocks on their compiles per step (commands wait that long).
+# How long a core with only requests held for their grammar (or their LoRA adapter) blocks on the compile
+# (the load) per step; commands wait that long.
 GRAMMAR_WAIT_S = 0.02
 
 
@@ -47,6 +49,7 @@ class EngineCore:
             max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
         )
         self.structured_outputs = StructuredOutputManager(config)
+        self.lora_loading = LoRALoading(self.executor) if config.lora_config.enable_lora else None
         self.config = config
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batches_in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
@@ -59,25 +62,35 @@ class EngineCore:
         self._release.atexit = False  # at exit Ray tears its own cluster down
 
     def add_request(self, request: Request) -> None:
-        """Queues ``request``; one with structured outputs waits for its grammar first (never blocking a step)."""
+        """Queues ``request``; one with structured outputs waits for its grammar, then one with a LoRA adapter
+        not loaded yet for its adapter (``engine.lora.loading``), first: neither ever blocks a step."""
         if request.sampling_params.structured_outputs is None:
-            self.scheduler.add_request(request)
+            self._admit(request)
         else:
             self.structured_outputs.add_request(request)
 
+    def _admit(self, request: Request) -> None:
+        """A request past its grammar: to the scheduler, unless its adapter is still loading."""
+        if self.lora_loading is None or not self.lora_loading.hold(request):
+            self.scheduler.add_request(request)
+
     def abort_requests(self, request_ids) -> None:
-        self.scheduler.abort_requests(self.structured_outputs.abort_requests(request_ids))
+        request_ids = self.structured_outputs.abort_requests(request_ids)
+        if self.lora_loading is not None:
+            request_ids = self.lora_loading.abort_requests(request_ids)
+        self.scheduler.abort_requests(request_ids)
+
+    def _num_held_requests(self) -> int:
+        """Requests waiting for their grammar or their LoRA adapter (not yet in the scheduler)."""
+        held = self.structured_outputs.num_waiting_requests()
+        return held + (0 if self.lora_loading is None else self.lora_loading.num_waiting_requests())
 
     def has_unfinished_requests(self) -> bool:
-        return (
-            self.scheduler.has_unfinished_requests()
-            or bool(self.batches_in_flight)
-            or self.structured_outputs.has_waiting_requests()
-        )
+        return self.scheduler.has_unfinished_requests() or bool(self.batches_in_flight) or self._num_held_requests() > 0
 
     def step(self) -> list[EngineCoreOutput]:
         """Runs one step; returns what each request got from it."""
-        failed = self._admit_compiled() if self.structured_outputs.has_waiting_requests() else []
+        failed = self._admit_held() if self._num_held_requests() else []
         if self.max_concurrent_batches > 1:
             return failed + self._step_pipelined()
         if not self.scheduler.has_unfinished_requests():
@@ -91,16 +104,26 @@ class EngineCore:
         self.structured_outputs.attach_bitmask(scheduler_output, self.scheduler.requests)
         return scheduler_output
 
-    def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Moves requests whose grammar is ready to the scheduler; returns the outputs of those that failed.
+    def _admit_held(self) -> list[EngineCoreOutput]:
+        """Admits held requests whose grammar and adapter are ready; returns the outputs of those that failed.
 
-        With nothing else to run, first waits a little for a compile to end (not spinning meanwhile).
+        With nothing else to run, first waits a little for a compile or a load to end (not spinning meanwhile).
         """
-        if not self.scheduler.has_unfinished_requests() and not self.batches_in_flight:
-            self.structured_outputs.wait(GRAMMAR_WAIT_S)
-        ready, failed = self.structured_outputs.take_ready()
-        for request in ready:
-            self.scheduler.add_request(request)
+        idle = not self.scheduler.has_unfinished_requests() and not self.batches_in_flight
+        failed = []
+        if self.structured_outputs.has_waiting_requests():
+            if idle:
+                self.structured_outputs.wait(GRAMMAR_WAIT_S)
+            ready, failed = self.structured_outputs.take_ready()
+            for request in ready:
+                self._admit(request)
+        if self.lora_loading is not None and self.lora_loading.has_waiting_requests():
+            if idle and not self.scheduler.has_unfinished_requests():
+                self.lora_loading.wait(GRAMMAR_WAIT_S)
+            ready, failed_loads = self.lora_loading.take_ready()
+            for request in ready:
+                self.scheduler.add_request(request)
+            failed += failed_loads
         return [
             EngineCoreOutput(r.request_id, [], r.get_finish_reason(), r.stop_reason, num_cached_tokens=0)
             for r in failed
@@ -133,7 +156,7 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
-        stats.num_waiting_reqs += self.structured_outputs.num_waiting_requests()  # waiting for their grammar
+        stats.num_waiting_reqs += self._num_held_requests()  # waiting for their grammar or their adapter
         return stats
 
     def kv_block_counts(self) -> tuple[int, int]:

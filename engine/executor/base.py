@@ -7,12 +7,14 @@ found by import path when ``distributed_executor_backend`` is ``"ray"``.
 from __future__ import annotations
 
 import importlib
+import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
+from engine.lora.request import LoRARequest
 
 EXECUTOR_IMPORT_PATHS = {
     "uni": "engine.executor.uniproc:UniProcExecutor",
@@ -30,6 +32,30 @@ def done_future(output: ModelRunnerOutput) -> StepFuture:
     future: Future = Future()
     future.set_result(output)
     return future
+
+
+def all_of(futures: list[Future]) -> Future:
+    """A future that ends when all of ``futures`` have: with None, or the first error among them."""
+    combined: Future = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(future: Future) -> None:
+        error = future.exception()
+        with lock:  # callbacks run on whichever thread ends each future
+            remaining[0] -= 1
+            if combined.done():
+                return
+            if error is not None:
+                combined.set_exception(error)
+            elif remaining[0] == 0:
+                combined.set_result(None)
+
+    if not futures:
+        combined.set_result(None)
+    for future in futures:
+        future.add_done_callback(one_done)
+    return combined
 
 
 class Executor(ABC):
@@ -76,6 +102,11 @@ class Executor(ABC):
         Executors with ``max_concurrent_batches`` > 1 return before the step ends.
         """
         return done_future(self.execute_model(scheduler_output))
+
+    def load_lora(self, lora_request: LoRARequest) -> Future:
+        """Starts reading an adapter into every worker's host LRU, off the step's path; the future ends once
+        every worker has it (or raises the first loading error). Needs ``enable_lora``."""
+        raise NotImplementedError(f"{type(self).__name__} does not load LoRA adapters.")
 
     def check_health(self) -> None:  # noqa: B027 (an optional hook: executors without workers have nothing to check)
         """Raises if a worker is gone. Safe to call from any thread."""

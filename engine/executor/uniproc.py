@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor
+from engine.lora.request import LoRARequest
 from engine.worker.worker import Worker
 
 
@@ -27,6 +30,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def load_lora(self, lora_request: LoRARequest) -> Future:
+        return self.worker.load_lora(lora_request)
 
     def shutdown(self) -> None:
         """Drops the worker, and with it the model and the KV caches; no step runs after. Idempotent."""

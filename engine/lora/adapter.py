@@ -64,10 +64,10 @@ def module_shape(arch: Architecture, module: str) -> tuple[int, int]:
 def read_adapter_config(path: str, max_lora_rank: int) -> tuple[int, float]:
     """(rank, scaling) from ``adapter_config.json``; ValueError for what is missing or unsupported."""
     config_path = Path(path) / CONFIG_FILE
-    if not config_path.is_file():
-        raise ValueError(f"LoRA adapter {path!r}: no {CONFIG_FILE} (not a PEFT adapter directory).")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"LoRA adapter {path!r}: no {CONFIG_FILE} (not a PEFT adapter directory).") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is unreadable: {error}.") from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":

@@ -8,11 +8,18 @@ or from disk into the LRU), reusing the least recently used slot whose adapter
 the step does not need, then sets the shared ``LoRABatch``. The scheduler admits
 at most ``max_loras`` distinct adapters into its running batch, so a step always
 finds its slots. A step without adapters leaves the mapping empty: no LoRA work.
+
+``load_async(lora_request)`` reads an adapter from disk into the host LRU on a
+thread of its own, off the step's path: the engine core holds an adapter's first
+requests until it is there (``engine.lora.loading``). A step reads from disk
+itself only an adapter the LRU has dropped since (``num_step_loads`` counts those).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -32,7 +39,34 @@ class LoRAManager:
         self.slot_ids: list[int] = [0] * lora_config.max_loras  # adapter id per slot; 0: empty
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # the host LRU
+        self._host_lock = threading.Lock()  # the LRU is filled from the loading thread too
+        self._loading: dict[int, Future] = {}  # adapter id -> its load in flight
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self.num_loads = self.num_slot_swaps = self.num_host_evictions = 0
+        self.num_step_loads = 0  # of num_loads, those a step had to wait for (the LRU dropped the adapter)
+
+    def load_async(self, request: LoRARequest) -> Future:
+        """Reads ``request``'s adapter into the host LRU on the loading thread; the future ends when it is
+        there (or raises the loading error). Loading an adapter already there or on its way costs nothing."""
+        with self._host_lock:
+            if request.lora_int_id in self._host:
+                done: Future = Future()
+                done.set_result(None)
+                return done
+            future = self._loading.get(request.lora_int_id)
+            if future is None:
+                future = self._loader.submit(self._load, request)
+                self._loading[request.lora_int_id] = future
+            return future
+
+    def _load(self, request: LoRARequest) -> None:
+        try:
+            adapter = load_adapter(request.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
+            with self._host_lock:
+                self._keep(request.lora_int_id, adapter)
+        finally:
+            with self._host_lock:
+                self._loading.pop(request.lora_int_id, None)
 
     def prepare(self, lora_requests: list[LoRARequest | None], query_lens: list[int]) -> None:
         """Sets the step's mapping: request i's ``query_lens[i]`` tokens (flattened in order) use its adapter."""
@@ -77,17 +111,32 @@ class LoRAManager:
         return slot
 
     def _host_adapter(self, request: LoRARequest) -> LoRAAdapter:
-        adapter = self._host.get(request.lora_int_id)
-        if adapter is not None:
-            self._host.move_to_end(request.lora_int_id)
-            return adapter
+        """The adapter from the host LRU, waiting for its load in flight, or read from disk here."""
+        with self._host_lock:
+            in_flight = self._loading.get(request.lora_int_id)
+        if in_flight is not None:
+            in_flight.result()
+        with self._host_lock:
+            adapter = self._host.get(request.lora_int_id)
+            if adapter is not None:
+                self._host.move_to_end(request.lora_int_id)
+                return adapter
         adapter = load_adapter(request.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
+        self.num_step_loads += 1
+        with self._host_lock:
+            self._keep(request.lora_int_id, adapter)
+        return adapter
+
+    def _keep(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Puts an adapter read from disk in the host LRU, dropping the least recently used past its size."""
         self.num_loads += 1
-        self._host[request.lora_int_id] = adapter
+        self._host[lora_id] = adapter
         while len(self._host) > self.config.cpu_capacity:
             self._host.popitem(last=False)
             self.num_host_evictions += 1
-        return adapter
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)
 
 
 def _attach(model, batch: LoRABatch, config: LoRAConfig, dtype, device) -> list[tuple[int, LinearLoRA]]:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from concurrent.futures import Future
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.distributed.parallel_state import ParallelState, destroy_distributed, get_parallel_state, init_distributed
+from engine.lora.request import LoRARequest
 from engine.model.architecture import parse_dtype
 from engine.worker.model_runner import ModelRunner
 
@@ -175,10 +177,16 @@ class Worker:
         """One step; the sampled tokens on the output rank, None on every other rank."""
         return self.model_runner.execute_model(scheduler_output)
 
+    def load_lora(self, lora_request: LoRARequest) -> Future:
+        """Starts reading the adapter into this rank's host LRU, off the step's path (``LoRAManager.load_async``)."""
+        return self.model_runner.lora.load_async(lora_request)
+
     def check_health(self) -> None:
         return None
 
     def shutdown(self) -> None:
         """Leaves the process group, if this worker joined one."""
+        if self.model_runner.lora is not None:
+            self.model_runner.lora.shutdown()
         if self.config.parallel_config.world_size > 1:
             destroy_distributed()

@@ -275,3 +275,30 @@ def test_speculative_decoding_under_tp2_equals_single_device(
             assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
     finally:
         llm.shutdown()
+
+
+def test_lora_adapters_load_on_every_worker_under_tp2(local_ray, tiny_checkpoint, tmp_path):
+    """Each Ray worker reads the adapter on its own loading thread (``RayWorker.load_lora``, beside steps), and
+    a TP=2 batch of the base model and two adapters gives the single-device tokens."""
+    from engine.lora.make_adapter import make_lora_adapter
+    from engine.lora.request import LoRARequest
+
+    base = tiny_checkpoint("llama")
+    loras = [
+        None,
+        *(LoRARequest(f"a{i}", i, str(make_lora_adapter(tmp_path / f"a{i}", base, rank=4, seed=i))) for i in (1, 2)),
+    ]
+    prompts = _prompts()[: len(loras)]
+    lora_kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=8, **ENGINE_KWARGS)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        return [output.outputs[0].token_ids for output in outputs]
+
+    with LLM(base, **lora_kwargs) as one_device:
+        expected = tokens(one_device)
+    with LLM(
+        base, tensor_parallel_size=2, distributed_executor_backend="ray", num_cpus_per_worker=0.4, **lora_kwargs
+    ) as tp2:
+        assert tokens(tp2) == expected
+        assert tp2.llm_engine.engine_core.lora_loading.num_waiting_requests() == 0
