@@ -6,7 +6,9 @@ replica starts: tests/test_kv_router_config.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,8 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX, RequestMetadata
+from ray.serve.request_router import PendingRequest, RunningReplica
 
 from deployments.kv_index import KVRouterOptions, RoutingHint, prompt_block_hashes
 from tests.conftest import make_llm
@@ -81,12 +84,16 @@ def complete(base_url: str, prompt, max_tokens: int = 8, headers: dict | None = 
     return response.json()["choices"][0]["text"]
 
 
-def driver_router_index():
-    """The KV index of this process's own handle router (it learns only from the replicas' publications).
+def driver_router():
+    """This process's own handle router, a KVAwareRouter (it learns only from the replicas' publications).
     Reaches into Serve's private router: there is no public accessor."""
     handle = serve.get_deployment_handle(SERVER, app_name="llm")
     handle.stats.remote().result()  # makes sure the handle's router exists
-    return handle._router._asyncio_router.request_router.index
+    return handle._router._asyncio_router.request_router
+
+
+def driver_router_index():
+    return driver_router().index
 
 
 def test_shared_prefix_requests_land_on_the_replica_holding_it(app):
@@ -174,6 +181,28 @@ def test_the_router_metrics_reach_rays_endpoint_tagged_by_model_and_replica(app)
         time.sleep(2)
     samples = [line for line in lines if not line.startswith("#")]
     assert all('model_name="' in line and 'replica="' in line for line in samples), samples[:5]
+
+
+def test_an_adapter_request_goes_first_to_the_replica_holding_the_adapter(app):
+    """KVAwareRouter.choose_replicas over the live replicas, one of them reporting LoRA adapter ``a`` (Serve's
+    RunningReplica over its info with that multiplexed id; this app serves no adapters): a request with that
+    multiplexed_model_id ranks it first though the other holds the prompt's blocks for ``a``; without the id
+    the prefix wins."""
+    router = driver_router()
+    holder, other = list(router._replicas.values())
+    model = f"{LLAMA}:a"
+    holding = RunningReplica(dataclasses.replace(holder._replica_info, multiplexed_model_ids=[model]))
+    hint = RoutingHint(list(range(1000, 1100)), lora_name="a")
+    router.index.predict(other.replica_id.unique_id, prompt_block_hashes(router.options, hint))
+
+    async def first_choices(multiplexed_model_id: str) -> list:
+        metadata = RequestMetadata("r", f"r-{multiplexed_model_id}", multiplexed_model_id=multiplexed_model_id)
+        pending = PendingRequest([], {"routing_hint": hint}, metadata)
+        ranked = await router.choose_replicas([holding, other], pending)
+        return [rank[0].replica_id for rank in ranked]
+
+    assert asyncio.run(first_choices(model)) == [holder.replica_id, other.replica_id]
+    assert asyncio.run(first_choices(""))[0] == other.replica_id
 
 
 def test_a_killed_replica_leaves_the_index_and_requests_still_succeed(app):
