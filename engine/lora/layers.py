@@ -143,6 +143,7 @@ class LinearLoRA:
         self.lora_a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
         self.kernels = lora_kernels(device)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see _transposed
         # Each slice's (offset, size) in the output, as the expand kernel reads them.
         pieces = [(offset, size) for offset, size, _ in slices.values()]
         self.slice_table = torch.tensor(pieces, dtype=torch.int32, device=device)
@@ -191,12 +192,22 @@ class LinearLoRA:
             return y.addmm_(shrunk, self.lora_b[plan.whole].T)
         if plan.longest == 0:
             return y
-        lora_a, lora_b = self.lora_a[plan.slots], self.lora_b[plan.slots]
-        rows = x.index_select(0, plan.index).view(lora_a.shape[0], plan.longest, x.shape[1])
-        shrunk = torch.bmm(rows, lora_a.transpose(1, 2))
+        a_t, b_t = self._transposed(plan.slots)
+        rows = x.index_select(0, plan.index).view(-1, plan.longest, x.shape[1])
+        shrunk = torch.bmm(rows, a_t)
         if self.in_shard is not None:
             shrunk = tp_all_reduce(shrunk)
         if plan.mask is not None:
             shrunk.mul_(plan.mask)
-        delta = torch.bmm(shrunk, lora_b.transpose(1, 2))
+        delta = torch.bmm(shrunk, b_t)
         return y.index_add_(0, plan.index, delta.view(-1, y.shape[1]))
+
+    def _transposed(self, slots: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [n, in, width] and B [n, width, out] of ``slots``, transposed for bmm: views of a slot range,
+        kept (the slots' contents change in place), so a step's layers do not rebuild them; a copy otherwise."""
+        if isinstance(slots, torch.Tensor):
+            return self.lora_a[slots].transpose(1, 2), self.lora_b[slots].transpose(1, 2)
+        key = (slots.start, slots.stop)
+        if key not in self._views:
+            self._views[key] = (self.lora_a[slots].transpose(1, 2), self.lora_b[slots].transpose(1, 2))
+        return self._views[key]
