@@ -99,7 +99,7 @@ class Request:
         # Disaggregated prefill: {"do_remote_decode": True} on the prefill side, {"remote_kv": KVHandle} on
         # the decode side (see ``kv_connector``); the connector consumes the handle when it plans the load.
         self.kv_transfer_params = dict(kv_transfer_params) if kv_transfer_params else None
-        # Multi-LoRA: the adapter this request runs with (None: the base model); it keys the prefix cache.
+        # Multi-LoRA: the adapter this request runs with (None: the base model); its name keys the prefix cache.
         self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING

@@ -2,8 +2,8 @@
 
 A request names an adapter as ``"<model id>:<adapter>"`` (Ray Serve LLM's form) or by the adapter's own name
 (vLLM's). ``LoRAModels.resolve`` turns that name into the ``LoRARequest`` the engine takes, with one int id
-per (name, path) for this process's life: the engine keys device slots, its host LRU and the prefix cache by
-that id, and refuses an id whose path changes. Adapters join in three ways:
+per (name, path) for this process's life: the engine keys device slots and its host LRU by that id (the prefix
+cache by the name, alike on every replica), and refuses an id whose path changes. Adapters join in three ways:
 
 * static (``lora_modules``): checked at start, held for good;
 * from the dynamic directory (``dynamic_lora_loading_path``): ``<dir>/<name>`` checked and held on the first
