@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from ray import serve
 
 from deployments.llm_config import LLMConfig
-from engine.entrypoints.openai.lora_models import AdapterNotFoundError, LoRAEvents, LoRAModels
+from engine.entrypoints.openai.lora_models import AdapterNotFoundError, LoRAEvents, LoRAModels, adapter_name
 
 
 def build_lora_models(llm_config: LLMConfig, max_lora_rank: int, events: LoRAEvents | None) -> LoRAModels | None:
@@ -76,8 +76,7 @@ async def hold_multiplexed_adapter(loader: Callable[[str], Awaitable[AdapterLeas
 
 def multiplexed_model_id(model_id: str, request: BaseModel) -> str | None:
     """The ingress's ``multiplexed_model_id`` for a request to ``model_id``'s servers: ``"<model id>:<adapter>"``
-    when its ``model`` names an adapter (either form), else None."""
+    when its ``model`` names an adapter (either form, read as the servers read it: ``adapter_name``), else None."""
     model = getattr(request, "model", None)
-    if not isinstance(model, str) or model == model_id:
-        return None
-    return model if model.startswith(model_id + ":") else f"{model_id}:{model}"
+    adapter = adapter_name(model, model_id) if isinstance(model, str) else None
+    return None if adapter is None else f"{model_id}:{adapter}"

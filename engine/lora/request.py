@@ -10,8 +10,9 @@ from typing import Any
 class LoRARequest:
     """A PEFT adapter directory, named, with a positive integer id unique per adapter.
 
-    ``lora_int_id`` keys everything downstream (device slots, the host LRU, the prefix
-    cache): two requests with the same id must name the same adapter.
+    ``lora_int_id`` keys the worker's device slots and host LRU: two requests with the same id
+    must name the same adapter. The prefix cache keys an adapter's blocks by its name instead
+    (``engine.core.block_hash.LoRAHashKeys``: alike on every replica, as the KV-aware router hashes).
     """
 
     lora_name: str
