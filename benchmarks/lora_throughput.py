@@ -1,7 +1,7 @@
 """Multi-LoRA throughput (issue 23): a W2-shaped load over 4 rank-16 adapters against the base model alone.
 
     python benchmarks/lora_throughput.py                 # 2 rounds, then the adapter load times
-    python benchmarks/lora_throughput.py --rounds 3
+    python benchmarks/lora_throughput.py --rounds 4 --num-threads 1   # steadier on a shared machine
 
 W2's shape: the 5M Llama (``benchmarks/peer_throughput.py``'s checkpoint, float32), 64 requests of 128
 prompt tokens, 128 generated (greedy, ignore_eos). Three engines in one process, run alternately each
@@ -15,7 +15,9 @@ round so the machine's load falls on all alike:
 
 The prefix cache is off in all three (the rounds repeat the prompts; a hit would skip their prefill).
 The figure is generated tokens per second; the ratio is the adapters' against ``base`` (target >= 0.8),
-of the best rounds, the medians, and each round's own (a round's three runs share the machine's load).
+of the best rounds, the medians, and each round's own (a round's three runs share the machine's load); and
+by the process's CPU seconds for the same tokens, which with ``--num-threads 1`` hardly move when other
+processes share the cores (no OpenMP region waits on a descheduled thread).
 Then the adapter load times, through the LoRA engine's worker: from disk into the host LRU
 (``load_adapter``; the files are in the OS page cache after the first read), and from the host LRU into a
 device slot (``LoRAManager.prepare`` of an adapter the LRU holds but no slot does: every layer's A and B
@@ -74,8 +76,9 @@ def run_throughput(args, model: str, adapters: list[str]):
     from engine.lora.request import LoRARequest
 
     log(f"loading the base engine and the LoRA engine ({model})")
-    base = LLM(model, **ENGINE_KWARGS)
-    lora = LLM(model, **ENGINE_KWARGS, **LORA_KWARGS)
+    kwargs = ENGINE_KWARGS if args.num_threads is None else {**ENGINE_KWARGS, "num_threads": args.num_threads}
+    base = LLM(model, **kwargs)
+    lora = LLM(model, **kwargs, **LORA_KWARGS)
     prompts = [{"prompt_token_ids": p} for p in make_prompts(base.get_tokenizer().vocab_size, 64, 128)]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     requests = [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(adapters)]
@@ -85,11 +88,13 @@ def run_throughput(args, model: str, adapters: list[str]):
     base.generate(prompts[:2], params, use_tqdm=False)
     lora.generate(prompts[:4], params, use_tqdm=False, lora_request=per_prompt[:4])
     results: dict[str, list[float]] = {name: [] for name in runs}
+    results.update({f"{name} CPU s": [] for name in runs})
     for round_ in range(args.rounds):
         for name, (llm, lora_request) in runs.items():
             log(f"round {round_ + 1}/{args.rounds}: {name} ...")
             rate, tokens, elapsed, cpu = timed_generate(llm, prompts, params, lora_request)
             results[name].append(rate)
+            results[f"{name} CPU s"].append(cpu)
             ratio = rate / results["base"][-1]
             load = os.getloadavg()[0]
             print(
@@ -137,18 +142,25 @@ def run_load_times(lora_llm, model: str, loaded) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        help="torch threads of both engines (default: the engine's, all cores); 1 keeps another process on the "
+        "machine from stalling every OpenMP region",
+    )
     args = parser.parse_args()
     log(f"load average at start: {os.getloadavg()[0]:.2f}; cpus: {os.cpu_count()}")
     model = ensure_model("w2", "float32")
     adapters = make_adapters(model, NUM_ADAPTERS)
     results, lora_llm, requests = run_throughput(args, model, adapters)
-    base = results["base"]
-    for name, rates in results.items():
+    base, base_cpu = results["base"], statistics.median(results["base CPU s"])
+    for name in ("base", "lora, no adapter", "lora, 4 adapters"):
+        rates, cpu = results[name], statistics.median(results[f"{name} CPU s"])
         paired = statistics.median(rate / b for rate, b in zip(rates, base))
         print(
             f"{name:<18} best {max(rates):6.0f} gen tok/s ({max(rates) / max(base):.2f}x base), "
             f"median {statistics.median(rates):6.0f} ({statistics.median(rates) / statistics.median(base):.2f}x), "
-            f"median of the rounds' ratios {paired:.2f}x"
+            f"median of the rounds' ratios {paired:.2f}x; median CPU {cpu:.2f} s ({base_cpu / cpu:.2f}x base)"
         )
     log("adapter load times ...")
     run_load_times(lora_llm, model, requests)
