@@ -16,9 +16,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.lora import triton_ops  # noqa: E402 - after TRITON_INTERPRET
+from engine import SamplingParams  # noqa: E402 - after TRITON_INTERPRET
+from engine.lora import triton_ops  # noqa: E402
 from engine.lora.adapter import LoRAAdapter  # noqa: E402
 from engine.lora.layers import LinearLoRA, LoRABatch  # noqa: E402
+from engine.lora.make_adapter import make_lora_adapter  # noqa: E402
+from engine.lora.request import LoRARequest  # noqa: E402
+from tests.conftest import make_llm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEAD_DIM = 16
@@ -121,3 +125,33 @@ def test_the_token_plan_sorts_tokens_by_slot_and_drops_the_base_model():
     order = plan.order.tolist()
     runs = [order[s : s + c] for s, c in zip(plan.starts.tolist(), plan.counts.tolist())]
     assert runs == [[2, 5, 6], [], [0, 3], []]
+
+
+def test_the_engine_on_the_triton_kernels_generates_the_torch_paths_tokens(tiny_checkpoint, tmp_path):
+    """The whole engine with every LoRA layer on the kernels (as on CUDA): a batch of the base model and two
+    adapters of different ranks, prompts of different lengths (prefill and decode steps), equals the torch path."""
+    base = tiny_checkpoint("llama")
+    loras = [
+        LoRARequest("a", 1, str(make_lora_adapter(tmp_path / "a", base, rank=4, seed=1))),
+        LoRARequest("b", 2, str(make_lora_adapter(tmp_path / "b", base, rank=8, targets=("k", "up", "down"), seed=2))),
+    ]
+    prompts = [{"prompt_token_ids": list(range(20, 20 + n))} for n in (5, 11, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0, ignore_eos=True)
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, enable_prefix_caching=False)
+    manager = llm.llm_engine.engine_core.executor.worker.model_runner.lora
+    results = {}
+    for kernels in ("torch", "triton"):
+        for _, layer in manager.layers:
+            layer.kernels = kernels
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=[loras[0], None, loras[1]])
+        results[kernels] = [
+            (
+                list(o.outputs[0].token_ids),
+                [p[t].logprob for p, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+            )
+            for o in outputs
+        ]
+    llm.shutdown()
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(results["triton"], results["torch"]):
+        assert tokens == expected_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, expected_logprobs)) < 1e-4
