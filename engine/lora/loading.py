@@ -17,14 +17,15 @@ import concurrent.futures
 from concurrent.futures import Future
 
 from engine.core.request import Request, RequestStatus
+from engine.core.request_hold import RequestHold
 
 
-class LoRALoading:
+class LoRALoading(RequestHold):
     def __init__(self, executor) -> None:
         """``executor``: an ``engine.executor.base.Executor`` of an engine with ``enable_lora``."""
+        super().__init__()
         self._executor = executor
         self._loads: dict[int, Future] = {}  # adapter id -> its load (done: loaded, or failed)
-        self._waiting: dict[str, Request] = {}
 
     def hold(self, request: Request) -> bool:
         """Keeps ``request`` (True) while its adapter loads, starting the load if none runs; False: the
@@ -39,16 +40,6 @@ class LoRALoading:
             return False
         self._waiting[request.request_id] = request
         return True
-
-    def has_waiting_requests(self) -> bool:
-        return bool(self._waiting)
-
-    def num_waiting_requests(self) -> int:
-        return len(self._waiting)
-
-    def abort_requests(self, request_ids) -> list[str]:
-        """Forgets the given waiting requests; returns the ids that were not waiting here."""
-        return [request_id for request_id in request_ids if self._waiting.pop(request_id, None) is None]
 
     def take_ready(self) -> tuple[list[Request], list[Request]]:
         """(requests whose adapter is loaded; requests whose adapter failed to load, finished)."""

@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 from engine.config import EngineConfig
 from engine.core.request import Request, RequestStatus
+from engine.core.request_hold import RequestHold
 from engine.core.step_outputs import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ MAX_CACHED_GRAMMARS = 512
 COMPILE_THREAD_NICE = 19
 
 
-class StructuredOutputManager:
+class StructuredOutputManager(RequestHold):
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__()
         self.config = config.structured_outputs_config
         self._model_config = config.model_config
         self._backend = None  # XgrammarBackend, built by the first compile (it loads the tokenizer)
@@ -45,7 +47,7 @@ class StructuredOutputManager:
             initializer=_lower_thread_priority,
         )
         self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
-        self._waiting: dict[str, tuple[Request, concurrent.futures.Future]] = {}
+        # self._waiting (RequestHold): request id -> (the request, its grammar's compile)
         self._live: set[str] = set()  # ids of grammar requests handed to the scheduler, until they are gone
 
     # -------------------------------------------------------------- requests
@@ -53,16 +55,6 @@ class StructuredOutputManager:
     def add_request(self, request: Request) -> None:
         """Starts compiling ``request``'s grammar (or finds it compiled) and holds the request meanwhile."""
         self._waiting[request.request_id] = (request, self._compile(request.sampling_params.structured_outputs))
-
-    def has_waiting_requests(self) -> bool:
-        return bool(self._waiting)
-
-    def num_waiting_requests(self) -> int:
-        return len(self._waiting)
-
-    def abort_requests(self, request_ids) -> list[str]:
-        """Forgets the given waiting requests; returns the ids that were not waiting here."""
-        return [request_id for request_id in request_ids if self._waiting.pop(request_id, None) is None]
 
     def take_ready(self) -> tuple[list[Request], list[Request]]:
         """(requests whose grammar is ready, each with its matcher; requests whose compile failed, finished)."""
