@@ -48,6 +48,7 @@ def test_packaged_dashboard_is_valid():
         "Disaggregated prefill",
         "KV-aware routing",
         "Speculative decoding",
+        "Autoscaling (TTFTPolicy)",
     ]
 
 
@@ -61,7 +62,9 @@ def test_every_serval_metric_has_a_panel():
 
 def test_serval_queries_filter_by_model_and_use_the_rate_interval():
     for title, expr in panel_queries(load_dashboard()):
-        if "ray_serval_" in expr:  # the prefill pool's engines report as "<model>:prefill"
+        if "ray_serval_autoscaling_" in expr:  # the policy's gauges, set in Serve's controller, carry the deployment
+            assert 'deployment=~"LLMServer:$model_name"' in expr, title
+        elif "ray_serval_" in expr:  # the prefill pool's engines report as "<model>:prefill"
             assert re.search(r'model_name=~"\$model_name(\(:prefill\)\?)?"', expr), title
         for window in re.findall(r"\[([^\]]*)\]", expr):
             assert window == "$__rate_interval", f"{title}: {expr}"

@@ -14,6 +14,7 @@ do not.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
-from deployments.autoscaling import TTFT_POLICY
+from deployments.autoscaling import GAUGES, TTFT_POLICY
 from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
 
 # ~80 s alone on the shared 2-core machine (the head and two replica starts are most of it).
@@ -156,12 +157,18 @@ def policy_gauges(head) -> list[str]:
 
 def assert_policy_gauges(head) -> None:
     """The policy's inputs reach the node's Prometheus endpoint (the controller's gauges): it asks for one
-    replica now, and has seen TTFTs."""
+    replica now, has seen TTFTs, and every series the dashboard's autoscaling row reads is there."""
+    from serval.dashboard import load_dashboard
+
+    exprs = json.dumps(load_dashboard())
+    dashboard_series = set(re.findall(r"ray_serval_autoscaling_\w+", exprs))
+    assert len(dashboard_series) == len(GAUGES), dashboard_series
     deadline = time.monotonic() + 30
     while True:
         gauges = policy_gauges(head)
         wanted = [line for line in gauges if line.startswith("ray_serval_autoscaling_num_replicas{") and SERVER in line]
-        if wanted and wanted[0].endswith(" 1.0") and any("ttft_samples{" in line for line in gauges):
+        exported = {line.split("{")[0] for line in gauges}
+        if wanted and wanted[0].endswith(" 1.0") and dashboard_series <= exported:
             return
         assert time.monotonic() < deadline, gauges or "no serval_autoscaling gauges"
         time.sleep(1)

@@ -158,11 +158,12 @@ def test_every_dashboard_panel_query_returns_data(prometheus, bench_run):
     # speculative decoding row an engine with speculative_config (tests/test_spec_decode_metrics.py checks
     # its series are the ones deployments/metrics.py exports). Request migrations need a replica killed
     # mid-request (tests/serve/test_migration.py reads serval_migrations off the app's /metrics); LoRA
-    # adapters a lora_config (tests/serve/test_lora_serve.py reads serval_lora_requests off /metrics).
+    # adapters a lora_config (tests/serve/test_lora_serve.py reads serval_lora_requests off /metrics); the
+    # autoscaling row a TTFTPolicy deployment (tests/serve/test_autoscaling.py reads its series off /metrics).
     queries = [
         (title, expr)
         for row, row_queries in panel_queries_by_row(load_dashboard()).items()
-        if row not in ("Disaggregated prefill", "KV-aware routing", "Speculative decoding")
+        if row not in ("Disaggregated prefill", "KV-aware routing", "Speculative decoding", "Autoscaling (TTFTPolicy)")
         for title, expr in row_queries
         if title not in ("Request migrations", "LoRA adapters")
     ]
