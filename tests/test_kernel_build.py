@@ -31,3 +31,23 @@ def test_a_built_module_loads_without_the_lock_a_killed_process_left(tmp_path):
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     finally:
         lock.unlink()
+
+
+def test_a_lesser_target_builds_as_its_own_module():
+    """``SERVAL_CPU_MARCH=x86-64-v3`` (an image for AVX2 hosts, or the AVX2 path measured on an AVX-512
+    one) compiles for that target under its own module name, so it never loads, nor overwrites, the
+    ``-march=native`` build that shares the cache; unset, the name is what it always was."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from engine.kernels import cpu; print(cpu._MODULE_NAME, *cpu._CFLAGS)"
+
+    def name_and_flags(**env: str) -> list[str]:
+        environment = {k: v for k, v in os.environ.items() if k != "SERVAL_CPU_MARCH"} | env
+        out = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
+        return out.stdout.split()
+
+    native, avx2 = name_and_flags(), name_and_flags(SERVAL_CPU_MARCH="x86-64-v3")
+    assert native[0] == cpu._MODULE_NAME and "-march=native" in native
+    assert avx2[0] != native[0] and "-march=x86-64-v3" in avx2 and "-march=native" not in avx2

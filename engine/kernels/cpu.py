@@ -37,11 +37,14 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ["bindings.cpp", "decode_attention.cpp", "elementwise.cpp", "sampling.cpp", "skinny_linear.cpp"]
 # -march=native: the build is cached per machine, so it may use every vector unit this CPU has.
+# SERVAL_CPU_MARCH names a lesser target instead (x86-64-v3: AVX2 + FMA + F16C), for an image built on one
+# kind of CPU and run on another, or to measure the AVX2 path on an AVX-512 host.
 # The reassociation flags let the compiler vectorize the float dot products and sums of the
 # generic loops; no contraction into FMAs, so that the fused elementwise ops round like torch's.
+_MARCH = os.environ.get("SERVAL_CPU_MARCH", "native")
 _CFLAGS = [
     "-O3",
-    "-march=native",
+    f"-march={_MARCH}",
     "-fopenmp",
     "-fno-trapping-math",
     "-fno-signed-zeros",
@@ -66,7 +69,8 @@ def _cpu_flags() -> str:
 # when the source paths change, so two checkouts sharing a name would rebuild each other's module on every
 # load; and a module built with -march=native for an AVX-512 CPU dies of an illegal instruction on an AVX2
 # one sharing the cache (an image, a home directory).
-_MODULE_NAME = "serval_cpu_kernels_" + hashlib.sha1(f"{_CSRC}\n{_cpu_flags()}".encode()).hexdigest()[:8]
+_BUILD_KEY = f"{_CSRC}\n{_cpu_flags()}" + ("" if _MARCH == "native" else f"\n{_MARCH}")
+_MODULE_NAME = "serval_cpu_kernels_" + hashlib.sha1(_BUILD_KEY.encode()).hexdigest()[:8]
 
 
 _NO_WAIT_ENV = "SERVAL_CPU_KERNELS_NO_WAIT"
