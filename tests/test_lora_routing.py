@@ -53,6 +53,14 @@ def test_a_name_loaded_again_from_another_path_never_hits_the_old_adapters_block
     assert run_prefill(manager, request("again", LoRARequest("a", 2, "/adapters/a-v2"))) == 12
 
 
+def test_a_name_loaded_again_with_other_contents_at_the_same_path_never_hits_the_old_blocks():
+    manager = make_manager(block_size=BLOCK_SIZE)
+    run_prefill(manager, request("old", LoRARequest("a", 1, "/adapters/a", content_digest="v1")))
+    rewritten = request("new", LoRARequest("a", 2, "/adapters/a", content_digest="v2"))  # copied over in place
+    assert run_prefill(manager, rewritten) == 0
+    assert run_prefill(manager, request("again", LoRARequest("a", 2, "/adapters/a", content_digest="v2"))) == 12
+
+
 def test_the_router_predicts_an_adapter_request_hits_only_that_adapters_blocks():
     lora_a = LoRARequest("a", 3, "/adapters/a")  # the replica's own id: the router never knows it
     _, events_a = served(lora_a)

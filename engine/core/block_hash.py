@@ -103,21 +103,22 @@ def lora_hash_key(lora_name: str | None) -> tuple | None:
 
 class LoRAHashKeys:
     """One engine's ``lora_key`` for each adapter: ``lora_hash_key`` of its name, except for a name that comes
-    back from another path (unloaded, then loaded again from elsewhere), which is keyed by its path too.
+    back from another path or with other contents (unloaded, then loaded again from elsewhere, or rewritten in
+    place), which is keyed by its path and content digest too.
 
     A name alone would let the new adapter hit the old one's cached blocks, KV of other weights (vLLM's
-    stale-reuse bug, vllm-project/vllm#42125). The first path a name is seen with keeps the bare name, so the
-    router's predictions match in the usual case; a later path only costs the router's predicted hits for it.
+    stale-reuse bug, vllm-project/vllm#42125). The first source a name is seen with keeps the bare name, so the
+    router's predictions match in the usual case; a later one only costs the router's predicted hits for it.
     """
 
     def __init__(self) -> None:
-        self._first_path: dict[str, str] = {}
+        self._first_source: dict[str, tuple[str, str]] = {}  # name -> (path, content digest)
 
     def key(self, lora_request: LoRARequest | None) -> tuple | None:
         """The key for a request's adapter (None: the base model)."""
         if lora_request is None:
             return None
-        name, path = lora_request.lora_name, lora_request.lora_path
-        if self._first_path.setdefault(name, path) == path:
+        name, source = lora_request.lora_name, (lora_request.lora_path, lora_request.content_digest)
+        if self._first_source.setdefault(name, source) == source:
             return lora_hash_key(name)
-        return ("lora", name, path)
+        return ("lora", name, *source)

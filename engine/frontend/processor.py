@@ -107,23 +107,26 @@ class Processor:
 
     def validate_lora(self, lora_request: LoRARequest) -> None:
         """The adapter is readable, well formed and fits the model and ``max_lora_rank`` (ValueError naming
-        what is wrong); an id keeps the path it was first checked with."""
+        what is wrong); an id keeps the path and contents it was first checked with."""
         lora_config = self.config.lora_config
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
         if not lora_config.enable_lora:
             raise ValueError("This engine serves no LoRA adapters: start it with enable_lora=True.")
+        source = (lora_request.lora_path, lora_request.content_digest)
         known = self._checked_loras.get(lora_request.lora_int_id)
-        if known == lora_request.lora_path:
+        if known == source:
             return
         if known is not None:
-            raise ValueError(f"LoRA id {lora_request.lora_int_id} already names the adapter at {known!r}.")
+            raise ValueError(
+                f"LoRA id {lora_request.lora_int_id} already names the adapter at {known[0]!r} (as it was then)."
+            )
         import torch
 
         from engine.lora.adapter import load_adapter
 
         load_adapter(lora_request.lora_path, self.arch, lora_config.max_lora_rank, torch.float32)
-        self._checked_loras[lora_request.lora_int_id] = lora_request.lora_path
+        self._checked_loras[lora_request.lora_int_id] = source
 
 
 def _as_token_ids(token_ids) -> list[int]:

@@ -9,6 +9,7 @@ the problem for anything it cannot serve; nothing else raises for bad input.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -120,6 +121,16 @@ def load_adapter(path: str, arch: Architecture, max_lora_rank: int, dtype: torch
             )
         weights[(layer, module)] = (a.to(dtype), (b.to(torch.float32) * scaling).to(dtype))
     return LoRAAdapter(rank=rank, scaling=scaling, weights=weights)
+
+
+def adapter_digest(path: str) -> str:
+    """What the adapter at ``path`` holds: a digest of its config and weights files ("" for a file it lacks),
+    so an adapter rewritten in place reads as another adapter (slots, host LRU and prefix cache)."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        file = Path(path) / name
+        digest.update(name.encode() + b"\0" + (file.read_bytes() if file.is_file() else b""))
+    return digest.hexdigest()[:16]
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ offline ``LLM(enable_lora=True)`` for the same adapter and differ from the base 
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -130,6 +131,25 @@ def test_load_use_unload_a_dynamic_adapter(base_url, client, adapters, offline):
         greedy(client, "later")
     gone = post(base_url, "/v1/unload_lora_adapter", {"lora_name": "later", "model": MODEL})
     assert gone.status_code == 404 and gone.json()["error"]["message"] == "The lora adapter 'later' cannot be found."
+
+
+def test_an_adapter_rewritten_in_place_and_loaded_again_serves_its_new_weights(base_url, client, adapters, offline):
+    """Same name, same path, new files (a retrained adapter copied over the old one), unloaded and loaded
+    again: a new adapter to the engine's slots, host LRU and prefix cache (its content digest differs), so
+    the greedy text is the new weights' (the "static" adapter's files), never the old's cached KV or weights."""
+    path = Path(adapters["dynamic_dir"]).parent / "rewritten"
+    shutil.copytree(adapters["later"], path)
+    body = {"lora_name": "rewritten", "lora_path": str(path), "model": MODEL}
+    unload = {"lora_name": "rewritten", "model": MODEL}
+    assert post(base_url, "/v1/load_lora_adapter", body).status_code == 200
+    before = greedy(client, "rewritten")  # its prompt's blocks now cached under the name
+    assert before != offline["static"]
+    assert post(base_url, "/v1/unload_lora_adapter", unload).status_code == 200
+    shutil.rmtree(path)
+    shutil.copytree(adapters["static"], path)
+    assert post(base_url, "/v1/load_lora_adapter", body).status_code == 200
+    assert greedy(client, "rewritten") == offline["static"]
+    assert post(base_url, "/v1/unload_lora_adapter", unload).status_code == 200
 
 
 def test_every_bad_adapter_is_a_clean_error_and_the_replica_serves_on(base_url, client, adapters, offline):

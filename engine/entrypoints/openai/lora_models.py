@@ -2,8 +2,9 @@
 
 A request names an adapter as ``"<model id>:<adapter>"`` (Ray Serve LLM's form) or by the adapter's own name
 (vLLM's). ``LoRAModels.resolve`` turns that name into the ``LoRARequest`` the engine takes, with one int id
-per (name, path) for this process's life: the engine keys device slots and its host LRU by that id (the prefix
-cache by the name, alike on every replica), and refuses an id whose path changes. Adapters join in three ways:
+per (name, path, contents) for this process's life: the engine keys device slots and its host LRU by that id (the
+prefix cache by the name, alike on every replica), and refuses an id whose path or contents change; an adapter
+rewritten in place and loaded again is a new id, never the old weights or their cached KV. Adapters join in three ways:
 
 * static (``lora_modules``): checked at start, held for good;
 * from the dynamic directory (``dynamic_lora_loading_path``): ``<dir>/<name>`` checked and held on the first
@@ -104,11 +105,10 @@ class LoRAModels:
         self.events = events
         self._arch = Architecture.from_dir(model_dir)
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
-        self._ids: dict[tuple[str, str], int] = {}
+        self._ids: dict[tuple[str, str, str], int] = {}  # (name, path, content digest) -> lora_int_id
         self._lock = asyncio.Lock()  # one adapter joins at a time: no name checked twice at once
         for name, path in (modules or {}).items():
-            self._check(path)
-            self._add(check_adapter_name(name), path, pinned=True)
+            self._add(check_adapter_name(name), path, self._check(path), pinned=True)
 
     @property
     def dynamic_loading(self) -> bool:
@@ -153,8 +153,8 @@ class LoRAModels:
             raise AdapterNotFoundError(model)
         async with self._lock:
             if name not in self._held:  # not joined while this request waited
-                await asyncio.to_thread(self._check, str(path))
-                self._add(name, str(path), pinned=False)
+                digest = await asyncio.to_thread(self._check, str(path))
+                self._add(name, str(path), digest, pinned=False)
             return self._held[name]
 
     async def load(self, name: str, path: str) -> str:
@@ -167,8 +167,8 @@ class LoRAModels:
         async with self._lock:
             if name in self._held:
                 raise ValueError(f"The lora adapter '{name}' has already been loaded.")
-            await asyncio.to_thread(self._check, path)
-            self._add(name, path, pinned=True)
+            digest = await asyncio.to_thread(self._check, path)
+            self._add(name, path, digest, pinned=True)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload(self, name: str) -> str:
@@ -202,14 +202,16 @@ class LoRAModels:
     def _card(self, model: str, path: str, max_model_len: int | None) -> ModelCard:
         return ModelCard(id=model, root=path, parent=self.base_id, max_model_len=max_model_len)
 
-    def _check(self, path: str) -> None:
+    def _check(self, path: str) -> str:
+        """Reads and checks the adapter (ValueError naming the problem); its content digest."""
         import torch
 
-        from engine.lora.adapter import load_adapter
+        from engine.lora.adapter import adapter_digest, load_adapter
 
         load_adapter(path, self._arch, self.max_lora_rank, torch.float32)
+        return adapter_digest(path)
 
-    def _add(self, name: str, path: str, pinned: bool) -> None:
+    def _add(self, name: str, path: str, digest: str, pinned: bool) -> None:
         while len(self._held) >= self.max_adapters:
             unpinned = next((held for held in self._held if not self._held[held].pinned), None)
             if unpinned is None:
@@ -218,7 +220,7 @@ class LoRAModels:
                     "or loaded through /v1/load_lora_adapter: unload one first."
                 )
             self.drop(unpinned)
-        lora_id = self._ids.setdefault((name, path), len(self._ids) + 1)
-        self._held[name] = _Held(LoRARequest(name, lora_id, path), pinned)
+        lora_id = self._ids.setdefault((name, path, digest), len(self._ids) + 1)
+        self._held[name] = _Held(LoRARequest(name, lora_id, path, digest), pinned)
         if self.events is not None:
             self.events.adapters_changed("loaded", len(self._held))
