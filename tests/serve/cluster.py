@@ -11,6 +11,7 @@ import subprocess
 from dataclasses import dataclass
 
 from deployments import launcher
+from tests.serve.haproxy_log import HAProxyLog
 
 LOOPBACK = "127.0.0.1"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
@@ -50,6 +51,7 @@ class RayHead:
     http_port: int
     metrics_port: int  # the node's Prometheus endpoint
     listeners_before: set[tuple[str, int]]  # listening sockets on this machine before Ray started
+    haproxy_log: HAProxyLog | None = None  # Serve's HAProxy access log, where the head sends it there
 
     @property
     def dashboard_url(self) -> str:

@@ -23,7 +23,8 @@ import pytest
 from ray import serve
 
 from deployments import launcher
-from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
+from tests.serve.cluster import RayHead, app_status, deploy_and_wait, llm_config, serve_config
+from tests.serve.haproxy_log import HAProxyLog
 
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
@@ -60,8 +61,11 @@ def sse_lines(response: httpx.Response):
         yield pending
 
 
-def stream_completion(base_url: str, started: threading.Event, tokens: int) -> tuple[int, str | None, bool]:
-    """One streamed completion; sets ``started`` at its first token; returns (tokens, finish_reason, done)."""
+def stream_completion(
+    base_url: str, started: threading.Event, tokens: int, haproxy_log: HAProxyLog | None = None
+) -> tuple[int, str | None, bool]:
+    """One streamed completion; sets ``started`` at its first token; returns (tokens, finish_reason, done).
+    A cut line, or an end without ``[DONE]``, fails with what HAProxy logged of this connection."""
     finish_reason, num_tokens, done = None, None, False
     with httpx.Client(timeout=300) as http:
         with http.stream(
@@ -77,6 +81,11 @@ def stream_completion(base_url: str, started: threading.Event, tokens: int) -> t
             },
         ) as response:
             assert response.status_code == 200
+            client_port = response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+            def what_haproxy_saw() -> list[str]:
+                return haproxy_log.about(client_port) if haproxy_log is not None else []
+
             previous = ""
             for line in sse_lines(response):
                 done = done or line == "data: [DONE]"
@@ -86,22 +95,28 @@ def stream_completion(base_url: str, started: threading.Event, tokens: int) -> t
                 try:
                     chunk = json.loads(line.removeprefix("data: "))
                 except ValueError:  # what came before and with it, to tell a cut from a malformed event
-                    raise AssertionError(f"a cut SSE line {line!r} after {previous!r}; {response.headers}") from None
+                    raise AssertionError(
+                        f"a cut SSE line {line!r} after {previous!r}; {response.headers}; HAProxy: {what_haproxy_saw()}"
+                    ) from None
                 previous = line
                 if chunk.get("choices"):
                     finish_reason = chunk["choices"][0]["finish_reason"] or finish_reason
                 if chunk.get("usage"):
                     num_tokens = chunk["usage"]["completion_tokens"]
+            if not done:
+                raise AssertionError(f"a stream ended without [DONE] after {previous!r}; HAProxy: {what_haproxy_saw()}")
     return num_tokens, finish_reason, done
 
 
 class InFlightStreams:
     """Starts ``count`` streams and waits until each has produced a token."""
 
-    def __init__(self, pool: ThreadPoolExecutor, base_url: str, count: int, tokens: int = STREAM_TOKENS) -> None:
+    def __init__(self, pool: ThreadPoolExecutor, head: RayHead, count: int, tokens: int = STREAM_TOKENS) -> None:
         events = [threading.Event() for _ in range(count)]
         self.tokens = tokens
-        self.futures: list[Future] = [pool.submit(stream_completion, base_url, event, tokens) for event in events]
+        self.futures: list[Future] = [
+            pool.submit(stream_completion, head.base_url, event, tokens, head.haproxy_log) for event in events
+        ]
         for event, future in zip(events, self.futures):
             while not event.wait(0.1):
                 if future.done():
@@ -160,7 +175,7 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
     wait_for_replicas(ray_head, 1)
     with ThreadPoolExecutor(max_workers=16) as pool:
         # 1 -> 2 through the dashboard's REST API: Serve's per-deployment override, a light update.
-        streams = InFlightStreams(pool, base_url, 6)
+        streams = InFlightStreams(pool, ray_head, 6)
         scaled = copy.deepcopy(config)
         scaled["applications"][0]["deployments"] = [{"name": SERVER, "num_replicas": 2}]
         launcher.deploy(scaled, ray_head.dashboard_url)
@@ -172,7 +187,7 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
         # (seconds past its drain window) included: both replicas hold some, so whichever stops has them.
         scaled["applications"][0]["external_scaler_enabled"] = True
         launcher.deploy(scaled, ray_head.dashboard_url)
-        streams = InFlightStreams(pool, base_url, 6, LONG_STREAM_TOKENS)
+        streams = InFlightStreams(pool, ray_head, 6, LONG_STREAM_TOKENS)
         running = {rid: s["num_running_reqs"] for rid, s in replica_stats().items()}
         assert len(running) == 2 and all(count > 0 for count in running.values()), running
         url = f"{ray_head.dashboard_url}/api/v1/applications/llm/deployments/{SERVER}/scale"
@@ -182,10 +197,29 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
         streams.assert_all_complete()
 
         # 1 -> 2 by editing num_replicas in the builder's args: Serve redeploys the app, old replicas drain.
-        streams = InFlightStreams(pool, base_url, 4)
+        streams = InFlightStreams(pool, ray_head, 4)
         edited = copy.deepcopy(config)
         edited["applications"][0]["args"]["llm_configs"][0]["deployment_config"]["num_replicas"] = 2
         launcher.deploy(edited, ray_head.dashboard_url)
         wait_for_replicas(ray_head, 2)
         streams.assert_all_complete()
         assert_every_replica_serves(base_url, pool, 2)
+
+
+def test_scale_up_of_a_direct_ingress_app_keeps_streams_in_flight(ray_head, config):
+    """``separate_ingress: false``: the LLM servers are HAProxy's backends themselves, so every change of their
+    count reloads HAProxy (a new process; the old one is soft-stopped with its sessions). Streams started the
+    moment the app is RUNNING may still go through Serve's fallback proxy (HAProxy is given the replica a
+    moment later, by a reload); the 1 -> 2 scale-up reloads again while they stream. Every one completes."""
+    direct = copy.deepcopy(config)
+    direct["applications"][0]["args"]["separate_ingress"] = False
+    deploy_and_wait(ray_head, direct)
+    wait_for_replicas(ray_head, 1)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        streams = InFlightStreams(pool, ray_head, 6, LONG_STREAM_TOKENS)
+        scaled = copy.deepcopy(direct)
+        scaled["applications"][0]["deployments"] = [{"name": SERVER, "num_replicas": 2}]
+        launcher.deploy(scaled, ray_head.dashboard_url)
+        wait_for_replicas(ray_head, 2)
+        streams.assert_all_complete()
+        assert_every_replica_serves(ray_head.base_url, pool, 2)
