@@ -310,8 +310,9 @@ class LLMServingArgs(_StrictModel, ServerOptions):
         True,
         description="True: an OpenAiIngress deployment routes to the LLM servers (needed for several models). "
         "False (one model): its LLM-server replicas serve HTTP themselves, a hop less per streamed chunk "
-        "(+33 % output tok/s on a loaded 2-core machine), but each change of their replica count reloads "
-        "Serve's HAProxy, which has cut streams in flight.",
+        "(+33 % output tok/s on a loaded 2-core machine), but nothing stands in front of a replica to move its "
+        "requests when it dies (no migration_limit): its streams are cut. Scaling them reloads Serve's HAProxy "
+        "(measured without a cut: docs/benchmarks.md, soak).",
     )
 
     @model_validator(mode="after")
@@ -326,6 +327,8 @@ class LLMServingArgs(_StrictModel, ServerOptions):
             raise ValueError(f"{TTFT_POLICY} scales LLM servers (on their TTFTs), not the ingress.")
         if not self.separate_ingress and "ingress_deployment_config" in self.model_fields_set:
             raise ValueError("ingress_deployment_config configures the separate ingress; separate_ingress is false.")
+        if not self.separate_ingress and "migration_limit" in self.model_fields_set and self.migration_limit > 0:
+            raise ValueError("migration_limit: the OpenAiIngress moves requests, and separate_ingress is false.")
         return self
 
     @field_validator("llm_configs")

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import ipaddress
 import json
+import os
 import random
 import sys
 import time
@@ -98,12 +99,22 @@ def is_loopback_url(url: str) -> bool:
         return False
 
 
+def keep_ray_on_loopback() -> None:
+    """Ray, when this process first imports it (a fault's state query, the idle check's ``ray.init``), swaps a
+    cluster's 127.0.0.1 for this machine's network address unless this is set, and then waits on an address
+    nothing listens on; the launcher starts its head with the same setting."""
+    if "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
 def run(args: argparse.Namespace) -> int:
     """Soak, check, write the JSON and PNG, print the summary; the exit code as the module says."""
     remote = [url for url in (args.url, args.dashboard_url) if not is_loopback_url(url)]
     if remote and not args.allow_remote:
         print(f"serval bench soak: error: {remote[0]} is not on loopback (pass --allow-remote)", file=sys.stderr)
         return 2
+    if not args.allow_remote:
+        keep_ray_on_loopback()
     app = ServeApp(args.dashboard_url, args.app, args.model, args.seed) if args.fault or args.ray_address else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     migrations_before = read_migrations(args.url, headers)
@@ -250,7 +261,8 @@ def after_checks(args: argparse.Namespace, app: ServeApp | None) -> dict:
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=args.ray_address, logging_level="warning", log_to_driver=False)
+            loopback = {} if args.allow_remote else {"_node_ip_address": "127.0.0.1"}
+            ray.init(address=args.ray_address, logging_level="warning", log_to_driver=False, **loopback)
         after["idle"] = app.wait_idle(args.idle_timeout_s)
     outcomes = asyncio.run(new_requests(args))
     after["new_requests"] = [o.to_json() for o in outcomes]

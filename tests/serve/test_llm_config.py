@@ -185,3 +185,22 @@ def test_a_relative_draft_checkpoint_resolves_against_the_checkout_like_model_so
     assert args.speculative_config.method == "draft_model"
     with pytest.raises(ValidationError, match="num_speculative_tokens"):
         LLMConfig(model_loading_config={"model_id": "m"}, engine_kwargs={"speculative_config": {"method": "ngram"}})
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            {"llm_configs": [MINIMAL, {**MINIMAL, "model_loading_config": {"model_id": "b", "model_source": "x"}}]},
+            "one model",
+        ),
+        ({"llm_configs": [MINIMAL], "ingress_deployment_config": {"num_replicas": 2}}, "ingress_deployment_config"),
+        ({"llm_configs": [MINIMAL], "migration_limit": 2}, "migration_limit"),
+    ],
+)
+def test_what_only_the_separate_ingress_does_is_refused_without_it(args, message):
+    """With ``separate_ingress: false`` the LLM servers are the ingress: a second model, options for the
+    OpenAiIngress, or a migration limit (it moves requests there) would be silently ignored; each is an error."""
+    with pytest.raises(ValidationError, match=message):
+        LLMServingArgs.model_validate({**args, "separate_ingress": False})
+    assert LLMServingArgs.model_validate({"llm_configs": [MINIMAL], "migration_limit": 0, "separate_ingress": False})
