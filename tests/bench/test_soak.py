@@ -124,3 +124,20 @@ def test_classifier_on_hand_made_streams():
         "http-503": "error",
     }
     assert "[DONE]" in fates["no-done"][1] and "completion_tokens 1 != max_tokens 2" in fates["short"][1]
+
+
+def test_the_soak_keeps_ray_on_loopback_in_a_fresh_interpreter():
+    """A soak with faults or an idle check imports Ray midway; Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at
+    import and without it swaps 127.0.0.1 for this machine's network address (the idle check then waited on
+    eth0 from a plain shell). ``run`` sets it before any Ray import: here without the variable set."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from serval.bench import soak; assert 'ray' not in sys.modules; soak.keep_ray_on_loopback(); "
+        "import os, ray; print(os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["0"], result.stderr[-2000:]
