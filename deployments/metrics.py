@@ -46,6 +46,8 @@ class RayStatLogger:
             "serval_prefix_cache_hits", "Prompt tokens found in the prefix cache.", tag_keys=TAG_KEYS
         )
         self.num_preemptions = metrics.Counter("serval_num_preemptions", "Preemptions.", tag_keys=TAG_KEYS)
+        self.lora_slot_swaps = metrics.Counter("serval_lora_slot_swaps", "LoRA slot swaps.", tag_keys=TAG_KEYS)
+        self.lora_step_loads = metrics.Counter("serval_lora_step_loads", "LoRA reads on a step.", tag_keys=TAG_KEYS)
         self.prompt_tokens = metrics.Counter("serval_prompt_tokens", "Prompt tokens prefilled.", tag_keys=TAG_KEYS)
         self.generation_tokens = metrics.Counter("serval_generation_tokens", "Tokens generated.", tag_keys=TAG_KEYS)
         self.request_success = metrics.Counter(
@@ -55,7 +57,7 @@ class RayStatLogger:
         self.kv_transfer = KVTransferMetrics()
         self.spec_decode: SpecDecodeMetrics | None = None  # made at the first step that carries its stats
         # The scheduler's counters are totals since start; Ray counters take increments.
-        self._last_preemptions = self._last_queries = self._last_hits = 0
+        self._last_preemptions = self._last_queries = self._last_hits = self._last_swaps = self._last_step_loads = 0
 
     def _init_latency_histograms(self) -> None:
         """Per-token latencies (observed every step) and per-request ones (observed when a request finishes)."""
@@ -112,6 +114,9 @@ class RayStatLogger:
                 self.time_per_output_token.observe(finished.mean_time_per_output_token_s, tags)
         if scheduler_stats.kv_transfer_stats is not None:
             self.kv_transfer.record(scheduler_stats.kv_transfer_stats, iteration_stats.kv_load_latencies_s, tags)
+        if scheduler_stats.lora_counts is not None:  # the workers' device-slot swaps and loads on the step's path
+            self._add_total(self.lora_slot_swaps, "_last_swaps", scheduler_stats.lora_counts.num_slot_swaps)
+            self._add_total(self.lora_step_loads, "_last_step_loads", scheduler_stats.lora_counts.num_step_loads)
         if scheduler_stats.spec_decoding_stats is not None:
             if self.spec_decode is None:
                 self.spec_decode = SpecDecodeMetrics()
@@ -319,7 +324,7 @@ class LoRAMetrics:
     """One LLM-server replica's LoRA adapters (``lora_models.LoRAEvents``), counted where its adapter set changes:
     ``serval_lora_adapters_loaded`` (held now), ``serval_lora_adapter_loads``, ``serval_lora_adapter_evictions``
     (dropped least recently used: the replica's cap or Serve's multiplexing), ``serval_lora_requests`` (by
-    adapter). The engine's device-slot swaps stay in its worker (not exported)."""
+    adapter). The engine's device-slot swaps and loads on the step's path are ``RayStatLogger``'s."""
 
     def __init__(self, model_name: str, replica: str) -> None:
         self.tags = {"model_name": model_name, "replica": replica}

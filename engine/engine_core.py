@@ -21,7 +21,7 @@ from collections import deque
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler, SchedulerStats
-from engine.core.step_outputs import EngineCoreOutput, SchedulerOutput
+from engine.core.step_outputs import EngineCoreOutput, LoRAWorkerCounts, ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture
 from engine.lora.loading import LoRALoading
 from engine.structured_output.manager import StructuredOutputManager
@@ -50,6 +50,7 @@ class EngineCore:
         )
         self.structured_outputs = StructuredOutputManager(config)
         self.lora_loading = LoRALoading(self.executor) if config.lora_config.enable_lora else None
+        self.lora_counts: LoRAWorkerCounts | None = None  # the workers', as the last step brought them
         self.config = config
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batches_in_flight: deque[tuple[SchedulerOutput, StepFuture]] = deque()
@@ -96,8 +97,12 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return failed
         scheduler_output = self._schedule()
-        model_output = self.executor.execute_model(scheduler_output)
-        return failed + self.scheduler.update_from_output(scheduler_output, model_output)
+        return failed + self._update(scheduler_output, self.executor.execute_model(scheduler_output))
+
+    def _update(self, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        if model_output.lora_counts is not None:
+            self.lora_counts = model_output.lora_counts
+        return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
@@ -152,11 +157,12 @@ class EngineCore:
         if not self.batches_in_flight:
             return []
         scheduler_output, future = self.batches_in_flight.popleft()
-        return self.scheduler.update_from_output(scheduler_output, future.result())
+        return self._update(scheduler_output, future.result())
 
     def make_stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
         stats.num_waiting_reqs += self._num_held_requests()  # waiting for their grammar or their adapter
+        stats.lora_counts = self.lora_counts
         return stats
 
     def kv_block_counts(self) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from engine.core.request import Request, RequestStatus, lora_slot_blocked
 from engine.core.request_queue import make_request_queue
 from engine.core.spec_decode import SpecDecodeScheduling
 from engine.core.spec_decode_stats import SpecDecodingStats
-from engine.core.step_outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from engine.core.step_outputs import EngineCoreOutput, LoRAWorkerCounts, ModelRunnerOutput, SchedulerOutput
 from engine.core.step_plan import StepPlan
 from engine.core.stop_conditions import check_stop
 
@@ -35,6 +35,7 @@ class SchedulerStats:
     prefix_cache_stats: PrefixCacheStats
     kv_transfer_stats: KVTransferStats | None = None  # with KV transfer configured
     spec_decoding_stats: SpecDecodingStats | None = None  # with speculative decoding configured (a copy)
+    lora_counts: LoRAWorkerCounts | None = None  # with enable_lora: the workers' (filled in by the EngineCore)
 
 
 class Scheduler:

@@ -98,6 +98,16 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] | None = None
     kv_transfer_output: KVTransferOutput | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    lora_counts: LoRAWorkerCounts | None = None  # with enable_lora
+
+
+@dataclass(frozen=True)
+class LoRAWorkerCounts:
+    """The output rank's multi-LoRA counts since start: adapters swapped into a device slot, and adapters a
+    step read from disk itself (the host LRU had dropped them; normally they load off the step's path)."""
+
+    num_slot_swaps: int = 0
+    num_step_loads: int = 0
 
 
 @dataclass(slots=True)

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.config import LoRAConfig
+from engine.core.step_outputs import LoRAWorkerCounts
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.layers import LinearLoRA, LoRABatch
 from engine.lora.request import LoRARequest
@@ -44,6 +45,10 @@ class LoRAManager:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self.num_loads = self.num_slot_swaps = self.num_host_evictions = 0
         self.num_step_loads = 0  # of num_loads, those a step had to wait for (the LRU dropped the adapter)
+
+    def counts(self) -> LoRAWorkerCounts:
+        """What the engine's metrics export (``serval_lora_slot_swaps``, ``serval_lora_step_loads``)."""
+        return LoRAWorkerCounts(self.num_slot_swaps, self.num_step_loads)
 
     def load_async(self, request: LoRARequest) -> Future:
         """Reads ``request``'s adapter into the host LRU on the loading thread; the future ends when it is

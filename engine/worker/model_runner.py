@@ -193,6 +193,7 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             kv_transfer_output=kv_output,
             draft_token_ids=draft_token_ids,
+            lora_counts=None if self.lora is None else self.lora.counts(),
         )
 
     def _start_kv_loads(self, kv_meta) -> KVTransferOutput | None:

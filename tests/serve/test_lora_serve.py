@@ -192,6 +192,10 @@ def test_past_max_num_adapters_the_least_recently_used_is_dropped_and_loads_agai
         assert time.monotonic() < deadline, f"serval_lora_adapter_evictions: {evictions}"
         time.sleep(2)
     assert lora_series(base_url, "serval_lora_adapters_loaded", MODEL) == 4
+    # The engine's own side: five adapters went through its two device slots (max_loras) in this test alone.
+    while (swaps := lora_series(base_url, "serval_lora_slot_swaps", MODEL)) < 3:
+        assert time.monotonic() < deadline, f"serval_lora_slot_swaps: {swaps}"
+        time.sleep(2)
 
 
 def lora_series(base_url: str, name: str, model: str) -> float:
