@@ -121,6 +121,16 @@ class LLMServer:
             **dataclasses.asdict(self.engine.get_stats()),
         }
 
+    async def check_integrity(self) -> dict:
+        """This replica's KV cache checked between steps (``AsyncLLM.check_integrity``): ``replica_id``, ``ok`` and
+        the failed invariant as ``error`` (``serval bench soak`` runs it on every live replica afterwards)."""
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        try:
+            await self.engine.check_integrity()
+        except AssertionError as error:
+            return {"replica_id": replica_id, "ok": False, "error": str(error) or "AssertionError"}
+        return {"replica_id": replica_id, "ok": True, "error": None}
+
     async def routing_info(self) -> dict:
         """What the ingress needs to give ``KVAwareRouter`` its hints: whether this deployment uses it,
         and the tokenizer to tokenize prompts with."""

@@ -220,6 +220,11 @@ class AsyncLLM(EngineClient):
         self._engine_thread.check_alive()
         await asyncio.to_thread(self._engine_thread.engine.check_health)
 
+    async def check_integrity(self) -> None:
+        """Raises AssertionError unless the engine's KV cache accounts for every block exactly once (free list,
+        reference counts, prefix-cache index: ``KVCacheManager.check_integrity``), checked between steps."""
+        await asyncio.to_thread(self._engine_thread.check_integrity)
+
     def take_kv_events(self) -> KVEventBatch:
         """The prefix cache's changes since the last call (``engine.core.kv_events``); cheap, any thread."""
         return self._engine_thread.take_kv_events()

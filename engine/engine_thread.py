@@ -63,6 +63,13 @@ class _AbortCommand:
     request_id: str
 
 
+@dataclass
+class _IntegrityCheck:
+    """``EngineCore.check_integrity`` of an in-process core, run by the busy loop between steps."""
+
+    future: concurrent.futures.Future
+
+
 _SHUTDOWN = object()
 
 
@@ -147,6 +154,19 @@ class EngineThread:
             if self._dead_reason is None:
                 self._commands.put(_AbortCommand(request_id))
 
+    def check_integrity(self, timeout_s: float = 30.0) -> None:
+        """Raises AssertionError unless the core's KV cache is consistent (``KVCacheManager.check_integrity``),
+        checked between steps: by a core process itself, or by this loop for an in-process core. Blocks; call
+        it off the event loop."""
+        if self._core_steps_itself:
+            self.engine.engine_core.check_integrity()
+            return
+        check = _IntegrityCheck(concurrent.futures.Future())
+        with self._lock:
+            self._raise_if_dead()
+            self._commands.put(check)
+        check.future.result(timeout=timeout_s)
+
     def take_kv_events(self) -> KVEventBatch:
         """The prefix cache's changes published since the last call (empty unless the engine keeps them)."""
         with self._lock:
@@ -229,6 +249,12 @@ class EngineThread:
                 self._publish(self.engine.process_core_step(command))
             elif isinstance(command, CoreDied):
                 raise RuntimeError(command.reason)
+            elif isinstance(command, _IntegrityCheck):
+                try:
+                    self.engine.engine_core.check_integrity()
+                    command.future.set_result(None)
+                except AssertionError as error:
+                    command.future.set_exception(error)
             else:
                 is_stopping = True
         with self._lock:

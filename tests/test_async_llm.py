@@ -287,6 +287,40 @@ def test_closing_or_cancelling_a_stream_aborts_and_frees_blocks(async_llm, promp
     assert after.num_finished_reqs_total == before.num_finished_reqs_total
 
 
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process core", "core process"])
+def test_check_integrity_runs_between_steps_and_catches_a_corrupt_pool(model_path, prompts, in_process):
+    """``check_integrity`` (what ``serval bench soak`` asks every replica afterwards) holds while requests run:
+    it is checked between steps (by the busy loop for an in-process core, by a core process itself), never
+    racing one. A block both free and held fails it (corrupted by hand in the in-process core)."""
+    llm = make_async_llm(model_path, engine_core_process=not in_process)
+
+    async def body():
+        streams = [
+            asyncio.create_task(collect(llm, prompt, greedy(48), f"integrity-{i}"))
+            for i, prompt in enumerate(prompts[:4])
+        ]
+        for _ in range(8):
+            await llm.check_integrity()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*streams)
+        await llm.check_integrity()
+        if not in_process:
+            return
+        kv = llm._engine_thread.engine.engine_core.scheduler.kv_cache_manager
+        kv.req_to_blocks["ghost"] = [next(iter(kv.block_pool.free_queue))]  # held, and still on the free list
+        try:
+            with pytest.raises(AssertionError, match="both free and referenced"):
+                await llm.check_integrity()
+        finally:
+            del kv.req_to_blocks["ghost"]
+        await llm.check_integrity()
+
+    try:
+        run(body())
+    finally:
+        llm.shutdown()
+
+
 def test_abort_ends_the_stream_with_abort_reason(async_llm, prompts):
     async def body():
         outputs = []

@@ -134,33 +134,41 @@ class ServeApp:
     def num_running_replicas(self) -> int:
         return sum(replica.get("state") == "RUNNING" for replica in self.replicas())
 
-    def replica_stats(self, num_replicas: int, max_calls: int = 60) -> dict[str, dict]:
-        """Each replica's ``stats()`` by replica id, calling the deployment handle until ``num_replicas``
-        distinct replicas answered (Serve's router picks the replica; at most ``max_calls`` calls)."""
+    def replica_stats(self, num_replicas: int) -> dict[str, dict]:
+        """Each replica's ``stats()`` by replica id (``replica_calls``)."""
+        return self.replica_calls("stats", num_replicas)
+
+    def replica_calls(self, method: str, num_replicas: int, max_calls: int = 60) -> dict[str, dict]:
+        """Each replica's answer to ``method()`` by replica id, calling the deployment handle until
+        ``num_replicas`` distinct replicas answered (Serve's router picks the replica; at most ``max_calls``)."""
         from ray import serve
 
         handle = serve.get_deployment_handle(self.deployment, app_name=self.app_name)
-        stats: dict[str, dict] = {}
+        answers: dict[str, dict] = {}
         for _ in range(max_calls):
-            result = handle.stats.remote().result(timeout_s=30)
-            stats[result["replica_id"]] = result
-            if len(stats) >= num_replicas:
+            result = getattr(handle, method).remote().result(timeout_s=30)
+            answers[result["replica_id"]] = result
+            if len(answers) >= num_replicas:
                 break
-        return stats
+        return answers
 
     def wait_idle(self, timeout_s: float) -> dict:
-        """Waits until every live replica is idle (no running or waiting request, every KV block free);
-        returns ``{"idle": bool, "replicas": {id: engine stats}, "num_replicas": n}``."""
+        """Waits until every live replica is idle (no running or waiting request, every KV block free), then
+        checks each one's KV cache invariants (``LLMServer.check_integrity``); returns ``{"idle": bool,
+        "replicas": {id: engine stats}, "num_replicas": n, "kv_integrity": {id: None or the failed invariant}}``
+        (``idle`` false too when an invariant failed)."""
         deadline = time.monotonic() + timeout_s
         while True:
             num_replicas = self.num_running_replicas()
             stats = self.replica_stats(num_replicas)
             idle = len(stats) >= num_replicas and all(is_idle(s) for s in stats.values())
             if idle or time.monotonic() > deadline:
+                integrity = self.replica_calls("check_integrity", num_replicas) if idle else {}
                 return {
-                    "idle": idle,
+                    "idle": idle and all(check["ok"] for check in integrity.values()),
                     "num_replicas": num_replicas,
                     "replicas": {k: _brief(s) for k, s in stats.items()},
+                    "kv_integrity": {k: check["error"] for k, check in integrity.items()},
                 }
             time.sleep(0.5)
 

@@ -117,6 +117,10 @@ def format_summary(record: dict) -> str:
         idle = after.get("idle")
         if idle is not None:
             lines.append(f"{'Live replicas idle after:':<34}{str(idle['idle']):>10} ({idle['num_replicas']} replicas)")
+            failed = {replica: error for replica, error in idle.get("kv_integrity", {}).items() if error}
+            checked = len(idle.get("kv_integrity", {}))
+            integrity = f"FAILED on {sorted(failed)}: {list(failed.values())[:1]}" if failed else f"ok on {checked}"
+            lines.append(f"{'KV cache invariants after:':<34}{integrity:>10}")
         lines.append(f"{'New requests after:':<34}{'ok' if after['new_requests_ok'] else 'FAILED':>10}")
     for detail in record["failure_details"][:8]:
         lines.append(f"  {detail[:110]}")

@@ -40,6 +40,7 @@ def test_soak_through_a_replica_kill_and_a_scale_down(ray_head, tiny_checkpoint,
     with capsys.disabled():  # the table, each fault's recovery and settling times, in the test's log
         print(summary)
     assert record["after"]["idle"]["idle"] and record["after"]["idle"]["num_replicas"] == 1, summary
+    assert list(record["after"]["idle"]["kv_integrity"].values()) == [None], summary  # checked, and it held
     assert record["after"]["new_requests_ok"], summary
     assert record["counts"]["ok"] > 20, summary
     assert code == 0
