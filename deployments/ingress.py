@@ -41,7 +41,7 @@ from engine.entrypoints.openai.api_server import LocalModelRouter
 from engine.entrypoints.openai.continuation import Continuation
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
 from engine.entrypoints.openai.server_options import ServerOptions
-from engine.llm_engine import load_tokenizer
+from engine.model.source import load_tokenizer
 
 
 class RayModelRouter:

@@ -48,7 +48,9 @@ class _StrictModel(BaseModel):
 
 class ModelLoadingConfig(_StrictModel):
     model_id: str = Field(min_length=1, description="The name clients pass as `model`.")
-    model_source: str | None = Field(None, description="Local checkpoint directory; defaults to model_id.")
+    model_source: str | None = Field(
+        None, description="Local checkpoint directory or .gguf file; defaults to model_id."
+    )
 
     def resolved_source(self) -> str:
         return resolve_checkout_path(self.model_source or self.model_id)

@@ -37,9 +37,10 @@ from engine.engine_thread import IDLE_STATS_INTERVAL_S, AddCommand, EngineThread
 from engine.executor.base import Executor
 from engine.frontend.output_collector import RequestOutputCollector
 from engine.frontend.processor import PromptType
-from engine.llm_engine import LLMEngine, load_tokenizer
+from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
+from engine.model.source import load_tokenizer
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.worker.worker import resolve_device

@@ -80,8 +80,16 @@ class CacheConfig(_FrozenConfig):
 class ModelConfig(_FrozenConfig):
     """Which checkpoint to serve and how to run it."""
 
-    model: str = Field(..., description="A local Hugging Face checkpoint directory.")
-    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model's.")
+    model: str = Field(..., description="A local Hugging Face checkpoint directory or a .gguf file.")
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory (or .gguf file); defaults to the model's (a .gguf file's embedded one)."
+    )
+    generation_config: str = Field(
+        "auto",
+        description="Default sampling parameters of requests that leave them unset: auto: the model's "
+        "generation_config.json (a .gguf file's general.sampling.* keys); vllm: none (vLLM's own defaults); "
+        "or a directory holding a generation_config.json.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations; auto: the checkpoint's dtype (float32 if it records none)."
     )

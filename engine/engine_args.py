@@ -13,8 +13,6 @@ per-concern config holds.
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -118,6 +116,8 @@ class _EngineArgsBase(BaseModel):
                 f"cuda_graph_batch_sizes go up to {max(self.cuda_graph_batch_sizes)}, past max_num_seqs "
                 f"({self.max_num_seqs}): no decode step is that large."
             )
+        if self.tensor_parallel_size > 1:
+            _check_tensor_parallel_split(_hf_config(self.model), self.tensor_parallel_size)
         max_position = _max_position_embeddings(self.model)
         max_model_len = self.max_model_len or max_position
         if max_model_len > max_position:
@@ -180,17 +180,38 @@ EngineArgs = create_model(
 )
 
 
-def _read_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"{model_dir!r} is not a model directory: it has no config.json.")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+def _check_tensor_parallel_split(hf_config: dict, tp_size: int) -> None:
+    """ValueError unless every tensor-parallel split of the model is whole (heads, KV heads, MLP, vocab)."""
+    cfg = {**(hf_config.get("text_config") or {}), **hf_config}
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    splits = {
+        "attention heads": heads,
+        "MLP columns (intermediate_size)": cfg["intermediate_size"],
+        "vocabulary entries": cfg["vocab_size"],
+    }
+    for what, count in splits.items():
+        if count % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide the model's {count} {what}: "
+                f"choose a tensor_parallel_size that {count} is divisible by."
+            )
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} splits neither the model's {kv_heads} KV heads evenly nor "
+            f"replicates them whole: it must divide {kv_heads} or be a multiple of it."
+        )
 
 
-def _max_position_embeddings(model_dir: str) -> int:
-    return int(_read_config(model_dir).get("max_position_embeddings", 2048))
+def _hf_config(model: str) -> dict:
+    from engine.model.source import open_model_source  # torch-free until a checkpoint is read
+
+    return open_model_source(model).hf_config
 
 
-def _vocab_size(model_dir: str) -> int:
-    return int(_read_config(model_dir)["vocab_size"])
+def _max_position_embeddings(model: str) -> int:
+    return int(_hf_config(model).get("max_position_embeddings", 2048))
+
+
+def _vocab_size(model: str) -> int:
+    return int(_hf_config(model)["vocab_size"])

@@ -14,6 +14,7 @@ from engine.frontend.processor import PromptType
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.metrics.reader import Metric, engine_metrics
+from engine.model.source import sampling_defaults
 from engine.request_output import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -62,7 +63,7 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        params_list = self._params_per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts))
         loras = self._loras_per_prompt(lora_request, len(prompts))
         request_ids = []
         try:
@@ -101,10 +102,14 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what ``generate`` uses without sampling params (the model's generation config's sampling
+        defaults over ``SamplingParams()``'s; ``generation_config="vllm"`` for none)."""
+        config = self.llm_engine.config.model_config
+        return SamplingParams(**sampling_defaults(config.model, config.generation_config))
+
     @staticmethod
     def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         if len(sampling_params) != num_prompts:

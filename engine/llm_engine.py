@@ -6,8 +6,6 @@ same pieces around a background busy loop.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 from engine.config import EngineConfig
@@ -23,24 +21,16 @@ from engine.frontend.processor import Processor, PromptType
 from engine.lora.request import LoRARequest, check_lora_supported
 from engine.metrics import EngineStats, EngineTotals, IterationStats, StatLogger
 from engine.model.architecture import Architecture
+from engine.model.source import load_tokenizer, open_model_source
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def resolve_eos_token_ids(model_dir: str, arch: Architecture) -> list[int]:
-    """EOS ids from generation_config.json when present (it may list several), else config.json."""
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
+def resolve_eos_token_ids(model_path: str, arch: Architecture) -> list[int]:
+    """EOS ids from the generation config when it has them (it may list several), else config.json's."""
+    eos = open_model_source(model_path).generation_config.get("eos_token_id")
+    if eos is not None:
+        return [eos] if isinstance(eos, int) else list(eos)
     return list(arch.eos_token_ids)
 
 
@@ -66,7 +56,7 @@ class LLMEngine:
         self.log_interval_s = log_interval_s
         self._last_log_time = time.monotonic()
         model_dir = config.model_config.model
-        arch = Architecture.from_dir(model_dir)
+        arch = Architecture.from_model(model_dir)
         if core_process:  # the core process loads the model while this one loads the tokenizer
             self.engine_core: EngineCore | EngineCoreProcess = EngineCoreProcess(config, executor_class, kv_events)
             try:

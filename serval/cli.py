@@ -16,6 +16,8 @@ import sys
 SUBCOMMANDS = {
     ("make-model",): "engine.tools.make_model",
     ("demo",): "engine.tools.demo",
+    ("fetch-model",): "serval.fetch_model",
+    ("gguf-to-hf",): "serval.gguf_to_hf",
     ("serve",): "serval.serve_cmd",
     ("render-rayservice",): "serval.render_rayservice",
     ("bench", "serve"): "serval.bench.serve",

@@ -1,4 +1,5 @@
-"""``serval serve <model dir>``: serve one local checkpoint over the OpenAI API, as ``vllm serve MODEL`` does.
+"""``serval serve <model>``: serve a local checkpoint (a directory or a .gguf file) over the OpenAI API, as
+``vllm serve MODEL`` does.
 
     serval serve models/tiny-llama --max-model-len 2048 --tensor-parallel-size 2
     serval serve models/tiny-llama --print-config > my-model.yaml   # the same file goes to helm install
@@ -23,8 +24,10 @@ SUMMARY = "serve a local checkpoint over the OpenAI API on a local Ray cluster (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="local checkpoint directory (Serval never downloads)")
-    parser.add_argument("--model-id", help="the name clients pass as `model` (default: the directory's name)")
+    parser.add_argument("model", help="local checkpoint directory or .gguf file (Serval never downloads)")
+    parser.add_argument(
+        "--model-id", help="the name clients pass as `model` (default: the directory's or .gguf file's name)"
+    )
     add_engine_flags(parser.add_argument_group("engine (engine_kwargs)"))
     deployment = parser.add_argument_group("deployment (deployment_config)")
     deployment.add_argument("--num-replicas", type=int, default=1)
@@ -90,7 +93,7 @@ def build_serve_config(args: argparse.Namespace) -> dict:
         actor_options["num_gpus"] = _whole_if_integral(args.num_gpus_per_replica)
     llm_config = {
         "model_loading_config": {
-            "model_id": args.model_id or Path(args.model).resolve().name,
+            "model_id": args.model_id or Path(args.model).resolve().name.removesuffix(".gguf"),
             "model_source": model_source(args.model),
         },
         "engine_kwargs": engine_kwargs_from_flags(args),
@@ -120,10 +123,10 @@ def model_source(model: str) -> str:
     the Helm chart moves under its models volume), else absolute. Serval resolves relative sources
     against the checkout, not the working directory."""
     from deployments.llm_config import SERVAL_ROOT
+    from engine.model.source import open_model_source
 
     path = Path(os.path.expanduser(model)).resolve()
-    if not path.is_dir():
-        raise ValueError(f"{model} is not a checkpoint directory")
+    open_model_source(str(path))  # ValueError saying what a model is, before any cluster starts
     return str(path.relative_to(SERVAL_ROOT)) if path.is_relative_to(SERVAL_ROOT) else str(path)
 
 

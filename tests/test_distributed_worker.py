@@ -285,7 +285,7 @@ def test_each_rank_loads_exactly_its_slice_of_its_stage(tiny_checkpoint, case):
     from safetensors.torch import load_file
 
     from engine.model import get_model
-    from engine.model.loader import iter_safetensors
+    from engine.model.source import open_model_source
 
     path = tiny_checkpoint(*case)
     checkpoint = load_file(os.path.join(path, "model.safetensors"))
@@ -302,7 +302,7 @@ def test_each_rank_loads_exactly_its_slice_of_its_stage(tiny_checkpoint, case):
             assert ("lm_head.weight" in params) == ("model.norm.weight" in params) == (pp_rank == 1)
             for name, param in params.items():
                 assert torch.equal(param, _expected_slice(name, checkpoint, tp_rank, 2)), (name, pp_rank, tp_rank)
-            read = {name for name, _ in iter_safetensors(path, model.wants_weight)}
+            read = {name for name, _ in open_model_source(path).iter_weights(model.wants_weight)}
             assert not any(name.startswith(f"model.layers.{1 - pp_rank}.") for name in read)
             assert ("model.norm.weight" in read) == (pp_rank == 1)
 

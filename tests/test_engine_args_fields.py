@@ -30,6 +30,7 @@ EXPECTED_UNROUTED = {"disable_log_stats", "kv_transfer_config", "structured_outp
 # A value different from the default for every EngineArgs field but model, each valid together.
 NON_DEFAULTS = dict(
     tokenizer="tok",
+    generation_config="vllm",
     dtype="bfloat16",
     seed=7,
     attention_backend="torch",

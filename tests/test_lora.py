@@ -161,7 +161,7 @@ def test_lora_refuses_speculative_decoding_at_start_and_needs_enable_lora(base, 
     with pytest.raises(ValueError, match="enable_lora with kv_transfer_config is not supported"):
         LLM(base, enable_lora=True, kv_transfer_config={"kv_role": "kv_both"})
     config = EngineArgs(model=base).create_engine_config()
-    processor = Processor(config, None, 512, [1], arch=Architecture.from_dir(base))
+    processor = Processor(config, None, 512, [1], arch=Architecture.from_model(base))
     with pytest.raises(ValueError, match="start it with enable_lora=True"):
         processor.make_request("r", [5, 6, 7], GREEDY, lora_request=loras["a"])
 

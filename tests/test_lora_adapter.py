@@ -48,7 +48,7 @@ def _edit_config(path, **changes):
 
 
 def test_load_adapter_folds_the_scaling_into_b(base, tmp_path):
-    arch = Architecture.from_dir(base)
+    arch = Architecture.from_model(base)
     plain = load_adapter(_adapter(base, tmp_path, "p", rank=4, alpha=8), arch, 16, torch.float32)
     rs = load_adapter(_adapter(base, tmp_path, "r", rank=4, alpha=8, use_rslora=True), arch, 16, torch.float32)
     assert (plain.scaling, rs.scaling) == (2.0, 4.0)
@@ -56,7 +56,7 @@ def test_load_adapter_folds_the_scaling_into_b(base, tmp_path):
 
 
 def test_bad_adapters_raise_value_error_naming_the_problem(base, tmp_path):
-    arch = Architecture.from_dir(base)
+    arch = Architecture.from_model(base)
     with pytest.raises(ValueError, match="no adapter_config.json"):
         load_adapter(str(tmp_path / "missing"), arch, 16, torch.float32)
     with pytest.raises(ValueError, match="rank 32, above max_lora_rank"):

@@ -249,7 +249,7 @@ def test_legacy_rope_scaling_config_fields():
 
 def test_arch_config_fields(tmp_path):
     make_checkpoint(tmp_path, "qwen3", tie=True)
-    arch = Architecture.from_dir(tmp_path)
+    arch = Architecture.from_model(tmp_path)
     assert arch.architecture == "Qwen3ForCausalLM" and arch.has_qk_norm and arch.head_dim == 32
     assert arch.tie_word_embeddings and arch.num_key_value_heads == 2 and arch.rope_type == "default"
     assert arch.torch_dtype == torch.float32

@@ -43,7 +43,7 @@ def make_lora_adapter(
     if unknown or rank < 1:
         raise ValueError(f"--lora-targets: unknown {unknown} (choose from {list(SHORT_NAMES)}); rank must be >= 1.")
     modules = [SHORT_NAMES[t] for t in SHORT_NAMES if t in targets]  # a fixed order: deterministic bytes
-    tensors = _random_weights(Architecture.from_dir(str(base)), modules, rank, seed)
+    tensors = _random_weights(Architecture.from_model(str(base)), modules, rank, seed)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = {

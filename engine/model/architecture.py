@@ -1,4 +1,4 @@
-"""The architecture of a checkpoint, read once from its Hugging Face ``config.json``.
+"""The architecture of a checkpoint, read once from its Hugging Face ``config.json`` (or a GGUF file's metadata).
 
 ``Architecture`` is the only view of the HF config the rest of the engine
 sees: a frozen dataclass with every field the model code, the KV cache sizing
@@ -10,7 +10,6 @@ instead of ``rope_type``).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,10 +154,8 @@ class Architecture:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | os.PathLike) -> Architecture:
-        """Read ``<model_dir>/config.json``."""
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no config.json in {model_dir!r}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_hf_config(json.load(f))
+    def from_model(cls, path: str | os.PathLike) -> Architecture:
+        """The architecture of the model at ``path`` (a checkpoint directory or a .gguf file)."""
+        from engine.model.source import open_model_source
+
+        return cls.from_hf_config(open_model_source(os.fspath(path)).hf_config)

@@ -1,8 +1,6 @@
-"""Build a model from a local Hugging Face directory and load its safetensors weights.
+"""Build a model from its source (``engine.model.source``: a Hugging Face directory or a GGUF file).
 
-Weights are read lazily, tensor by tensor, with ``safetensors.safe_open``
-(one ``model.safetensors`` or the shards listed in
-``model.safetensors.index.json``) and handed to each parameter's
+Weights are read lazily, tensor by tensor, from the source and handed to each parameter's
 ``weight_loader(param, tensor, shard_id=None)``, which copies (and casts) the
 part this tensor-parallel rank owns. With pipeline parallelism only this
 stage's tensors are read (``model.wants_weight``). Loading fails listing every
@@ -12,54 +10,18 @@ missing and unexpected checkpoint weight of this rank's part.
 from __future__ import annotations
 
 import contextlib
-import glob
-import json
-import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from engine.model.architecture import Architecture, parse_dtype
 from engine.model.layers.linear import default_weight_loader
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from engine.model.source import open_model_source
 
 
 class WeightLoadingError(RuntimeError):
     """The checkpoint does not match the model's parameters."""
-
-
-def safetensors_files(model_dir: str) -> list[str]:
-    """The checkpoint files of ``model_dir`` (index first, then the single file, then any *.safetensors)."""
-    index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, s) for s in shards]
-    single = os.path.join(model_dir, SINGLE_FILE)
-    if os.path.isfile(single):
-        return [single]
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {model_dir!r}")
-    return files
-
-
-def iter_safetensors(
-    model_dir: str, name_filter: Callable[[str], bool] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) one at a time; never materialises a whole file.
-
-    Tensors whose name ``name_filter`` refuses are never read.
-    """
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name_filter is None or name_filter(name):
-                    yield name, f.get_tensor(name)
 
 
 def _map_name(name: str, packed: list[tuple[str, str, object]]) -> tuple[str, object]:
@@ -138,7 +100,7 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def get_model(
-    model_dir: str,
+    model_path: str,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str = "cpu",
     *,
@@ -148,7 +110,7 @@ def get_model(
     pp_rank: int = 0,
     pp_size: int = 1,
 ) -> nn.Module:
-    """Build this rank's part of the model in ``model_dir``, load its weights cast to ``dtype``; eval mode.
+    """Build this rank's part of the model at ``model_path``, load its weights cast to ``dtype``; eval mode.
 
     The part is pipeline stage ``pp_rank`` of ``pp_size``, tensor-parallel slice
     ``tp_rank`` of ``tp_size`` (defaults: the whole model). ``dtype`` defaults to
@@ -158,10 +120,9 @@ def get_model(
     from engine.attention.backend import get_attention_backend
     from engine.model.registry import get_model_class
 
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        hf_config = json.load(f)
-    model_cls = get_model_class((hf_config.get("architectures") or ["<none>"])[0])
-    arch = Architecture.from_hf_config(hf_config)
+    source = open_model_source(model_path)
+    model_cls = get_model_class((source.hf_config.get("architectures") or ["<none>"])[0])
+    arch = Architecture.from_hf_config(source.hf_config)
     dtype = parse_dtype(dtype) or arch.torch_dtype or torch.float32
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(
@@ -172,5 +133,5 @@ def get_model(
             pp_rank=pp_rank,
             pp_size=pp_size,
         )
-    model.load_weights(iter_safetensors(model_dir, model.wants_weight))
+    model.load_weights(source.iter_weights(model.wants_weight))
     return model.eval()

@@ -129,13 +129,12 @@ class StructuredOutputManager(RequestHold):
         return self._backend.compile(params)
 
     def _make_backend(self):
-        from transformers import AutoTokenizer
-
         from engine.model.architecture import Architecture
+        from engine.model.source import load_tokenizer
         from engine.structured_output.backend import XgrammarBackend
 
-        tokenizer = AutoTokenizer.from_pretrained(self._model_config.tokenizer_path)
-        vocab_size = Architecture.from_dir(self._model_config.model).vocab_size
+        tokenizer = load_tokenizer(self._model_config.tokenizer_path)
+        vocab_size = Architecture.from_model(self._model_config.model).vocab_size
         logger.info("Structured outputs: xgrammar over a vocabulary of %d tokens.", vocab_size)
         return XgrammarBackend(tokenizer, vocab_size, self.config)
 

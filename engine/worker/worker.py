@@ -44,7 +44,7 @@ def resolve_dtype(config: EngineConfig) -> torch.dtype:
         return parse_dtype(config.model_config.dtype)
     from engine.model.architecture import Architecture
 
-    return Architecture.from_dir(config.model_config.model).torch_dtype or torch.float32
+    return Architecture.from_model(config.model_config.model).torch_dtype or torch.float32
 
 
 def available_cpu_memory_bytes() -> int:

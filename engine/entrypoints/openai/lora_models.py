@@ -103,7 +103,7 @@ class LoRAModels:
         self.dynamic_path = dynamic_path
         self.max_adapters = max_adapters
         self.events = events
-        self._arch = Architecture.from_dir(model_dir)
+        self._arch = Architecture.from_model(model_dir)
         self._held: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
         self._ids: dict[tuple[str, str, str], int] = {}  # (name, path, content digest) -> lora_int_id
         self._lock = asyncio.Lock()  # one adapter joins at a time: no name checked twice at once

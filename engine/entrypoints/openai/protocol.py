@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -99,9 +101,20 @@ class SamplingRequest(StructuredOutputFields):
         return self.structured_outputs_params()
 
     def to_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: Mapping[str, Any] = MappingProxyType({}),
     ) -> SamplingParams:
-        """The engine's parameters; raises ValueError (-> 400) on a bad value."""
+        """The engine's parameters; raises ValueError (-> 400) on a bad value.
+
+        ``defaults`` (SamplingParams' names: the model's generation config, ``sampling_defaults``) fill the
+        sampling fields the request left unset; OpenAI's defaults fill the rest."""
+
+        def unset_or(value, name: str, fallback):
+            return value if value is not None else defaults.get(name, fallback)
+
         logit_bias = None
         if self.logit_bias is not None:
             try:
@@ -110,13 +123,13 @@ class SamplingRequest(StructuredOutputFields):
                 raise ValueError("logit_bias keys must be token ids (integers as strings).") from None
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=unset_or(self.temperature, "temperature", 1.0),
+            top_p=unset_or(self.top_p, "top_p", 1.0),
+            top_k=unset_or(self.top_k, "top_k", 0),
+            min_p=unset_or(self.min_p, "min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=unset_or(self.repetition_penalty, "repetition_penalty", 1.0),
             seed=self.seed,
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [],

@@ -21,6 +21,7 @@ from engine.entrypoints.openai.errors import from_exception
 from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
 from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
 from engine.lora.request import LoRARequest
+from engine.model.source import sampling_defaults
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -65,6 +66,8 @@ class ServingBase:
         self.model_id = model_id
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        config = engine.model_config
+        self.sampling_defaults = sampling_defaults(config.model, config.generation_config)
 
     def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raises ValueError (vLLM's message) unless the prompt plus ``max_tokens`` fit the context.

@@ -1,0 +1,199 @@
+"""One GGUF file (llama.cpp's format) as a model: its config, tokenizer, sampling defaults and weights.
+
+vLLM reads a ``.gguf`` checkpoint the same way (``vllm serve ./model.gguf``): the file's metadata becomes a
+Hugging Face config and tokenizer through transformers' GGUF support, and its tensors are read with the
+``gguf`` package and dequantized when the model loads, each to float32 on the CPU, then cast by its
+parameter's ``weight_loader`` to the engine's dtype.
+
+* Tensor names: llama.cpp's (``blk.N.attn_q.weight``) are mapped back to Hugging Face's
+  (``model.layers.N.self_attn.q_proj.weight``) by ``GGUF_TO_HF``; a name it does not know is passed on
+  unchanged, so the loader reports it as unexpected.
+* llama.cpp's converter permutes the rows of a Llama's q and k projections (its rope pairs neighbouring
+  dimensions, Hugging Face's pairs the two halves); ``_unpermute`` undoes it, as transformers does.
+* Types: those the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
+  and others it lists); any other raises ``ValueError`` naming the tensor and its type before anything loads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+# llama.cpp's architecture name -> the Hugging Face class the engine builds for it.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Architectures whose q/k rows llama.cpp's converter permuted (its LlamaModel and subclasses).
+_PERMUTED_QK = frozenset({"llama", "mistral"})
+# llama.cpp's tensor names -> Hugging Face's (per decoder block: the part after ``blk.N.``).
+GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+GGUF_BLOCK_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors a GGUF file may carry that the config already expresses (llama3's rope frequencies).
+_SKIPPED = frozenset({"rope_freqs.weight"})
+# GGUF's general.sampling.* keys -> generation_config.json's names.
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_UNQUANTIZED = {"F32": np.float32, "F16": np.float16}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; unknown names unchanged."""
+    match = _BLOCK_NAME.match(gguf_name)
+    if match is not None:
+        index, part, kind = match.groups()
+        if part in GGUF_BLOCK_TO_HF:
+            return f"model.layers.{index}.{GGUF_BLOCK_TO_HF[part]}.{kind}"
+        return gguf_name
+    stem, _, kind = gguf_name.rpartition(".")
+    return f"{GGUF_TO_HF[stem]}.{kind}" if stem in GGUF_TO_HF else gguf_name
+
+
+def _unpermute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (``LlamaModel.permute`` in its converter)."""
+    half_pairs = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half_pairs, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+class GGUFFile:
+    """A ``.gguf`` file read as a model source (see the module docstring); metadata is read once."""
+
+    def __init__(self, path: str) -> None:
+        import gguf
+
+        self.path = path
+        self._reader = gguf.GGUFReader(path)
+        self._check_types()
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    @property
+    def gguf_architecture(self) -> str:
+        return self._field("general.architecture")
+
+    def _check_types(self) -> None:
+        from gguf.quants import _type_traits
+
+        for tensor in self._reader.tensors:
+            kind = tensor.tensor_type
+            if kind.name not in _UNQUANTIZED and kind not in _type_traits:
+                raise ValueError(
+                    f"{self.path}: tensor {tensor.name!r} is stored as GGUF type {kind.name}, which Serval "
+                    f"cannot dequantize (supported: F32, F16, {', '.join(t.name for t in _type_traits)})."
+                )
+
+    @cached_property
+    def hf_config(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` dict transformers derives from the metadata, with ``architectures``."""
+        from transformers import AutoConfig
+
+        arch = self.gguf_architecture
+        if arch not in ARCHITECTURES:
+            raise ValueError(
+                f"{self.path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
+        directory, name = os.path.split(os.path.abspath(self.path))
+        config = AutoConfig.from_pretrained(directory, gguf_file=name).to_dict()
+        return {**config, "architectures": [ARCHITECTURES.get(config.get("model_type"), ARCHITECTURES[arch])]}
+
+    @cached_property
+    def generation_config(self) -> dict[str, Any]:
+        """Special token ids and the file's ``general.sampling.*`` defaults, in generation_config.json's names."""
+        config = {
+            key: self._field(f"tokenizer.ggml.{key}")
+            for key in ("bos_token_id", "eos_token_id")
+            if self._field(f"tokenizer.ggml.{key}") is not None
+        }
+        for gguf_key, name in _SAMPLING_KEYS.items():
+            if (value := self._field(gguf_key)) is not None:
+                config[name] = value
+        return config
+
+    def load_tokenizer(self):
+        """transformers' conversion of the embedded vocabulary, merges and chat template."""
+        from transformers import AutoTokenizer
+
+        directory, name = os.path.split(os.path.abspath(self.path))
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+    def iter_weights(self, name_filter: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 CPU tensor), one tensor dequantized at a time, in the file's order."""
+        permuted = self.gguf_architecture in _PERMUTED_QK
+        heads = {
+            "q_proj": self.hf_config["num_attention_heads"],
+            "k_proj": self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"],
+        }
+        from tqdm import tqdm
+
+        tensors = tqdm(self._reader.tensors, desc=f"Dequantizing {os.path.basename(self.path)}", unit="tensor")
+        for tensor in tensors:
+            name = hf_tensor_name(tensor.name)
+            if tensor.name in _SKIPPED or (name_filter is not None and not name_filter(name)):
+                continue
+            values = self._dequantize(tensor)
+            projection = name.split(".")[-2]
+            if permuted and projection in heads:
+                values = _unpermute(values, heads[projection])
+            yield name, torch.from_numpy(np.ascontiguousarray(values))
+
+    @staticmethod
+    def _dequantize(tensor) -> np.ndarray:
+        """The tensor's values as float32, in Hugging Face's (rows, columns) order."""
+        from gguf.quants import dequantize
+
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest-varying dim first
+        kind = tensor.tensor_type.name
+        if kind in _UNQUANTIZED:
+            values = np.asarray(tensor.data).view(_UNQUANTIZED[kind]).astype(np.float32)
+        else:
+            values = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
+        return values.reshape(shape)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self._reader.tensors)
+
+    def describe(self) -> dict[str, Any]:
+        """What a model card names: the model, its license, and how many tensors each GGUF type holds."""
+        types: dict[str, int] = {}
+        for tensor in self._reader.tensors:
+            types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+        return {
+            "name": self._field("general.name"),
+            "organization": self._field("general.organization"),
+            "license": self._field("general.license"),
+            "architecture": self.gguf_architecture,
+            "tensor_types": types,
+        }
