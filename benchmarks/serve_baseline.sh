@@ -20,8 +20,8 @@ NUM_PROMPTS=${NUM_PROMPTS:-100}
 SLO=${SLO:-ttft=1000,tpot=100}
 TUNE_SLO=${TUNE_SLO:-ttft=1000,tpot=30}   # for 32 users always waiting on a reply
 PEER_PORT=${PEER_PORT:-8100}
-MODEL_ID=${MODEL_ID:-serval-llama-10m}                     # what configs/serve/default.yaml serves
-export PEER_MODEL_DIR=${MODEL_DIR:-$PWD/assets/trained/serval-llama-10m}
+MODEL_ID=${MODEL_ID:-smollm2-135m-instruct}                     # what configs/serve/default.yaml serves
+export PEER_MODEL_DIR=${MODEL_DIR:-$PWD/models/smollm2-135m-instruct}
 export RAY_AUTH_MODE=token
 mkdir -p "$OUT"
 source benchmarks/peer.sh

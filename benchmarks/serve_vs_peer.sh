@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 OUT=${1:-results/serve-vs-peer}
 ROUNDS=${ROUNDS:-2}
 PEER_PORT=${PEER_PORT:-8100}
-MODEL_ID=${MODEL_ID:-serval-llama-10m}                     # what configs/serve/default.yaml serves
-export PEER_MODEL_DIR=${MODEL_DIR:-$PWD/assets/trained/serval-llama-10m}
+MODEL_ID=${MODEL_ID:-smollm2-135m-instruct}                     # what configs/serve/default.yaml serves
+export PEER_MODEL_DIR=${MODEL_DIR:-$PWD/models/smollm2-135m-instruct}
 export PEER_DTYPE=${PEER_DTYPE:-float32} RAY_AUTH_MODE=token
 mkdir -p "$OUT"
 source benchmarks/peer.sh

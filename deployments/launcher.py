@@ -291,6 +291,7 @@ def up(args: argparse.Namespace) -> int:
     if kernel_state := launcher_status.kernel_build_state():
         print(f"Note: {kernel_state}.", flush=True)
     launcher_status.print_usage(config, dashboard, ray_bin("serve"))
+    print(launcher_status.self_check(config), flush=True)
     return 0
 
 

@@ -125,8 +125,8 @@ def model_source(model: str) -> str:
     from deployments.llm_config import SERVAL_ROOT
     from engine.model.source import open_model_source
 
+    open_model_source(os.path.expanduser(model))  # ValueError saying what a model is, before any cluster starts
     path = Path(os.path.expanduser(model)).resolve()
-    open_model_source(str(path))  # ValueError saying what a model is, before any cluster starts
     return str(path.relative_to(SERVAL_ROOT)) if path.is_relative_to(SERVAL_ROOT) else str(path)
 
 

@@ -7,7 +7,7 @@ streamed chunks and the end-to-end latency; the report (:mod:`serval.bench.repor
 goodput under ``--slo``, and the raw per-request lists. Results go to a JSON file with two PNG plots
 beside it.
 
-    serval bench serve --url http://127.0.0.1:8000 --model serval-llama-10m \\
+    serval bench serve --url http://127.0.0.1:8000 --model smollm2-135m-instruct \\
         --random-input-len 256 --random-output-len 64 --num-prompts 200 --request-rate 8
 
 The tokenizer is ``--tokenizer``, else ``--model`` when that is a directory, else the served model's

@@ -1,6 +1,6 @@
 """``serval bench soak``: concurrent clients against an OpenAI endpoint for a bounded time, with faults.
 
-    serval bench soak --url http://127.0.0.1:8000 --model serval-llama-10m --duration-s 120 --concurrency 8 \\
+    serval bench soak --url http://127.0.0.1:8000 --model smollm2-135m-instruct --duration-s 120 --concurrency 8 \\
         --fault kill-replica@20 --fault scale@40:2 --fault scale@70:1 --fault redeploy@100 \\
         --ray-address auto
 

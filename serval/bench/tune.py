@@ -10,8 +10,8 @@ succeeded. It writes a JSON record and a plot of throughput against latency
 with the Pareto frontier, then redeploys the original config (or the best
 one, ``--keep-best``).
 
-    serval bench tune --config configs/serve/default.yaml --model serval-llama-10m \\
-        --tokenizer assets/trained/serval-llama-10m \\
+    serval bench tune --config configs/serve/default.yaml --model smollm2-135m-instruct \\
+        --tokenizer models/smollm2-135m-instruct \\
         --max-num-seqs 16 64 --max-num-batched-tokens 512 2048 --slo ttft=500,tpot=50 --num-prompts 200
 """
 

@@ -15,8 +15,8 @@ from tests.serve.cluster import LOOPBACK, deploy_and_wait, is_loopback, listenin
 # This module starts its own Ray head: tests/serve's session-wide ray_head is a fixture of that package's
 # conftest, and importing it here would make a second session instance (two clusters, two ray.init).
 pytestmark = [pytest.mark.ray, pytest.mark.serve]
-# The CPU example's model (configs/serve/default.yaml's): served here from the tiny checkpoint, under its path.
-EXAMPLE_MODEL, EXAMPLE_SOURCE = "serval-llama-10m", "assets/trained/serval-llama-10m"
+# The CPU example's model (configs/serve/default.yaml's): served here from the tiny checkpoint, under its name.
+EXAMPLE_MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,9 @@ def head():
 @pytest.fixture(scope="module")
 def chart_config(head, tiny_checkpoint, tmp_path_factory):
     """The CPU example's rendered Serve config: on loopback, its models mount a directory holding the
-    local checkpoint under the example's name (assets/trained/serval-llama-10m -> <mount>/assets/trained/...)."""
+    local checkpoint under the example's name (models/smollm2-135m-instruct -> <mount>/smollm2-135m-instruct)."""
     mount = tmp_path_factory.mktemp("models")
-    (mount / "assets" / "trained").mkdir(parents=True)
-    (mount / EXAMPLE_SOURCE).symlink_to(tiny_checkpoint("llama"))
+    (mount / EXAMPLE_MODEL).symlink_to(tiny_checkpoint("llama"))
     values = {
         **load_yaml(CHART_DIR / "examples" / "cpu-tiny.yaml"),
         "serve": {"host": LOOPBACK, "port": head.http_port},
@@ -43,7 +42,7 @@ def chart_config(head, tiny_checkpoint, tmp_path_factory):
     with helm_python.Chart.load(CHART_DIR) as chart:
         config = serve_config_of(rayservice(chart, values))
     (llm_config,) = config["applications"][0]["args"]["llm_configs"]
-    assert llm_config["model_loading_config"]["model_source"] == f"{mount}/{EXAMPLE_SOURCE}"
+    assert llm_config["model_loading_config"]["model_source"] == f"{mount}/{EXAMPLE_MODEL}"
     return config
 
 

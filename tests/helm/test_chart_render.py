@@ -118,7 +118,7 @@ def test_defaults_serve_default_yaml_with_the_charts_two_changes(chart):
     expected = load_yaml(SERVAL_ROOT / "configs/serve/default.yaml")
     expected["http_options"] = {"host": "0.0.0.0", "port": 8000}
     expected["applications"][0]["args"]["llm_configs"][0]["model_loading_config"]["model_source"] = (
-        "/models/assets/trained/serval-llama-10m"
+        "/models/smollm2-135m-instruct"
     )
     assert serve_config_of(rayservice(chart)) == expected
 

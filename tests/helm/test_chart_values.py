@@ -159,7 +159,7 @@ def test_pods_run_unprivileged(chart):
 def test_notes_say_how_to_reach_the_endpoint(chart):
     (notes,) = render(chart, name="demo")["NOTES"]
     assert "kubectl port-forward -n llm svc/demo-serval-serve-svc 8000:8000" in notes
-    assert '"model": "serval-llama-10m"' in notes
+    assert '"model": "smollm2-135m-instruct"' in notes
 
 
 @pytest.mark.parametrize(

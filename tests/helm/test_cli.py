@@ -95,6 +95,7 @@ def test_render_rayservice_reports_bad_values(capsys, tmp_path):
 
 
 def test_serve_print_config_is_a_valid_serve_config(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a model directory (serval serve refuses anything else)
     output = cli_output(
         capsys,
         "serve",
@@ -132,24 +133,49 @@ def test_serve_print_config_is_a_valid_serve_config(capsys, tmp_path):
 def test_serve_config_goes_to_the_chart_unchanged(chart, capsys, tmp_path):
     """The habit the two commands share: the file `serval serve` writes is what `helm install` takes."""
     path = tmp_path / "my-model.yaml"
-    path.write_text(cli_output(capsys, "serve", str(SERVAL_ROOT / "configs"), "--model-id", "m", "--print-config"))
+    model = SERVAL_ROOT / "models" / "smollm2-135m-instruct"  # `make models` writes it
+    path.write_text(cli_output(capsys, "serve", str(model), "--model-id", "m", "--print-config"))
     service = yaml.safe_load(cli_output(capsys, "render-rayservice", str(path)).split("\n", 2)[2])
     rendered = yaml.safe_load(service["spec"]["serveConfigV2"])
     # Inside the checkout the source is relative, so the chart moves it under the models mount.
     assert rendered["applications"][0]["args"]["llm_configs"][0]["model_loading_config"]["model_source"] == (
-        "/models/configs"
+        "/models/smollm2-135m-instruct"
     )
     assert serve_config_errors(rendered) == [] and kuberay_errors(service) == []
 
 
 def test_model_source_is_relative_inside_the_checkout_only(tmp_path):
-    assert serve_cmd.model_source(str(SERVAL_ROOT / "configs" / "serve")) == "configs/serve"
+    assert serve_cmd.model_source(str(SERVAL_ROOT / "models" / "smollm2-135m-instruct")) == (
+        "models/smollm2-135m-instruct"
+    )
+    assert serve_cmd.model_source(str(SERVAL_ROOT / "models" / "smollm2-135m-instruct.gguf")) == (
+        "models/smollm2-135m-instruct.gguf"
+    )
+    (tmp_path / "config.json").write_text("{}")
     assert serve_cmd.model_source(str(tmp_path)) == str(tmp_path)
-    with pytest.raises(ValueError, match="not a checkpoint directory"):
+    with pytest.raises(ValueError, match="not a model directory: it has no config.json"):
+        serve_cmd.model_source(str(SERVAL_ROOT / "configs"))
+    with pytest.raises(ValueError, match="does not exist"):
         serve_cmd.model_source(str(tmp_path / "missing"))
 
 
+def test_a_hub_id_is_refused_with_the_way_to_fetch_it(capsys):
+    assert main(["serve", "HuggingFaceTB/SmolLM2-135M-Instruct", "--print-config"]) == 1
+    error = capsys.readouterr().err
+    assert "never downloads" in error and "huggingface-cli download HuggingFaceTB/SmolLM2-135M-Instruct" in error
+
+
+def test_a_gguf_file_is_served_under_its_name(capsys):
+    output = cli_output(capsys, "serve", str(SERVAL_ROOT / "models" / "smollm2-135m-instruct.gguf"), "--print-config")
+    (llm_config,) = yaml.safe_load(output)["applications"][0]["args"]["llm_configs"]
+    assert llm_config["model_loading_config"] == {
+        "model_id": "smollm2-135m-instruct",
+        "model_source": "models/smollm2-135m-instruct.gguf",
+    }
+
+
 def test_serve_refuses_bad_engine_flags_naming_them(capsys, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
     assert main(["serve", str(tmp_path), "--max-num-seqs", "0", "--print-config"]) == 1
     assert "max_num_seqs" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--engine-kwargs", '{"max_num_seq": 8}', "--print-config"]) == 1

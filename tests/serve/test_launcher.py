@@ -46,10 +46,10 @@ def test_the_cpu_configs_fit_two_cpus_and_the_gpu_examples_do_not():
     assert two_models["LLMServer:mistral-7b-instruct"].replicas == 2  # the app's `deployments:` override
     assert "OpenAiIngress" in two_models  # two models: the router in front
     single = {n.deployment for n in launcher_status.config_needs(load("default.yaml"))}
-    assert single == {"LLMServer:serval-llama-10m", "OpenAiIngress"}  # the router by default, even for one model
+    assert single == {"LLMServer:smollm2-135m-instruct", "OpenAiIngress"}  # the router by default, even for one model
     direct = load("default.yaml")
     direct["applications"][0]["args"]["separate_ingress"] = False
-    assert {n.deployment for n in launcher_status.config_needs(direct)} == {"LLMServer:serval-llama-10m"}
+    assert {n.deployment for n in launcher_status.config_needs(direct)} == {"LLMServer:smollm2-135m-instruct"}
     assert "GPU" in launcher_status.unfit_reason(list(two_models.values()), [{"CPU": 64.0}], "gpu-two-models.yaml")
 
 

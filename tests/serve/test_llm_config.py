@@ -19,13 +19,13 @@ def test_default_yaml_validates_and_maps_to_engine_args():
     assert app["import_path"] == "deployments.app:build_openai_app"
     args = LLMServingArgs.model_validate(app["args"])
     config = args.llm_configs[0]
-    assert config.model_id == "serval-llama-10m"
-    assert config.server_deployment_name() == "LLMServer:serval-llama-10m"
+    assert config.model_id == "smollm2-135m-instruct"
+    assert config.server_deployment_name() == "LLMServer:smollm2-135m-instruct"
     assert config.deployment_config.to_options()["num_replicas"] == 1
     # Relative sources resolve against the checkout, whatever the replica's working directory.
     source = config.model_loading_config.resolved_source()
-    assert source == str(SERVAL_ROOT / "assets/trained/serval-llama-10m")
-    assert (Path(source) / "config.json").is_file()  # committed: served without `make models`
+    assert source == str(SERVAL_ROOT / "models/smollm2-135m-instruct")
+    assert (Path(source) / "config.json").is_file()  # written by `make models` (make test runs it first)
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,8 @@ from tests.helm.local_head import start_head
 pytestmark = [pytest.mark.ray, pytest.mark.serve, pytest.mark.slow]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
-# The model sources the shipped configs name: the trained default (committed) and `make models`' tiny one.
-SHIPPED_MODELS = ("assets/trained/serval-llama-10m", "models/tiny-llama")
+# The model sources the shipped configs name: the default (`make models`), the trained pair (committed) and the tiny one.
+SHIPPED_MODELS = ("models/smollm2-135m-instruct", "assets/trained/serval-llama-10m", "models/tiny-llama")
 SHIPPED_DRAFT = "assets/trained/serval-llama-draft"  # configs/serve/spec_decode.yaml's speculative_config.model
 NUM_CPUS = 2  # the machine the README runs them on
 STOP_BUDGET_S = 10.0  # `make stop` with nothing left in flight (issue 17)
