@@ -9,6 +9,9 @@
 
 * ``model_path``: the tiny Qwen2 checkpoint of the serving-shaped tests
   (offline API, AsyncLLM, the OpenAI server, ``serval bench serve``).
+* ``smollm2_path``: the real pretrained SmolLM2-135M-Instruct directory
+  (``make models``) of the fidelity tests (tests/real_model/); missing, its
+  tests fail saying so (never skip).
 
 Plus the engine factories (``engine_kwargs``, ``make_llm``,
 ``make_async_llm``: one definition, each module binding its own arguments
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pathlib
 import random
 import shutil
 import time
@@ -238,3 +242,18 @@ def hf_reference(tiny_checkpoint):
 def model_path(tiny_checkpoint) -> str:
     """The tiny ``MODEL_PATH_ARCH`` checkpoint the serving-shaped tests share."""
     return tiny_checkpoint(MODEL_PATH_ARCH)
+
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMOLLM2_PATH = REPO_ROOT / "models" / "smollm2-135m-instruct"
+SMOLLM2_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """``models/smollm2-135m-instruct``: SmolLM2-135M-Instruct as an HF Llama directory (float32), built by
+    ``make models``; fails (never skips) when it is missing."""
+    missing = [name for name in SMOLLM2_FILES if not (SMOLLM2_PATH / name).is_file()]
+    if missing:
+        pytest.fail(f"{SMOLLM2_PATH} lacks {', '.join(missing)}: run `make models`", pytrace=False)
+    return str(SMOLLM2_PATH)
