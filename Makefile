@@ -60,7 +60,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-test: venv prometheus iproute2 lint
+test: venv models prometheus iproute2 lint
 	$(PY) -m pytest -q
 
 # The tests' embedded model: a deterministic random-weight checkpoint made locally (no downloads); remade
