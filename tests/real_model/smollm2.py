@@ -68,17 +68,24 @@ def _hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> t
     import torch
 
     model = _hf_model(path)
-    with torch.no_grad():
-        output = model.generate(
-            torch.tensor([list(prompt_ids)]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=EOS_TOKEN_ID,
-            pad_token_id=EOS_TOKEN_ID,
-        )
+    # One thread: on the 2-core machine with other processes busy, two made this token-by-token decode up
+    # to 20x slower (OpenMP threads spinning); one keeps it near 0.1 s a token.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            output = model.generate(
+                torch.tensor([list(prompt_ids)]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=EOS_TOKEN_ID,
+                pad_token_id=EOS_TOKEN_ID,
+            )
+    finally:
+        torch.set_num_threads(num_threads)
     return tuple(int(token_id) for token_id in output[0, len(prompt_ids) :])
 
 
