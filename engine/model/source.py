@@ -12,7 +12,7 @@ the same paths as a directory.
 * Anything else raises ``ValueError`` saying what a model source is. Serval never downloads: an id such
   as ``org/name`` that is not a local path gets that said, with the way to fetch it.
 
-Sources are opened once per process and path (reading a GGUF file's metadata takes a while).
+A GGUF file is opened once per process (reading its metadata and converting its tokenizer take seconds).
 """
 
 from __future__ import annotations
@@ -101,17 +101,21 @@ def is_gguf_path(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
-@functools.lru_cache(maxsize=16)
 def open_model_source(path: str) -> ModelSource:
     """The source at ``path`` (see the module docstring); ValueError when ``path`` is no model."""
     path = os.fspath(path)
     if is_gguf_path(path):
-        from engine.model.gguf_file import GGUFFile
-
-        return GGUFFile(path)
+        return _open_gguf(os.path.abspath(path))
     if os.path.isfile(os.path.join(path, "config.json")):
-        return HFDirectory(path)
+        return HFDirectory(path)  # files read when asked: a directory's files may be rewritten
     raise ValueError(_not_a_model(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str) -> ModelSource:
+    from engine.model.gguf_file import GGUFFile
+
+    return GGUFFile(path)
 
 
 def _not_a_model(path: str) -> str:
