@@ -24,7 +24,7 @@ from tests.helm.local_head import start_head
 pytestmark = [pytest.mark.ray, pytest.mark.serve, pytest.mark.slow]
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
-# The model sources the shipped configs name: the default (`make models`), the trained pair (committed) and the tiny one.
+# The model sources the shipped configs name: the default (`make models`), the trained pair, the tiny one.
 SHIPPED_MODELS = ("models/smollm2-135m-instruct", "assets/trained/serval-llama-10m", "models/tiny-llama")
 SHIPPED_DRAFT = "assets/trained/serval-llama-draft"  # configs/serve/spec_decode.yaml's speculative_config.model
 NUM_CPUS = 2  # the machine the README runs them on
