@@ -25,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import logging
 import os
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.kv_events import KVEventBatch
-from engine.core_client import EngineCoreProcess
+from engine.core_client import EngineCoreProcess, core_host_kind
 from engine.engine_args import EngineArgs
 from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError  # errors re-exported
 from engine.engine_thread import IDLE_STATS_INTERVAL_S, AddCommand, EngineThread
@@ -47,6 +48,8 @@ from engine.worker.worker import resolve_device
 
 # Importers of this module also reach these here (EngineStats moved to engine.metrics, the busy loop to
 # engine.engine_thread, the errors to engine.engine_client).
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "IDLE_STATS_INTERVAL_S",
     "AsyncLLM",
@@ -90,6 +93,39 @@ def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process:
     return dataclasses.replace(config, device_config=device_config.model_copy(update={"num_threads": num_threads}))
 
 
+def set_process_niceness(pid: int, niceness: int) -> bool:
+    """Sets every thread of process ``pid`` to ``niceness`` (Linux keeps one per thread: its OpenMP threads
+    exist already and later ones inherit it). False when not allowed (raising a priority needs
+    CAP_SYS_NICE) or not on Linux; the threads keep theirs then."""
+    task_dir = f"/proc/{pid}/task"
+    if not os.path.isdir(task_dir) or not hasattr(os, "setpriority"):
+        return False
+    for _ in range(2):  # a thread started while the first pass ran gets the second
+        for tid in os.listdir(task_dir):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+            except ProcessLookupError:
+                continue  # that thread ended
+            except PermissionError:
+                return False
+    return True
+
+
+def prioritize_core_process(config: EngineConfig, engine: LLMEngine, default_niceness: int | None) -> None:
+    """Gives a child core process ``config``'s ``core_niceness`` (None there: ``default_niceness``; None:
+    left as inherited). A Ray worker runs at Ray's worker niceness (15, ``RAY_worker_niceness``): its
+    forward then yields to every other process of the node, not just to its own front end."""
+    niceness = config.device_config.core_niceness
+    niceness = default_niceness if niceness is None else niceness
+    core = engine.engine_core
+    if niceness is None or not isinstance(core, EngineCoreProcess) or core_host_kind(config) != "child":
+        return
+    if core.pid is None or os.getpriority(os.PRIO_PROCESS, core.pid) == niceness:
+        return
+    if not set_process_niceness(core.pid, niceness):
+        logger.warning("The engine core (pid %d) keeps its niceness: setting %d is not allowed.", core.pid, niceness)
+
+
 class AsyncLLM(EngineClient):
     """The engine behind an asyncio server: ``generate`` streams, ``abort`` stops, ``get_stats`` observes.
 
@@ -104,15 +140,19 @@ class AsyncLLM(EngineClient):
         stat_loggers: list[StatLogger] | None = None,
         num_cpus: int | None = None,
         kv_events: bool = False,
+        core_niceness: int | None = None,
     ) -> None:
         """``num_cpus``: the CPUs this engine may use, front end included (default: the machine's).
-        ``kv_events``: keep the prefix cache's changes for ``take_kv_events`` (a KV-aware router's feed)."""
+        ``kv_events``: keep the prefix cache's changes for ``take_kv_events`` (a KV-aware router's feed).
+        ``core_niceness``: a child core process's niceness unless the config's ``core_niceness`` says
+        (None: inherited; a Serve replica passes 0)."""
         core_process = uses_core_process(config)
         config = with_torch_threads(config, num_cpus, core_process)
         self.config = config
         engine = LLMEngine(
             config, executor_class, stat_loggers=stat_loggers, core_process=core_process, kv_events=kv_events
         )
+        prioritize_core_process(config, engine, core_niceness)
         # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self._vocab_size = engine.vocab_size
@@ -126,10 +166,12 @@ class AsyncLLM(EngineClient):
         stat_loggers: list[StatLogger] | None = None,
         num_cpus: int | None = None,
         kv_events: bool = False,
+        core_niceness: int | None = None,
     ) -> AsyncLLM:
         """``stat_loggers`` join vLLM's periodic throughput log line; ``disable_log_stats`` turns all off."""
         loggers = [] if args.disable_log_stats else [LoggingStatLogger(), *(stat_loggers or [])]
-        return cls(args.create_engine_config(), stat_loggers=loggers, num_cpus=num_cpus, kv_events=kv_events)
+        config = args.create_engine_config()
+        return cls(config, stat_loggers=loggers, num_cpus=num_cpus, kv_events=kv_events, core_niceness=core_niceness)
 
     @property
     def max_model_len(self) -> int:

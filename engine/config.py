@@ -271,6 +271,14 @@ class DeviceConfig(_FrozenConfig):
         description="torch intra-op threads on CPU; None: all cores, or the Serve replica's num_cpus; "
         "one fewer (at least 1) for a serving engine-core process, leaving a core to the front end.",
     )
+    core_niceness: int | None = Field(
+        None,
+        ge=-20,
+        le=19,
+        description="Niceness of a serving engine-core child process (all its threads); None: inherited, or 0 "
+        "in a Serve replica (Ray starts its workers at 15: the core computes at the node's normal priority, "
+        "the replica's front end below it). Lowering it needs CAP_SYS_NICE; without, the core keeps its own.",
+    )
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ NON_DEFAULTS = dict(
     engine_core_process=False,
     device="cpu",
     num_threads=2,
+    core_niceness=5,
     enable_lora=True,
     max_loras=2,
     max_lora_rank=8,

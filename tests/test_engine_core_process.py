@@ -188,3 +188,27 @@ def test_torch_threads_follow_the_engines_cpu_share_and_leave_a_core_to_the_fron
     assert threads(None, core_process=True) == max(1, (os.cpu_count() or 1) - 1)
     assert threads(None, core_process=False) is None  # the worker's own default: every core
     assert threads(4, core_process=True, num_threads=7) == 7  # the user's choice stands
+
+
+def test_the_core_process_gets_its_niceness_on_every_thread(model_path):
+    from engine.async_llm import AsyncLLM
+    from engine.engine_args import EngineArgs
+
+    def nicenesses(pid: int) -> set[int]:
+        return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if base > 17:
+        pytest.skip("this process runs too nice to lower a child's priority further")
+    # Lowering a priority needs no privilege: the argument, then the config's field over it.
+    for config_niceness, argument, expected in ((None, base + 1, base + 1), (base + 2, base + 1, base + 2)):
+        args = EngineArgs(model=model_path, **KWARGS, core_niceness=config_niceness)
+        llm = AsyncLLM(args.create_engine_config(), core_niceness=argument)
+        try:
+            pid = core_of(llm).pid
+            assert len(os.listdir(f"/proc/{pid}/task")) > 1 and nicenesses(pid) == {expected}
+            assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the front end keeps its own
+            outputs = asyncio.run(collect(llm, token_prompt([5] * 8), greedy(4), "nice"))
+            assert len(outputs[-1].outputs[0].token_ids) == 4
+        finally:
+            llm.shutdown()
