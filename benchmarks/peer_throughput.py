@@ -8,6 +8,7 @@ and writes a JSON record under results/.
     python benchmarks/peer_throughput.py --workload w2            # 5M Llama, 64 x 128 in x 128 out
     python benchmarks/peer_throughput.py --workload w1            # 0.4B Qwen2, 32 x 256 in x 128 out, bf16
     python benchmarks/peer_throughput.py --workload w1 --engines serval vllm
+    PEER_DTYPE=float32 python benchmarks/peer_throughput.py --workload w3 --dtype float32 --engines serval vllm
     python benchmarks/peer_throughput.py --workload w1 --engines serval --engine-kwargs '{"tensor_parallel_size": 2}'
     PEER_DTYPE=float32 python benchmarks/peer_throughput.py --workload w1 --engines serval vllm --isa avx2
 
@@ -41,6 +42,9 @@ AVX2_ENV = {  # --isa avx2: what each library reads to cap the instructions it u
 WORKLOADS = {
     "w1": dict(arch="qwen2", size="w1", tie=None, num_prompts=32, input_len=256, output_len=128),
     "w2": dict(arch="llama", size="w2", tie=True, num_prompts=64, input_len=128, output_len=128),
+    # A real checkpoint (SmolLM2-135M-Instruct, float32): many prompts (W3) and one request's decode rate (L1).
+    "w3": dict(path="models/smollm2-135m-instruct", num_prompts=32, input_len=256, output_len=128),
+    "l1": dict(path="models/smollm2-135m-instruct", num_prompts=1, input_len=128, output_len=128),
 }
 
 
@@ -113,6 +117,8 @@ RUNNERS = {"serval": run_serval, "transformers": run_transformers, "vllm": run_v
 
 def ensure_model(workload: str, dtype: str) -> str:
     spec = WORKLOADS[workload]
+    if "path" in spec:  # a real checkpoint: used as it is (its own dtype is converted at load)
+        return str(ROOT / spec["path"])
     path = ROOT / "models" / "bench" / f"{workload}-{spec['arch']}"
     from engine.tools.make_model import make_model
 

@@ -11,6 +11,7 @@ through ``LLMEngine.step`` and reports
 
     python benchmarks/profile_steps.py --workload w2 --dtype float32 --repeat 3
     python benchmarks/profile_steps.py --model models/bench/w1-qwen2 --num-prompts 32 --input-len 256
+    python benchmarks/profile_steps.py --workload l1 --dtype float32 --threads 1
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def instrument(llm, totals: dict) -> None:
     if metadata is not None:
         metadata.get = timed(totals, "runner.sample: metadata", metadata.get)
     runner.model.forward = timed(totals, "model.forward", runner.model.forward)
+    if getattr(runner, "cpu_decode", None) is not None:  # decode-only steps in one native call
+        runner.cpu_decode.run = timed(totals, "model.forward: cpu_decode", runner.cpu_decode.run)
     runner.model.compute_logits = timed(totals, "model.compute_logits", runner.model.compute_logits)
     engine.output_processor.process_outputs = timed(totals, "output_processor", engine.output_processor.process_outputs)
     kernels = torch_paged.load_cpu_kernels()
@@ -73,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the engine's, every CPU)")
     parser.add_argument("--repeat", type=int, default=1, choices=range(1, 10), help="timed runs (a noisy machine)")
     parser.add_argument("--profile-steps", type=int, default=20, help="decode steps under the torch profiler (0: none)")
     parser.add_argument(
@@ -132,7 +136,8 @@ def main() -> None:
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=4096, max_num_seqs=max(args.num_prompts, 8))
+    threads = {} if args.threads is None else {"num_threads": args.threads}
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=4096, max_num_seqs=max(args.num_prompts, 8), **threads)
     engine = llm.llm_engine
     output_kind = RequestOutputKind[args.output_kind.upper()]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, output_kind=output_kind)

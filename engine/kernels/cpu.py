@@ -35,7 +35,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ["bindings.cpp", "decode_attention.cpp", "elementwise.cpp", "sampling.cpp", "skinny_linear.cpp"]
+_SOURCES = [
+    "bindings.cpp",
+    "decode_attention.cpp",
+    "decode_stack.cpp",
+    "elementwise.cpp",
+    "sampling.cpp",
+    "skinny_linear.cpp",
+]
 # -march=native: the build is cached per machine, so it may use every vector unit this CPU has.
 # SERVAL_CPU_MARCH names a lesser target instead (x86-64-v3: AVX2 + FMA + F16C), for an image built on one
 # kind of CPU and run on another, or to measure the AVX2 path on an AVX-512 host.

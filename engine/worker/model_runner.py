@@ -29,6 +29,7 @@ from engine.distributed.parallel_state import get_parallel_state, recv_from_prev
 from engine.kv_transfer import KVConnectorWorker
 from engine.lora.manager import LoRAManager
 from engine.model import get_model
+from engine.model.layers.cpu_decode import CPUDecodeStack
 from engine.model.layers.cpu_prepack import prepack_linears, skinny_products
 from engine.sample import Sampler
 from engine.sample.grammar_bitmask import apply_grammar_bitmask_rows, grammar_rows
@@ -78,6 +79,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only, set up with the caches
         self.spec_decode: SpecDecodeRunner | None = None  # speculative decoding, on the output rank only
         self.lora: LoRAManager | None = None  # multi-LoRA (enable_lora) only
+        self.cpu_decode: CPUDecodeStack | None = None  # decode-only CPU steps in one native call, where it fits
         # Disaggregated prefill: loads remote KV before a step's forward, saves finished prompts after it.
         self.kv_connector = (
             None
@@ -103,6 +105,8 @@ class ModelRunner:
         prepack_linears(self.model)  # bf16 on CPU: oneDNN layouts once, not per call
         if self.config.lora_config.enable_lora:
             self.lora = LoRAManager(self.model, self.config.lora_config, self.dtype, self.device)
+        else:  # LoRA's deltas are Python-side: adapters keep the layers' path
+            self.cpu_decode = CPUDecodeStack.build(self.model)
         self.vocab_size = self.model.arch_config.vocab_size
         self.hidden_size = self.model.arch_config.hidden_size
         self.eos_token_ids = list(self.model.arch_config.eos_token_ids)
@@ -164,7 +168,8 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if parallel.is_output_rank else None
         inputs = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
-        output = self._forward(inputs)
+        fused = self.cpu_decode is not None and self.cpu_decode.can_run(inputs, self.requests)
+        output = self._forward(inputs, fused)
         self.input_batch.advance(inputs)  # the step's KV is in the cache now
         if not parallel.is_last_stage:
             send_to_next_stage(*output)  # (hidden, residual)
@@ -175,9 +180,7 @@ class ModelRunner:
         prompt_logprobs = self.prompt_logprobs.compute(
             prompt_chunks(self.requests, inputs), hidden, self.model.compute_logits, parallel.is_output_rank
         )
-        logits = None
-        if inputs.sampled_req_ids:  # with tp_size > 1 a collective: every rank of the last stage computes them
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sampled, vocab]
+        logits = self._logits(inputs, hidden, fused)
         if not parallel.is_output_rank:
             return None
         sampled_tokens: dict[str, list[int]] = {}
@@ -203,11 +206,14 @@ class ModelRunner:
             self.kv_connector.start_load_kv(kv_meta, self.kv_caches, kv_output, self.input_batch, self.model)
         return kv_output
 
-    def _forward(self, inputs: StepInputs):
-        """This rank's stage on the step's batch: a replayed CUDA graph for a small decode-only step, else eagerly.
+    def _forward(self, inputs: StepInputs, fused: bool = False):
+        """This rank's stage on the step's batch: a replayed CUDA graph for a small decode-only step, the
+        native ``CPUDecodeStack`` for a decode-only CPU step (``fused``), else eagerly.
 
         A stage after the first takes (hidden, residual) from the one before it.
         """
+        if fused:
+            return self.cpu_decode.run(inputs, self.kv_caches)
         intermediate = None
         if not self.parallel_state.is_first_stage:
             intermediate = recv_from_prev_stage(
@@ -219,6 +225,17 @@ class ModelRunner:
             return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         with skinny_products(any(inputs.num_draft_tokens)):  # a verify step: its few rows per request
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
+
+    def _logits(self, inputs: StepInputs, hidden: torch.Tensor, fused: bool) -> torch.Tensor | None:
+        """Logits at the sampled rows [num_sampled, vocab], None when nothing is sampled. With tp_size > 1 a
+        collective: every rank of the last stage computes them. A ``fused`` step's few rows take the native
+        product, as its layers did."""
+        if not inputs.sampled_req_ids:
+            return None
+        if not fused:
+            return self.model.compute_logits(hidden[inputs.sample_indices])
+        with skinny_products(rows=range(1, self.cpu_decode.native_rows + 1)):
+            return self.model.compute_logits(hidden[inputs.sample_indices])
 
     def _sample(
         self, inputs: StepInputs, logits: torch.Tensor, scheduler_output: SchedulerOutput

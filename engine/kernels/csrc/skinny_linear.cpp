@@ -19,25 +19,46 @@ namespace simd = serval::simd;
 
 constexpr int64_t kMaxRows = 8;
 
+// Output columns [n, n + R) for all M rows: R * M independent accumulators (the FMA chains overlap), each x
+// vector loaded once for the R weight rows. Every y[m, n] sums its products in the same order whatever M and R
+// are, so a row's result does not depend on how many rows (or which block) it is computed with.
+template <int M, int R>
+inline void column_block(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N,
+                         int64_t n) {
+  simd::vfloat acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = simd::set1(0.f);
+  int64_t k = 0;
+  for (; k + simd::kLanes <= K; k += simd::kLanes) {
+    simd::vfloat wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = simd::load(w + (n + r) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const simd::vfloat xv = simd::load(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = simd::fmadd(xv, wv[r], acc[m][r]);
+    }
+  }
+  if (k < K) {  // the tail: lanes past K read 0
+    simd::vfloat wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = simd::load(w + (n + r) * K + k, K - k);
+    for (int m = 0; m < M; ++m) {
+      const simd::vfloat xv = simd::load(x + m * K + k, K - k);
+      for (int r = 0; r < R; ++r) acc[m][r] = simd::fmadd(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float b = bias == nullptr ? 0.f : bias[n + r];
+    for (int m = 0; m < M; ++m) y[m * N + n + r] = simd::reduce_add(acc[m][r]) + b;
+  }
+}
+
 template <int M>
 void columns(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N, int64_t begin,
              int64_t end) {
-  for (int64_t n = begin; n < end; ++n) {
-    const float* w_row = w + n * K;
-    simd::vfloat acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = simd::set1(0.f);
-    int64_t k = 0;
-    for (; k + simd::kLanes <= K; k += simd::kLanes) {
-      const simd::vfloat wv = simd::load(w_row + k);
-      for (int m = 0; m < M; ++m) acc[m] = simd::fmadd(simd::load(x + m * K + k), wv, acc[m]);
-    }
-    if (k < K) {  // the tail: lanes past K read 0
-      const simd::vfloat wv = simd::load(w_row + k, K - k);
-      for (int m = 0; m < M; ++m) acc[m] = simd::fmadd(simd::load(x + m * K + k, K - k), wv, acc[m]);
-    }
-    const float b = bias == nullptr ? 0.f : bias[n];
-    for (int m = 0; m < M; ++m) y[m * N + n] = simd::reduce_add(acc[m]) + b;
-  }
+  // Up to 8 accumulators in flight: 4 weight rows at a time for 1-2 rows of x, 2 for 3-4, one beyond.
+  constexpr int R = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  int64_t n = begin;
+  for (; n + R <= end; n += R) column_block<M, R>(x, w, bias, y, K, N, n);
+  for (; n < end; ++n) column_block<M, 1>(x, w, bias, y, K, N, n);
 }
 
 template <int M>

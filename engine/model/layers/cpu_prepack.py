@@ -15,7 +15,7 @@ weights on CPU at 2 to 8 rows go to the native ``skinny_linear``, which reads ea
 rows: MKL's sgemm at those sizes takes 3-5x its one-row time on AVX2 (a 256 x 8192 LM head at 5 rows:
 1.8 ms, against 0.5). Elsewhere MKL keeps every product, whose rows do not depend on how many there are
 (a prefix-cache hit's last rows equal the full prompt's bit for bit); the native kernel sums in another
-order. Everything else (other row counts, GPUs) keeps ``F.linear``.
+order. A decode-only step's LM head (the model runner, with ``cpu_decode``) may take it from one row on. Everything else (other row counts, GPUs) keeps ``F.linear``.
 """
 
 from __future__ import annotations
@@ -33,18 +33,20 @@ _BATCH_SIZE_HINT = 64
 # Row counts the native skinny_linear takes (one row stays on MKL's GEMV, as transformers computes it).
 _SKINNY_ROWS = range(2, 9)
 _skinny_enabled = False  # inside skinny_products() only
+_skinny_rows = _SKINNY_ROWS
 
 
 @contextlib.contextmanager
-def skinny_products(enabled: bool = True):
-    """Within the block, float32 products of 2 to 8 rows use the native ``skinny_linear`` (see the module
-    docstring)."""
-    global _skinny_enabled
-    previous, _skinny_enabled = _skinny_enabled, enabled
+def skinny_products(enabled: bool = True, rows: range = _SKINNY_ROWS):
+    """Within the block, float32 products of ``rows`` rows (2 to 8 unless given; at most 8) use the native
+    ``skinny_linear`` (see the module docstring)."""
+    global _skinny_enabled, _skinny_rows
+    previous = _skinny_enabled, _skinny_rows
+    _skinny_enabled, _skinny_rows = enabled, rows
     try:
         yield
     finally:
-        _skinny_enabled = previous
+        _skinny_enabled, _skinny_rows = previous
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -65,7 +67,7 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear`` through the prepared weight when there is one (x: [T, in] -> [T, out])."""
     if packed_weight is None:
-        if _skinny_enabled and x.shape[0] in _SKINNY_ROWS and x.dtype == weight.dtype == torch.float32:
+        if _skinny_enabled and x.shape[0] in _skinny_rows and x.dtype == weight.dtype == torch.float32:
             skinny_linear = getattr(load_cpu_kernels(), "skinny_linear", None) if x.device.type == "cpu" else None
             if skinny_linear is not None:
                 return skinny_linear(x, weight, bias)
