@@ -1,0 +1,78 @@
+"""The native decode stack (engine/model/layers/cpu_decode.py): it takes decode-only CPU steps of the models it
+was written for, and what it computes equals the layers' path (greedy tokens; logprobs to float rounding)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kernels.cpu import load_cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(load_cpu_kernels(), "decode_stack"), reason="needs the native CPU kernels with a vector ISA"
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.executor.worker.model_runner
+
+
+def _prompts(vocab_size: int, lengths: list[int]) -> list[dict]:
+    rng = random.Random(3)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(n)]} for n in lengths]
+
+
+def _generate(llm, prompts, fused: bool, native_rows: int = 8):
+    runner = _runner(llm)
+    stack = runner.cpu_decode
+    stack.native_rows = native_rows
+    runner.cpu_decode = stack if fused else None
+    try:
+        return llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        runner.cpu_decode = stack
+
+
+@pytest.mark.parametrize(("arch", "tie"), [("llama", True), ("llama", False), ("qwen2", None)])
+@pytest.mark.parametrize("native_rows", [0, 8])
+def test_fused_decode_equals_the_layers(tiny_checkpoint, arch, tie, native_rows):
+    llm = LLM(tiny_checkpoint(arch, tie), dtype="float32", max_num_seqs=12, enable_prefix_caching=False)
+    assert _runner(llm).cpu_decode is not None
+    for lengths in ([9], [5, 17, 30], [4 + i for i in range(11)]):  # batch 1, a few rows, past 8 rows (MKL)
+        prompts = _prompts(llm.get_tokenizer().vocab_size, lengths)
+        fused = _generate(llm, prompts, True, native_rows)
+        layers = _generate(llm, prompts, False)
+        for got, want in zip(fused, layers, strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            for got_top, want_top in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+                assert got_top.keys() == want_top.keys()
+                for token_id, logprob in got_top.items():
+                    assert logprob.logprob == pytest.approx(want_top[token_id].logprob, abs=1e-4)
+
+
+def test_only_decode_steps_of_generated_tokens_are_fused(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("llama", True), dtype="float32", enable_prefix_caching=False)
+    runner = _runner(llm)
+    calls: list[list[int]] = []
+    run = runner.cpu_decode.run
+
+    def recording_run(inputs, kv_caches):
+        calls.append(list(inputs.query_lens))
+        return run(inputs, kv_caches)
+
+    runner.cpu_decode.run = recording_run
+    llm.generate(_prompts(llm.get_tokenizer().vocab_size, [1, 6]), GREEDY, use_tqdm=False)
+    # The one-token prompt's first step is a prompt token: not fused; every later step is (12 tokens each,
+    # the first sampled from the prompt step, 11 decode steps after it).
+    assert calls and all(query_lens == [1] * len(query_lens) for query_lens in calls)
+    assert len(calls) == GREEDY.max_tokens - 1
+
+
+def test_not_built_for_bfloat16_or_lora(tiny_checkpoint):
+    path = tiny_checkpoint("llama", True)
+    assert _runner(LLM(path, dtype="bfloat16")).cpu_decode is None
+    assert _runner(LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8)).cpu_decode is None
