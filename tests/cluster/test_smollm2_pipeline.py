@@ -13,6 +13,8 @@ from engine import LLM
 from tests.conftest import assert_pool_clean
 from tests.real_model.smollm2 import CONVERSATIONS, ENGINE_KWARGS, NAMES, greedy_params, hf_decode, hf_greedy
 
+pytestmark = pytest.mark.slow  # Ray, two stage actors loading 135M weights, 40 pipelined steps: ~15-20 s
+
 PP_KWARGS = {**ENGINE_KWARGS, "max_num_batched_tokens": 48}  # ~40-token prompts arrive in chunks
 
 

@@ -48,14 +48,6 @@ def hf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-@functools.cache
-def _hf_model(path: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 def template_ids(path: str, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """transformers' ``apply_chat_template`` token ids (the reference for every prompt the engine gets)."""
     encoding = hf_tokenizer(path).apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
@@ -64,35 +56,42 @@ def template_ids(path: str, messages: list[dict], add_generation_prompt: bool = 
 
 
 @functools.cache
-def _hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+def _hf_greedy_all(path: str, max_new_tokens: int) -> dict[str, tuple[int, ...]]:
+    """Every conversation's reference, computed at once; the model is dropped afterwards (only the ids stay)."""
     import torch
+    from transformers import AutoModelForCausalLM
 
-    model = _hf_model(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # One thread: on the 2-core machine with other processes busy, two made this token-by-token decode up
     # to 20x slower (OpenMP threads spinning); one keeps it near 0.1 s a token.
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    references = {}
     try:
         with torch.no_grad():
-            output = model.generate(
-                torch.tensor([list(prompt_ids)]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=EOS_TOKEN_ID,
-                pad_token_id=EOS_TOKEN_ID,
-            )
+            for name, messages in CONVERSATIONS.items():
+                prompt_ids = template_ids(path, messages)
+                output = model.generate(
+                    torch.tensor([prompt_ids]),
+                    attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=EOS_TOKEN_ID,
+                    pad_token_id=EOS_TOKEN_ID,
+                )
+                references[name] = tuple(int(token_id) for token_id in output[0, len(prompt_ids) :])
     finally:
         torch.set_num_threads(num_threads)
-    return tuple(int(token_id) for token_id in output[0, len(prompt_ids) :])
+    return references
 
 
 def hf_greedy(path: str, name: str, max_new_tokens: int = MAX_NEW_TOKENS) -> list[int]:
     """transformers' ``generate(do_sample=False)`` on ``CONVERSATIONS[name]``: the new token ids, ending with
-    ``<|im_end|>`` when the model ended its turn within ``max_new_tokens`` (one prompt at a time, no padding)."""
-    return list(_hf_greedy(path, tuple(template_ids(path, CONVERSATIONS[name])), max_new_tokens))
+    ``<|im_end|>`` when the model ended its turn within ``max_new_tokens`` (one prompt at a time, no padding;
+    every conversation's computed on the first call, once per session)."""
+    return list(_hf_greedy_all(path, max_new_tokens)[name])
 
 
 def hf_decode(path: str, token_ids) -> str:
@@ -104,9 +103,3 @@ def greedy_params(max_tokens: int = MAX_NEW_TOKENS, **extra):
     from engine import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
-
-
-def engine_greedy(llm, names=NAMES, max_tokens: int = MAX_NEW_TOKENS) -> dict[str, list[int]]:
-    """One ``LLM.chat`` batch of the named conversations: name -> generated token ids (EOS included)."""
-    outputs = llm.chat([CONVERSATIONS[name] for name in names], greedy_params(max_tokens), use_tqdm=False)
-    return {name: list(output.outputs[0].token_ids) for name, output in zip(names, outputs)}

@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import assert_pool_clean, make_llm
 from tests.real_model.smollm2 import CONVERSATIONS, ENGINE_KWARGS, NAMES, greedy_params, hf_decode, hf_greedy
 
+pytestmark = pytest.mark.slow  # a second 135M engine and 40 greedy steps of six prompts: ~15-50 s at load
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
