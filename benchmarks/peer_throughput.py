@@ -9,6 +9,7 @@ and writes a JSON record under results/.
     python benchmarks/peer_throughput.py --workload w1            # 0.4B Qwen2, 32 x 256 in x 128 out, bf16
     python benchmarks/peer_throughput.py --workload w1 --engines serval vllm
     PEER_DTYPE=float32 python benchmarks/peer_throughput.py --workload w3 --dtype float32 --engines serval vllm
+    PEER_DTYPE=float32 python benchmarks/peer_throughput.py --workload l1 --dtype float32 --omp-wait-policy passive
     python benchmarks/peer_throughput.py --workload w1 --engines serval --engine-kwargs '{"tensor_parallel_size": 2}'
     PEER_DTYPE=float32 python benchmarks/peer_throughput.py --workload w1 --engines serval vllm --isa avx2
 
@@ -164,12 +165,19 @@ def main() -> None:
         help="extra LLM(...) keywords for Serval, JSON, e.g. '{\"tensor_parallel_size\": 2}'",
     )
     parser.add_argument("--isa", choices=["native", "avx2"], default="native", help="run as on this CPU kind")
+    parser.add_argument(
+        "--omp-wait-policy",
+        choices=["passive", "active"],
+        help="OMP_WAIT_POLICY for every engine (default: each library's own); passive on a shared, busy machine",
+    )
     parser.add_argument("--run-one", choices=list(RUNNERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.isa == "avx2" and not args.run_one:  # the engines' subprocesses inherit it
         os.environ.update(AVX2_ENV)
         shim = str(Path(__file__).parent / "isa_avx2")
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [shim, os.environ.get("PYTHONPATH")]))
+    if args.omp_wait_policy and not args.run_one:  # read at OpenMP's start: set before any engine starts
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     if not args.run_one:  # the parent hands them to the Serval subprocess
         os.environ[ENGINE_KWARGS_ENV] = json.dumps(json.loads(args.engine_kwargs))
     if args.workload:
@@ -199,6 +207,7 @@ def main() -> None:
         dtype=args.dtype,
         peer_dtype=os.environ.get("PEER_DTYPE", "bfloat16"),
         isa=args.isa,
+        omp_wait_policy=args.omp_wait_policy,
         engine_kwargs=json.loads(args.engine_kwargs),
         gen_tok_per_s=results,
         machine=platform.processor() or platform.machine(),

@@ -15,7 +15,8 @@ weights on CPU at 2 to 8 rows go to the native ``skinny_linear``, which reads ea
 rows: MKL's sgemm at those sizes takes 3-5x its one-row time on AVX2 (a 256 x 8192 LM head at 5 rows:
 1.8 ms, against 0.5). Elsewhere MKL keeps every product, whose rows do not depend on how many there are
 (a prefix-cache hit's last rows equal the full prompt's bit for bit); the native kernel sums in another
-order. A decode-only step's LM head (the model runner, with ``cpu_decode``) may take it from one row on. Everything else (other row counts, GPUs) keeps ``F.linear``.
+order. A decode-only step's LM head (the model runner, with ``cpu_decode``) may take it from one row on.
+Everything else (other row counts, GPUs) keeps ``F.linear``.
 """
 
 from __future__ import annotations
