@@ -34,6 +34,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     """
     if top_k is None and top_p is None:
         return logits
+    if top_k is None:
+        kept = top_p_from_candidates(logits, top_p)
+        if kept is not None:
+            return kept
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
     if top_k is not None:
         kth_index = (logits.shape[1] - top_k).clamp_(0, logits.shape[1] - 1).unsqueeze(1)
@@ -45,6 +49,31 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         is_dropped[:, -1] = False
         logits_sort.masked_fill_(is_dropped, NEG_INF)
     return logits.scatter_(1, logits_idx, logits_sort)
+
+
+TOP_P_CANDIDATES = 64  # the most likely tokens top_p_from_candidates looks at before sorting the vocabulary
+
+
+def top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """Top-p without sorting the vocabulary, or None when some row needs the sort.
+
+    When each row's ``TOP_P_CANDIDATES`` largest logits hold ``top_p`` of its mass (a chat model sampled at
+    a low temperature nearly always does), the kept set lies among them: the tokens whose more likely
+    tokens hold less than ``top_p``; everything below the least of them is dropped. One ``topk`` and one
+    ``logsumexp`` over the vocabulary instead of a sort of it (a sort of a large vocabulary at every step
+    is the sampler's largest cost on CPU: docs/benchmarks.md).
+    """
+    k = min(TOP_P_CANDIDATES, logits.shape[1])
+    top_logits, _ = logits.topk(k, dim=-1)  # descending
+    top_probs = (top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)).exp_()
+    cum_probs = top_probs.cumsum(dim=-1)
+    keeps_all = top_p >= 1.0
+    if not bool(((cum_probs[:, -1] >= top_p) | keeps_all).all()):
+        return None
+    num_kept = ((cum_probs - top_probs) < top_p.unsqueeze(1)).sum(dim=-1)  # >= 1: the first has none above
+    threshold = top_logits.gather(1, (num_kept - 1).unsqueeze(1))
+    threshold.masked_fill_(keeps_all.unsqueeze(1), NEG_INF)
+    return logits.masked_fill_(logits < threshold, NEG_INF)
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
