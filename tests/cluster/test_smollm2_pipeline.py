@@ -11,7 +11,13 @@ import pytest
 
 from engine import LLM
 from tests.conftest import assert_pool_clean
-from tests.real_model.smollm2 import CONVERSATIONS, ENGINE_KWARGS, NAMES, greedy_params, hf_decode, hf_greedy
+from tests.real_model.smollm2 import (
+    CONVERSATIONS,
+    ENGINE_KWARGS,
+    NAMES,
+    assert_greedy_equals_transformers,
+    greedy_params,
+)
 
 pytestmark = pytest.mark.slow  # Ray, two stage actors loading 135M weights, 40 pipelined steps: ~15-20 s
 
@@ -42,6 +48,4 @@ def pp_outputs(local_ray, smollm2_path) -> dict:
 @pytest.mark.parametrize("name", NAMES)
 def test_pp2_greedy_tokens_equal_transformers_generate(smollm2_path, pp_outputs, name):
     completion = pp_outputs[name].outputs[0]
-    expected = hf_greedy(smollm2_path, name)
-    assert completion.token_ids == expected
-    assert completion.text == hf_decode(smollm2_path, expected)
+    assert_greedy_equals_transformers(smollm2_path, name, completion)

@@ -103,3 +103,12 @@ def greedy_params(max_tokens: int = MAX_NEW_TOKENS, **extra):
     from engine import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
+
+
+def assert_greedy_equals_transformers(path: str, name: str, completion) -> list[int]:
+    """``completion`` (a ``CompletionOutput`` of conversation ``name``) holds transformers' greedy tokens and
+    their text; returns those tokens."""
+    expected = hf_greedy(path, name)
+    assert completion.token_ids == expected
+    assert completion.text == hf_decode(path, expected)
+    return expected

@@ -30,9 +30,9 @@ from tests.real_model.smollm2 import (
     EOS_TOKEN_ID,
     MAX_NEW_TOKENS,
     NAMES,
+    assert_greedy_equals_transformers,
     greedy_params,
     hf_decode,
-    hf_greedy,
     hf_tokenizer,
     template_ids,
 )
@@ -85,9 +85,7 @@ def test_prompt_ids_without_the_generation_prompt(smollm2_path, llm):
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_equal_transformers_generate(smollm2_path, chat_outputs, name):
     completion = chat_outputs[name].outputs[0]
-    expected = hf_greedy(smollm2_path, name)
-    assert completion.token_ids == expected
-    assert completion.text == hf_decode(smollm2_path, expected)
+    expected = assert_greedy_equals_transformers(smollm2_path, name, completion)
     ended_turn = expected[-1] == EOS_TOKEN_ID
     assert len(expected) == MAX_NEW_TOKENS or ended_turn
     # vLLM's stop_reason: None for EOS (only stop strings and stop_token_ids name themselves).

@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import assert_pool_clean, make_llm
-from tests.real_model.smollm2 import CONVERSATIONS, ENGINE_KWARGS, NAMES, greedy_params, hf_decode, hf_greedy
+from tests.real_model.smollm2 import (
+    CONVERSATIONS,
+    ENGINE_KWARGS,
+    NAMES,
+    assert_greedy_equals_transformers,
+    greedy_params,
+)
 
 pytestmark = pytest.mark.slow  # a second 135M engine and 40 greedy steps of six prompts: ~15-50 s at load
 
@@ -44,6 +50,4 @@ def test_drafts_were_accepted_and_rejected(ngram_outputs, ngram_llm):
 @pytest.mark.parametrize("name", NAMES)
 def test_ngram_greedy_tokens_equal_transformers_generate(smollm2_path, ngram_outputs, name):
     completion = ngram_outputs[name].outputs[0]
-    expected = hf_greedy(smollm2_path, name)
-    assert completion.token_ids == expected
-    assert completion.text == hf_decode(smollm2_path, expected)
+    assert_greedy_equals_transformers(smollm2_path, name, completion)
