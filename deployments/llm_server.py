@@ -40,13 +40,6 @@ def route_engine_stats_log_to_replica_log() -> None:
     stats_logger.propagate = not stats_logger.handlers
 
 
-# The engine core's niceness in a replica (unless its config's core_niceness says): Ray starts every worker,
-# this replica included, at niceness 15 (RAY_worker_niceness), so a core left at that yields its forward to
-# every other process of the node; at 0 it computes at the node's normal priority while this replica's front
-# end (and the ingress, the proxy) stay at 15 below it.
-CORE_NICENESS = 0
-
-
 def replica_num_cpus() -> int:
     """This replica's CPU share (its ``num_cpus``), rounded, at least 1: what its engine may use. Left to
     itself, torch would take every core of the node, however many replicas share it."""
@@ -69,7 +62,6 @@ class LLMServer:
             stat_loggers=[RayStatLogger(metrics_model_name or self.model_id, replica_id), self.ttft_window],
             num_cpus=replica_num_cpus(),
             kv_events=self.kv_routed,
-            core_niceness=CORE_NICENESS,
         )
         self.tokenizer_path = self.engine.model_config.tokenizer_path
         # The last few numbered KV event batches, repeated in each publication (a router may miss a poll).

@@ -111,12 +111,9 @@ def set_process_niceness(pid: int, niceness: int) -> bool:
     return True
 
 
-def prioritize_core_process(config: EngineConfig, engine: LLMEngine, default_niceness: int | None) -> None:
-    """Gives a child core process ``config``'s ``core_niceness`` (None there: ``default_niceness``; None:
-    left as inherited). A Ray worker runs at Ray's worker niceness (15, ``RAY_worker_niceness``): its
-    forward then yields to every other process of the node, not just to its own front end."""
+def prioritize_core_process(config: EngineConfig, engine: LLMEngine) -> None:
+    """Gives a child core process ``config``'s ``core_niceness`` (None: left as inherited)."""
     niceness = config.device_config.core_niceness
-    niceness = default_niceness if niceness is None else niceness
     core = engine.engine_core
     if niceness is None or not isinstance(core, EngineCoreProcess) or core_host_kind(config) != "child":
         return
@@ -140,19 +137,16 @@ class AsyncLLM(EngineClient):
         stat_loggers: list[StatLogger] | None = None,
         num_cpus: int | None = None,
         kv_events: bool = False,
-        core_niceness: int | None = None,
     ) -> None:
         """``num_cpus``: the CPUs this engine may use, front end included (default: the machine's).
-        ``kv_events``: keep the prefix cache's changes for ``take_kv_events`` (a KV-aware router's feed).
-        ``core_niceness``: a child core process's niceness unless the config's ``core_niceness`` says
-        (None: inherited; a Serve replica passes 0)."""
+        ``kv_events``: keep the prefix cache's changes for ``take_kv_events`` (a KV-aware router's feed)."""
         core_process = uses_core_process(config)
         config = with_torch_threads(config, num_cpus, core_process)
         self.config = config
         engine = LLMEngine(
             config, executor_class, stat_loggers=stat_loggers, core_process=core_process, kv_events=kv_events
         )
-        prioritize_core_process(config, engine, core_niceness)
+        prioritize_core_process(config, engine)
         # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self._vocab_size = engine.vocab_size
@@ -166,12 +160,11 @@ class AsyncLLM(EngineClient):
         stat_loggers: list[StatLogger] | None = None,
         num_cpus: int | None = None,
         kv_events: bool = False,
-        core_niceness: int | None = None,
     ) -> AsyncLLM:
         """``stat_loggers`` join vLLM's periodic throughput log line; ``disable_log_stats`` turns all off."""
         loggers = [] if args.disable_log_stats else [LoggingStatLogger(), *(stat_loggers or [])]
         config = args.create_engine_config()
-        return cls(config, stat_loggers=loggers, num_cpus=num_cpus, kv_events=kv_events, core_niceness=core_niceness)
+        return cls(config, stat_loggers=loggers, num_cpus=num_cpus, kv_events=kv_events)
 
     @property
     def max_model_len(self) -> int:

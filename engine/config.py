@@ -275,9 +275,10 @@ class DeviceConfig(_FrozenConfig):
         None,
         ge=-20,
         le=19,
-        description="Niceness of a serving engine-core child process (all its threads); None: inherited, or 0 "
-        "in a Serve replica (Ray starts its workers at 15: the core computes at the node's normal priority, "
-        "the replica's front end below it). Lowering it needs CAP_SYS_NICE; without, the core keeps its own.",
+        description="Niceness of a serving engine-core child process (all its threads); None: inherited (in a "
+        "Serve replica Ray's worker niceness, 15, as the replica's front end). Below the front end's, the core's "
+        "forward goes first; with several replicas per node their front ends then starve (Serve's router stops "
+        "hearing from them). Lowering it needs CAP_SYS_NICE; without, the core keeps its own.",
     )
 
 
