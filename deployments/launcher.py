@@ -3,15 +3,14 @@
     python -m deployments.launcher up [--config configs/serve/default.yaml]
     python -m deployments.launcher down
 
-``up`` starts a Ray head bound to 127.0.0.1 (unless one already answers on the dashboard port),
-deploys the config through the dashboard's REST API (what ``serve deploy`` does), waits until every
-application is RUNNING while printing progress, then how long each phase took (``launcher_timings``)
-and the endpoint with ready-to-paste examples. It fails early, naming what to change, when the
-config's deployments can never fit the cluster's CPUs/GPUs, and while it waits prints Serve's own
-messages (unschedulable resources, a slow or failing constructor) and what starting replicas do.
-``down`` lets in-flight HTTP streams finish (HAProxy's sessions drain), shuts Serve down
-and stops this head's processes by id (``ray_processes``): never ``ray stop``, which
-would end every Ray cluster on the machine.
+``up`` starts a Ray head bound to 127.0.0.1 (unless one already answers on the dashboard port), deploys the
+config through the dashboard's REST API (what ``serve deploy`` does), waits until every application is RUNNING
+while printing progress, then how long each phase took (``launcher_timings``), the endpoint with ready-to-paste
+examples and a self-check (one chat: its answer and latency). It fails early, naming what to change, when the
+config's deployments can never fit the cluster's CPUs/GPUs, and while it waits prints Serve's own messages
+(unschedulable resources, a slow or failing constructor) and what starting replicas do. ``down`` lets in-flight
+HTTP streams finish (HAProxy's sessions drain), shuts Serve down and stops this head's processes by id
+(``ray_processes``): never ``ray stop``, which would end every Ray cluster on the machine.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Model definitions (Llama / Mistral / Qwen2 / Qwen3) and weight loading.
 
-Entry point: ``get_model(model_dir, dtype, device="cpu")``; see ``LlamaForCausalLM``
+Entry point: ``get_model(model_path, dtype, device="cpu")`` (a directory or a .gguf file); see ``LlamaForCausalLM``
 for the forward / ``compute_logits`` interface the model runner uses.
 """
 
