@@ -11,6 +11,9 @@ Pure functions over plain data (the Serve config as loaded from YAML, the JSON o
   with Serve's own message (unschedulable resources, a slow or failing constructor), tracebacks cut to
   their last lines.
 - ``final_reason``: a reason to stop waiting (a failed deploy, resources that can never fit), or None.
+
+Once the app is RUNNING: ``print_usage`` (the endpoint and examples) and ``self_check``, the one function
+here that talks to the server (one greedy streamed chat: its answer, time to first token and per token).
 """
 
 from __future__ import annotations
