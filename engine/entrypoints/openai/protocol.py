@@ -52,6 +52,10 @@ def parse_json_object(body: bytes) -> dict:
     return data
 
 
+# The sampling fields a request may leave unset -> OpenAI's (and vLLM's) value when the model has no default.
+UNSET_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
@@ -112,9 +116,6 @@ class SamplingRequest(StructuredOutputFields):
         ``defaults`` (SamplingParams' names: the model's generation config, ``sampling_defaults``) fill the
         sampling fields the request left unset; OpenAI's defaults fill the rest."""
 
-        def unset_or(value, name: str, fallback):
-            return value if value is not None else defaults.get(name, fallback)
-
         logit_bias = None
         if self.logit_bias is not None:
             try:
@@ -123,13 +124,12 @@ class SamplingRequest(StructuredOutputFields):
                 raise ValueError("logit_bias keys must be token ids (integers as strings).") from None
         return SamplingParams(
             n=self.n,
-            temperature=unset_or(self.temperature, "temperature", 1.0),
-            top_p=unset_or(self.top_p, "top_p", 1.0),
-            top_k=unset_or(self.top_k, "top_k", 0),
-            min_p=unset_or(self.min_p, "min_p", 0.0),
+            **{
+                name: value if (value := getattr(self, name)) is not None else defaults.get(name, fallback)
+                for name, fallback in UNSET_SAMPLING_DEFAULTS.items()
+            },
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=unset_or(self.repetition_penalty, "repetition_penalty", 1.0),
             seed=self.seed,
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [],

@@ -69,6 +69,12 @@ class ServingBase:
         config = engine.model_config
         self.sampling_defaults = sampling_defaults(config.model, config.generation_config)
 
+    def sampling_params(
+        self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """``request``'s parameters, the model's sampling defaults filling the fields it left unset."""
+        return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs, defaults=self.sampling_defaults)
+
     def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raises ValueError (vLLM's message) unless the prompt plus ``max_tokens`` fit the context.
 

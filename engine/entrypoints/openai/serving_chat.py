@@ -65,9 +65,7 @@ class ChatServing(ServingBase):
             else:
                 text, token_ids = self.render_chat(request)
             self.check_context_length(len(token_ids), request.requested_max_tokens)
-            params = request.to_sampling_params(
-                request.requested_max_tokens, request.num_logprobs, defaults=self.sampling_defaults
-            )
+            params = self.sampling_params(request, request.requested_max_tokens, request.num_logprobs)
             if continuation is not None:
                 resumed = ResumedRequest.of(continuation, self.tokenizer, params)
         except ValueError as exc:

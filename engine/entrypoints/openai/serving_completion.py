@@ -86,9 +86,7 @@ class CompletionServing(ServingBase):
             self.check_context_length(len(prompt["prompt_token_ids"]), request.max_tokens)
         # echo + logprobs reports the prompt's logprobs too (the first prompt token has none).
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
-        return request.to_sampling_params(
-            request.max_tokens, request.logprobs, prompt_logprobs, defaults=self.sampling_defaults
-        )
+        return self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
 
     def prompt_text_of(self, prompt: dict) -> str:
         """The text of one of ``_tokenize_prompts``' prompts (echoed)."""
