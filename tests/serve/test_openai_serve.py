@@ -20,6 +20,9 @@ from tests.serve.cluster import LOOPBACK, deploy_and_wait, is_loopback, listenin
 
 LLAMA, QWEN = "tiny-llama", "tiny-qwen"
 PROMPT = "The quick brown fox"
+# tiny-qwen's decode steps take well under a millisecond natively: 300 tokens could end before a burst of
+# 8 requests had all arrived, and nothing would be shed.
+QUEUE_TOKENS = 4000
 # A second app on the same cluster whose args set a key and a small body limit (the first stays open); its
 # one model's LLM servers are its HTTP ingress (separate_ingress: false), which these tests cover too.
 GUARDED_KEY = "serve-test-key"
@@ -39,7 +42,8 @@ GUARDED_APP = {
 def base_url(ray_head, tiny_checkpoint):
     configs = [
         llm_config(LLAMA, tiny_checkpoint("llama")),
-        llm_config(QWEN, tiny_checkpoint("qwen2"), max_num_seqs=1, max_num_queued_reqs=1),
+        # Long requests (QUEUE_TOKENS) so that a burst finds the one running and the one queued still there.
+        llm_config(QWEN, tiny_checkpoint("qwen2"), max_num_seqs=1, max_num_queued_reqs=1, max_model_len=4096),
     ]
     config = serve_config(ray_head.http_port, configs)
     config["applications"].append(GUARDED_APP | {"args": {**GUARDED_APP["args"], "llm_configs": [configs[0]]}})
@@ -173,7 +177,8 @@ def test_a_full_queue_answers_503_with_retry_after(base_url):
 
     async def one(http: httpx.AsyncClient) -> httpx.Response:
         return await http.post(
-            f"{base_url}/v1/completions", json={"model": QWEN, "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+            f"{base_url}/v1/completions",
+            json={"model": QWEN, "prompt": PROMPT, "max_tokens": QUEUE_TOKENS, "ignore_eos": True},
         )
 
     async def burst() -> list[httpx.Response]:
@@ -185,7 +190,7 @@ def test_a_full_queue_answers_503_with_retry_after(base_url):
     assert statuses.count(200) >= 1 and 503 in statuses and set(statuses) <= {200, 503}, statuses
     shed = next(r for r in responses if r.status_code == 503)
     assert shed.headers["Retry-After"] and shed.json()["error"]["code"] == 503
-    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in responses if r.status_code == 200)
+    assert all(r.json()["usage"]["completion_tokens"] == QUEUE_TOKENS for r in responses if r.status_code == 200)
 
 
 def test_64_concurrent_streams_all_complete(base_url):
