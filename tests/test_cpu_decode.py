@@ -26,23 +26,25 @@ def _prompts(vocab_size: int, lengths: list[int]) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(n)]} for n in lengths]
 
 
-def _generate(llm, prompts, fused: bool, native_rows: int = 8):
+def _generate(llm, prompts, fused: bool, native_rows: int | None = None):
     runner = _runner(llm)
     stack = runner.cpu_decode
-    stack.native_rows = native_rows
+    default_rows = stack.native_rows
+    stack.native_rows = default_rows if native_rows is None else native_rows
     runner.cpu_decode = stack if fused else None
     try:
         return llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
-        runner.cpu_decode = stack
+        runner.cpu_decode, stack.native_rows = stack, default_rows
 
 
 @pytest.mark.parametrize(("arch", "tie"), [("llama", True), ("llama", False), ("qwen2", None)])
-@pytest.mark.parametrize("native_rows", [0, 8])
+@pytest.mark.parametrize("native_rows", [0, None, 8])  # None: the default, 2 rows (the rest on packed weights)
 def test_fused_decode_equals_the_layers(tiny_checkpoint, arch, tie, native_rows):
     llm = LLM(tiny_checkpoint(arch, tie), dtype="float32", max_num_seqs=12, enable_prefix_caching=False)
-    assert _runner(llm).cpu_decode is not None
-    for lengths in ([9], [5, 17, 30], [4 + i for i in range(11)]):  # batch 1, a few rows, past 8 rows (MKL)
+    stack = _runner(llm).cpu_decode
+    assert stack is not None and stack.native_rows == 2 and len(stack.packed_weights) == 4 * len(stack.layer_weights) // 7
+    for lengths in ([9], [5, 17, 30], [4 + i for i in range(11)]):  # batch 1, a few rows, past 8 rows
         prompts = _prompts(llm.get_tokenizer().vocab_size, lengths)
         fused = _generate(llm, prompts, True, native_rows)
         layers = _generate(llm, prompts, False)

@@ -4,16 +4,20 @@
 // SiLU); through Python each costs its interpreter and dispatcher time, about a tenth of what the products
 // themselves take on a 135M model, paid 30 times a step. Here the same native ops run back to back in C++:
 // the arithmetic is exactly that of the layers' native path (elementwise.cpp, decode_attention.cpp), and each
-// product is either the native skinny_linear (rows <= native_rows) or at::linear (what F.linear runs).
+// product is the native skinny_linear (rows <= native_rows), else the weight's oneDNN-packed copy through
+// mkldnn::_linear_pointwise when there is one (what cpu_prepack.linear calls), else at::linear (F.linear).
 //
 // Contract (decode_stack): hidden [T, hidden] float32, the step's token embeddings, one token per request
 // (row i is request i); layer_weights holds 7 tensors per layer, in order: input_layernorm [hidden],
 // qkv_proj weight [(H + 2 Hk) D, hidden], qkv_proj bias (or an empty tensor), o_proj weight [hidden, H D],
 // post_attention_layernorm [hidden], gate_up_proj weight [2 I, hidden], down_proj weight [hidden, I];
+// packed_weights is empty or holds 4 per layer, the packed copies of qkv, o, gate_up and down (cpu_prepack);
 // kv_caches one [2, blocks, block_size, Hk, D] per layer; positions and slot_mapping int64 [T]; cos_sin the
 // rope table [P, 2, D] float32; block_tables int32 [T, max_blocks] and seq_lens int32 [T]. Writes each
 // layer's new K/V into its cache and returns the final norm of the last layer's output [T, hidden].
 #include <torch/extension.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <vector>
 
@@ -33,6 +37,7 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 namespace {
 
 constexpr int64_t kTensorsPerLayer = 7;
+constexpr int64_t kPackedPerLayer = 4;
 
 struct StepArgs {
   torch::Tensor positions, slot_mapping, cos_sin, block_tables, seq_lens;
@@ -40,15 +45,29 @@ struct StepArgs {
   double eps, scale;
 };
 
-torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, int64_t native_rows) {
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  if (x.size(0) <= native_rows) return skinny_linear(x, w, has_bias ? c10::optional<torch::Tensor>(bias) : c10::nullopt);
-  return has_bias ? at::linear(x, w, bias) : at::linear(x, w);
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
+                               c10::string_view, c10::List<c10::optional<c10::Scalar>>,
+                               c10::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
+}
+
+// x @ w.T (+ bias); packed is w's packed copy or an undefined tensor.
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+                      const torch::Tensor& bias, int64_t native_rows) {
+  const c10::optional<torch::Tensor> b = bias.defined() && bias.numel() > 0 ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
+  if (x.size(0) <= native_rows) return skinny_linear(x, w, b);
+  if (packed.defined()) return packed_linear(x, packed, b);
+  return at::linear(x, w, b);
 }
 
 // One layer: (hidden, residual) -> (its MLP output, the residual stream before it), like DecoderLayer.forward.
-torch::Tensor layer(const torch::Tensor* w, const torch::Tensor& kv_cache, torch::Tensor hidden,
-                    torch::Tensor& residual, const StepArgs& a) {
+torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const torch::Tensor& kv_cache,
+                    torch::Tensor hidden, torch::Tensor& residual, const StepArgs& a) {
+  const torch::Tensor none;
   const int64_t t = hidden.size(0), d = a.head_dim;
   if (!residual.defined()) {
     residual = hidden;
@@ -56,7 +75,7 @@ torch::Tensor layer(const torch::Tensor* w, const torch::Tensor& kv_cache, torch
   } else {
     fused_add_rms_norm(hidden, residual, w[0], a.eps);  // in place: hidden = norm, residual = sum
   }
-  const torch::Tensor qkv = product(hidden, w[1], w[2], a.native_rows);
+  const torch::Tensor qkv = product(hidden, w[1], packed ? packed[0] : none, w[2], a.native_rows);
   const int64_t q_size = a.num_heads * d, kv_size = a.num_kv_heads * d;
   torch::Tensor q = qkv.narrow(1, 0, q_size).view({t, a.num_heads, d});
   torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, a.num_kv_heads, d});
@@ -64,22 +83,24 @@ torch::Tensor layer(const torch::Tensor* w, const torch::Tensor& kv_cache, torch
   rotary_embedding_and_cache(a.positions, q, k, v, a.cos_sin, kv_cache, a.slot_mapping);
   torch::Tensor attn = torch::empty({t, a.num_heads, d}, hidden.options());
   paged_decode_attention(q, kv_cache, a.block_tables, a.seq_lens, a.scale, attn);
-  torch::Tensor out = product(attn.view({t, q_size}), w[3], torch::Tensor(), a.native_rows);
+  torch::Tensor out = product(attn.view({t, q_size}), w[3], packed ? packed[1] : none, none, a.native_rows);
   fused_add_rms_norm(out, residual, w[4], a.eps);  // out = norm(out + residual), residual = the sum
-  const torch::Tensor gate_up = product(out, w[5], torch::Tensor(), a.native_rows);
-  return product(silu_and_mul(gate_up), w[6], torch::Tensor(), a.native_rows);
+  const torch::Tensor gate_up = product(out, w[5], packed ? packed[2] : none, none, a.native_rows);
+  return product(silu_and_mul(gate_up), w[6], packed ? packed[3] : none, none, a.native_rows);
 }
 
 }  // namespace
 
 torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> layer_weights,
-                           std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
+                           std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
                            torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
                            torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                            int64_t native_rows) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == kTensorsPerLayer * num_layers,
               "decode_stack: 7 weight tensors per layer expected");
+  TORCH_CHECK(packed_weights.empty() || static_cast<int64_t>(packed_weights.size()) == kPackedPerLayer * num_layers,
+              "decode_stack: no packed weights or 4 per layer expected");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 && hidden.is_contiguous(),
               "decode_stack: contiguous float32 hidden [T, hidden] expected");
   TORCH_CHECK(block_tables.size(0) == hidden.size(0) && seq_lens.size(0) == hidden.size(0),
@@ -89,7 +110,8 @@ torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> laye
                       head_dim,  native_rows,  eps,     scale};
   torch::Tensor residual;
   for (int64_t i = 0; i < num_layers; ++i) {
-    hidden = layer(layer_weights.data() + i * kTensorsPerLayer, kv_caches[i], hidden, residual, args);
+    const torch::Tensor* packed = packed_weights.empty() ? nullptr : packed_weights.data() + i * kPackedPerLayer;
+    hidden = layer(layer_weights.data() + i * kTensorsPerLayer, packed, kv_caches[i], hidden, residual, args);
   }
   fused_add_rms_norm(hidden, residual, final_norm, eps);
   return hidden;

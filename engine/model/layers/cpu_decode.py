@@ -4,7 +4,9 @@ At batch 1 on a small model each decoder layer is a dozen small ops, and their P
 is paid once per layer per token. ``CPUDecodeStack`` hands the whole stack to C++, which runs the same
 native ops the layers run (the fused norms, rope with the KV write, the paged decode kernel, SiLU-and-mul)
 back to back. Products of up to ``native_rows`` rows take the native ``skinny_linear`` (each weight row
-read once for all rows, whoever the CPU's vendor); larger ones ``at::linear``, what ``F.linear`` runs.
+read once for all rows, whoever the CPU's vendor); larger ones the weight's oneDNN-packed copy where
+``cpu_prepack`` made one (so from ``PACKED_MIN_ROWS`` rows, as ``cpu_prepack.linear`` decides), else
+``at::linear``, what ``F.linear`` runs.
 
 It takes a step only when every token is a decode of a generated token (``can_run``): a prompt's last
 tokens after a prefix-cache hit keep the layers' path, so they still equal the full prompt's bit for bit.
@@ -23,21 +25,21 @@ from torch import nn
 
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.kernels.cpu import fused_cpu_ops, load_cpu_kernels
+from engine.model.layers.cpu_prepack import PACKED_MIN_ROWS
 
 if TYPE_CHECKING:
     from engine.worker.step_inputs import StepInputs
 
-# Rows up to which the products take the native kernel (its ceiling is 8).
+# Rows up to which the products take the native kernel when the weights have no packed copy (its ceiling is 8).
 NATIVE_ROWS = 8
 
 
 class CPUDecodeStack:
     """The model's weights gathered once, in ``decode_stack``'s order; ``run`` is one decode-only step."""
 
-    def __init__(self, model: nn.Module, kernels, native_rows: int = NATIVE_ROWS):
+    def __init__(self, model: nn.Module, kernels):
         stack = model.model
         self.kernels = kernels
-        self.native_rows = native_rows
         self.embedding = stack.embed_tokens.weight
         self.final_norm = stack.norm.weight
         self.rotary = stack.rotary
@@ -59,6 +61,14 @@ class CPUDecodeStack:
                 layer.mlp.down_proj.weight,
             )
         ]
+        linears = [
+            linear
+            for layer in stack.local_layers
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ]
+        packed = all(linear.packed_weight is not None for linear in linears)
+        self.packed_weights = [linear.packed_weight for linear in linears] if packed else []
+        self.native_rows = PACKED_MIN_ROWS - 1 if packed else NATIVE_ROWS
 
     @classmethod
     def build(cls, model: nn.Module) -> CPUDecodeStack | None:
@@ -90,6 +100,7 @@ class CPUDecodeStack:
         return self.kernels.decode_stack(
             F.embedding(inputs.input_ids[:n], self.embedding),
             self.layer_weights,
+            self.packed_weights,
             kv_caches,
             self.final_norm,
             inputs.positions[:n],
@@ -125,7 +136,7 @@ def _is_plain_layer(layer: nn.Module, eps: float) -> bool:
     if not isinstance(backend, TorchPagedAttention) or not backend.use_cpu_kernel:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(linear.lora is not None or linear.packed_weight is not None for linear in linears):
+    if any(linear.lora is not None for linear in linears):
         return False
     if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return False

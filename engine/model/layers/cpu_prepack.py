@@ -1,22 +1,27 @@
-"""Weights prepared once after loading for bf16 linears on CPU.
+"""Weights prepared once after loading for linears on CPU.
 
-* On a CPU with bf16 matrix instructions (AVX-512 BF16, AMX), a bf16 ``F.linear`` re-lays out the
+* float32: the layer also keeps its weight packed into oneDNN's layout (``mkldnn._linear_pointwise``), which
+  products of ``PACKED_MIN_ROWS`` rows or more take: against MKL's sgemm on the unpacked weight, at decode
+  sizes (4-32 rows) a 30-layer stack of SmolLM2-135M's products runs 1.1-1.8x faster and at prefill sizes about
+  even (docs/benchmarks.md), and each row's result does not depend on how many rows the call has (a
+  prefix-cache hit's last rows equal the full prompt's bit for bit), which MKL's does not at a few rows. One
+  or two rows keep the unpacked weight: MKL's GEMV (as transformers computes a decode step) or, inside
+  ``skinny_products()``, the native ``skinny_linear``, both faster than the packed call there. The copy doubles
+  the weights' memory; the KV cache is sized after it.
+* bf16 on a CPU with bf16 matrix instructions (AVX-512 BF16, AMX): a bf16 ``F.linear`` re-lays out the
   weight for oneDNN on every call; at decode batch sizes (tens of rows) that costs up to a third of
   the matmul, and with one row far more. The weight is packed once into oneDNN's layout.
-* On a CPU without them (AVX2), oneDNN emulates bf16 products at about 15 GFLOP/s against 90-180 in
+* bf16 on a CPU without them (AVX2): oneDNN emulates bf16 products at about 15 GFLOP/s against 90-180 in
   float32 (``benchmarks/bench_matmul.py`` on cpu-2c-avx2): the layer keeps a float32 copy of its bf16
   weight, packed once into oneDNN's layout, and computes in float32, rounding the output back to bf16
   (the model's dtype stays bf16: activations, KV cache; the products are more exact, not less). Packed,
   the float32 products run 2-3x faster at decode sizes (tens of rows) than ``F.linear``'s MKL path
   (896 x 9728 at 32 rows: 71 against 30 GFLOP/s) and about even at prefill sizes.
 
-Inside ``skinny_products()`` (the model runner's speculative steps, the draft model's forwards), float32
-weights on CPU at 2 to 8 rows go to the native ``skinny_linear``, which reads each weight row once for all
-rows: MKL's sgemm at those sizes takes 3-5x its one-row time on AVX2 (a 256 x 8192 LM head at 5 rows:
-1.8 ms, against 0.5). Elsewhere MKL keeps every product, whose rows do not depend on how many there are
-(a prefix-cache hit's last rows equal the full prompt's bit for bit); the native kernel sums in another
-order. A decode-only step's LM head (the model runner, with ``cpu_decode``) may take it from one row on.
-Everything else (other row counts, GPUs) keeps ``F.linear``.
+Inside ``skinny_products()`` (the model runner's speculative steps, the draft model's forwards, a decode-only
+step's LM head), float32 products of the enabled row counts below ``PACKED_MIN_ROWS`` go to the native
+``skinny_linear``, which reads each weight row once for all rows (MKL's sgemm at a few rows takes 3-5x its
+one-row time on AVX2). Everything else (GPUs) keeps ``F.linear``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from engine.kernels.cpu import has_bf16_matmul, load_cpu_kernels, product_dtype
 
 # Rows the packed layout is tuned for (a typical decode batch); any row count works.
 _BATCH_SIZE_HINT = 64
+# A float32 product of this many rows or more takes the packed weight (module docstring).
+PACKED_MIN_ROWS = 3
 # Row counts the native skinny_linear takes (one row stays on MKL's GEMV, as transformers computes it).
 _SKINNY_ROWS = range(2, 9)
 _skinny_enabled = False  # inside skinny_products() only
@@ -51,7 +58,9 @@ def skinny_products(enabled: bool = True, rows: range = _SKINNY_ROWS):
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and has_bf16_matmul()
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and has_bf16_matmul())
 
 
 def computes_in_fp32(weight: torch.Tensor) -> bool:
@@ -67,6 +76,8 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed_weight: torch.Tensor | None
 ) -> torch.Tensor:
     """``F.linear`` through the prepared weight when there is one (x: [T, in] -> [T, out])."""
+    if packed_weight is not None and packed_weight.dtype == x.dtype == torch.float32 and x.shape[0] < PACKED_MIN_ROWS:
+        packed_weight = None  # one or two rows: the unpacked weight is faster (module docstring)
     if packed_weight is None:
         if _skinny_enabled and x.shape[0] in _skinny_rows and x.dtype == weight.dtype == torch.float32:
             skinny_linear = getattr(load_cpu_kernels(), "skinny_linear", None) if x.device.type == "cpu" else None
