@@ -43,7 +43,9 @@ def _generate(llm, prompts, fused: bool, native_rows: int | None = None):
 def test_fused_decode_equals_the_layers(tiny_checkpoint, arch, tie, native_rows):
     llm = LLM(tiny_checkpoint(arch, tie), dtype="float32", max_num_seqs=12, enable_prefix_caching=False)
     stack = _runner(llm).cpu_decode
-    assert stack is not None and stack.native_rows == 2 and len(stack.packed_weights) == 4 * len(stack.layer_weights) // 7
+    assert (
+        stack is not None and stack.native_rows == 2 and len(stack.packed_weights) == 4 * len(stack.layer_weights) // 7
+    )
     for lengths in ([9], [5, 17, 30], [4 + i for i in range(11)]):  # batch 1, a few rows, past 8 rows
         prompts = _prompts(llm.get_tokenizer().vocab_size, lengths)
         fused = _generate(llm, prompts, True, native_rows)

@@ -64,7 +64,12 @@ class CPUDecodeStack:
         linears = [
             linear
             for layer in stack.local_layers
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for linear in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
         ]
         packed = all(linear.packed_weight is not None for linear in linears)
         self.packed_weights = [linear.packed_weight for linear in linears] if packed else []
