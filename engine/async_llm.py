@@ -76,20 +76,19 @@ def uses_core_process(config: EngineConfig) -> bool:
 
 def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process: bool) -> EngineConfig:
     """``config`` with the in-process worker's torch threads set from the engine's ``num_cpus`` (default:
-    the machine's) unless ``num_threads`` is: all of them, or one fewer (at least 1) for a core process.
+    the machine's) unless ``num_threads`` is: one per CPU, for an engine core in its own process too.
 
-    The front end (detokenizing, streaming) then runs beside the forward instead of preempting one of
-    its OpenMP threads, which stalls every parallel region at its barrier (a Serve replica of 2 CPUs on
-    the 2-core machine, S2-like load: 2 threads 599 output tok/s, 1 thread 1,289). vLLM's CPU backend
-    reserves a core for its front end likewise.
+    The front end (detokenizing, streaming) shares those CPUs with the forward: on a real model its work is
+    a small fraction of a step's arithmetic and weight traffic, and a core left to it would idle most of the
+    time (docs/benchmarks.md, "On a real model"). A model so small that the front end's work rivals the step
+    runs better with ``num_threads`` one fewer than its CPUs.
     """
     device_config = config.device_config
     if device_config.num_threads is not None or (num_cpus is None and not core_process):
         return config
     if config.parallel_config.executor_backend != "uni":
         return config  # the forward runs in Ray worker actors, each with threads for its own CPUs
-    num_cpus = num_cpus or os.cpu_count() or 1
-    num_threads = max(1, num_cpus - 1) if core_process else num_cpus
+    num_threads = num_cpus or os.cpu_count() or 1
     return dataclasses.replace(config, device_config=device_config.model_copy(update={"num_threads": num_threads}))
 
 

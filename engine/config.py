@@ -268,8 +268,8 @@ class DeviceConfig(_FrozenConfig):
     num_threads: int | None = Field(
         None,
         ge=1,
-        description="torch intra-op threads on CPU; None: all cores, or the Serve replica's num_cpus; "
-        "one fewer (at least 1) for a serving engine-core process, leaving a core to the front end.",
+        description="torch intra-op threads on CPU; None: all cores, or the Serve replica's num_cpus (its front "
+        "end shares them).",
     )
     core_niceness: int | None = Field(
         None,

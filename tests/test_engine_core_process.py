@@ -169,7 +169,7 @@ def test_the_core_process_exits_with_its_parent(model_path, tmp_path):
     assert wait_until(lambda: not is_running(core_pid), timeout_s=10.0), "the core process outlived its parent"
 
 
-def test_torch_threads_follow_the_engines_cpu_share_and_leave_a_core_to_the_front_end(model_path):
+def test_torch_threads_follow_the_engines_cpu_share(model_path):
     from engine import EngineArgs
     from engine.async_llm import with_torch_threads
 
@@ -183,9 +183,9 @@ def test_torch_threads_follow_the_engines_cpu_share_and_leave_a_core_to_the_fron
         )
         return with_torch_threads(changed, num_cpus, core_process).device_config.num_threads
 
-    assert threads(4, core_process=True) == 3 and threads(4, core_process=False) == 4
-    assert threads(1, core_process=True) == 1  # never none
-    assert threads(None, core_process=True) == max(1, (os.cpu_count() or 1) - 1)
+    assert threads(4, core_process=True) == 4 and threads(4, core_process=False) == 4
+    assert threads(1, core_process=True) == 1
+    assert threads(None, core_process=True) == (os.cpu_count() or 1)
     assert threads(None, core_process=False) is None  # the worker's own default: every core
     assert threads(4, core_process=True, num_threads=7) == 7  # the user's choice stands
 
