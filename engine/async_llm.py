@@ -76,7 +76,7 @@ def uses_core_process(config: EngineConfig) -> bool:
 
 def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process: bool) -> EngineConfig:
     """``config`` with the in-process worker's torch threads set from the engine's ``num_cpus`` (default:
-    the machine's) unless ``num_threads`` is: one per CPU, for an engine core in its own process too.
+    the machine's) unless ``num_threads`` is set: one thread per CPU, whether the core runs here or in its own process.
 
     The front end (detokenizing, streaming) shares those CPUs with the forward: on a real model its work is
     a small fraction of a step's arithmetic and weight traffic, and a core left to it would idle most of the
