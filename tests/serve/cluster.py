@@ -6,9 +6,12 @@ Deployments go through the dashboard's REST API, as ``serve deploy`` and
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 from dataclasses import dataclass
+
+import httpx
 
 from deployments import launcher
 from tests.serve.haproxy_log import HAProxyLog
@@ -107,3 +110,17 @@ def serve_shutdown(head: RayHead) -> None:
         check=True,
         capture_output=True,
     )
+
+
+def sse_lines(response: httpx.Response):
+    """The lines of an SSE body, split where SSE splits them (CR, LF, CRLF) and nowhere else.
+
+    Not ``httpx``'s ``iter_lines``: it splits like ``str.splitlines``, also at U+0085, U+2028 and U+2029,
+    which JSON leaves unescaped, so a text holding one would read as a cut data line.
+    """
+    pending = ""
+    for text in response.iter_text():
+        *lines, pending = re.split(r"\r\n|\r|\n", pending + text)
+        yield from lines
+    if pending:
+        yield pending

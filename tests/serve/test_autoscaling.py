@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from deployments.autoscaling import GAUGES, TTFT_POLICY
-from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
+from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config, sse_lines
 
 # ~80 s alone on the shared 2-core machine (the head and two replica starts are most of it).
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def stream_completion(base_url: str, index: int, max_tokens: int) -> tuple[int |
     tokens, finish_reason, done = None, None, False
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
+        for line in sse_lines(response):
             if line == "data: [DONE]":
                 done = True
             elif line.startswith("data: {"):

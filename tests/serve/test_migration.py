@@ -17,7 +17,7 @@ import pytest
 from ray import serve
 
 from serval.bench.soak_client import read_migrations
-from tests.serve.cluster import deploy_and_wait, llm_config, serve_config
+from tests.serve.cluster import deploy_and_wait, llm_config, serve_config, sse_lines
 
 # ~60-80 s on the shared 2-core machine: the Ray head and two replicas starting is most of it.
 pytestmark = pytest.mark.slow
@@ -153,7 +153,7 @@ def test_without_migration_the_kill_ends_the_stream_with_an_error_event(app):
 
     def read() -> None:
         with httpx.stream("POST", f"{head.base_url}/v1/completions", json=body, timeout=120) as response:
-            events.extend(line for line in response.iter_lines() if line.startswith("data: "))
+            events.extend(line for line in sse_lines(response) if line.startswith("data: "))
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +22,7 @@ import pytest
 from ray import serve
 
 from deployments import launcher
-from tests.serve.cluster import RayHead, app_status, deploy_and_wait, llm_config, serve_config
+from tests.serve.cluster import RayHead, app_status, deploy_and_wait, llm_config, serve_config, sse_lines
 from tests.serve.haproxy_log import HAProxyLog
 
 LLAMA = "tiny-llama"
@@ -45,20 +44,6 @@ def wait_for_replicas(head, count: int, timeout_s: float = 240.0) -> None:
     while (states := replica_states(head)) != ("RUNNING", ["RUNNING"] * count):
         assert time.monotonic() < deadline, f"not {count} running replicas: {states}"
         time.sleep(0.5)
-
-
-def sse_lines(response: httpx.Response):
-    """The lines of an SSE body, split where SSE splits them (CR, LF, CRLF) and nowhere else.
-
-    Not ``httpx``'s ``iter_lines``: it splits like ``str.splitlines``, also at U+0085, U+2028 and U+2029,
-    which JSON leaves unescaped, so a text holding one would read as a cut data line.
-    """
-    pending = ""
-    for text in response.iter_text():
-        *lines, pending = re.split(r"\r\n|\r|\n", pending + text)
-        yield from lines
-    if pending:
-        yield pending
 
 
 def stream_completion(

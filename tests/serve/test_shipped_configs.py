@@ -20,6 +20,7 @@ import yaml
 
 from deployments import launcher, launcher_status, ray_processes
 from tests.helm.local_head import start_head
+from tests.serve.cluster import sse_lines
 
 pytestmark = [pytest.mark.ray, pytest.mark.serve, pytest.mark.slow]
 
@@ -93,7 +94,7 @@ def stream_completion(url: str, model: str, result: dict, first_chunk: threading
     body = {"model": model, "prompt": "Once", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
-            for line in response.iter_lines():
+            for line in sse_lines(response):
                 if line.startswith("data:"):
                     first_chunk.set()
                     result["last"] = line[5:].strip()
