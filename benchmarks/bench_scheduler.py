@@ -16,10 +16,10 @@ import statistics
 import time
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
-from engine.core.step_outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler
+from engine.sched.step_outputs import ModelRunnerOutput
 
 BLOCK_SIZE = 16
 

@@ -2,9 +2,9 @@
 transfer (disaggregated prefill), runs.
 
 Only a Ray worker can drive actors or hold Ray references, so such a core cannot be a plain child
-process of the replica (``engine.core_proc``'s usual host). It runs in an
+process of the replica (``engine.core.core_proc``'s usual host). It runs in an
 ``EngineCoreActor`` instead, speaking the same pipe protocol
-(``engine.core_proc``: ``EngineCoreStart`` first, one ``CoreStep`` per step)
+(``engine.core.core_proc``: ``EngineCoreStart`` first, one ``CoreStep`` per step)
 over a Unix socket that the front end listens on in Linux's abstract
 namespace (nothing on disk, nothing on the network; the actor shares the
 front end's node, so it can connect).
@@ -25,7 +25,7 @@ replica leaves nothing behind); ``RayActorHost.kill`` ends them after a
 shutdown, and removes the group if it made it. (A group the core made itself
 would outlive a killed core: groups belong to the job, not to the actor.) A
 dead core actor closes the socket: the front end's streams fail at once
-(``engine.core_client``).
+(``engine.core.core_client``).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ KV_CALL_TIMEOUT_S = 30.0  # stash_kv / claim_kv: a dict in the actor, answered b
 
 
 class EngineCoreActor:
-    """Hosts ``engine.core_proc.run_engine_core``; ``run`` returns once the core has stopped."""
+    """Hosts ``engine.core.core_proc.run_engine_core``; ``run`` returns once the core has stopped."""
 
     def run(self, address: bytes) -> None:
-        from engine.core_proc import run_engine_core
+        from engine.core.core_proc import run_engine_core
 
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(address)
@@ -69,7 +69,7 @@ class EngineCoreActor:
 
 
 class RayActorHost:
-    """A ``CoreHost`` (``engine.core_client``): the core in an ``EngineCoreActor``."""
+    """A ``CoreHost`` (``engine.core.core_client``): the core in an ``EngineCoreActor``."""
 
     def __init__(self, actor, run_ref, owned_group: PlacementGroup | None) -> None:
         self.actor, self.run_ref = actor, run_ref  # run_ref resolves when the core stops (an error if it died)

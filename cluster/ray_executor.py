@@ -55,8 +55,8 @@ from cluster.kv_transfer.ray_direct import KVDirectClient
 from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
 from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, KV_CONCURRENCY_GROUP, LORA_CONCURRENCY_GROUP, RayWorker
 from engine.config import EngineConfig
-from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture, all_of
+from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import time
 import ray
 
 from engine.config import EngineConfig
-from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
+from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 HEALTH_CONCURRENCY_GROUP = "health"
 # KV transfers (disaggregated prefill) run beside steps: a pull must not wait for a long prefill to finish.

@@ -5,14 +5,14 @@ A replica publishes (``LLMServer.record_routing_stats``) its load and its
 latest KV event batches, each numbered; ``KVIndex.publish`` applies the
 batches it has not seen, in order. A lost batch (a gap in the numbers) is
 applied past: the index may then claim a block the replica evicted, or miss
-one it holds, until the replica's next full snapshot (``engine.core.kv_events``)
+one it holds, until the replica's next full snapshot (``engine.sched.kv_events``)
 resynchronises it. Either costs a cache miss or a missed hit, never a wrong
 answer: the engine looks up its own cache. The router also records the
 blocks of each prompt it sends (``predict``), so its own decisions count
 before the replica reports them.
 
 A LoRA adapter's prompt is hashed with the adapter's name, as its replica's
-engine keys that adapter's blocks (``engine.core.block_hash.lora_hash_key``),
+engine keys that adapter's blocks (``engine.sched.block_hash.lora_hash_key``),
 so it is predicted to hit only that adapter's blocks. A request for an
 adapter (Serve's ``multiplexed_model_id``) goes first to the replicas that
 hold it, as Serve's own routers send it (``adapter_tiers``); the prefix and
@@ -29,8 +29,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.core.block_hash import BlockHash, extend_block_hashes, get_hash_function, lora_hash_key
-from engine.core.kv_events import KVEventBatch
+from engine.sched.block_hash import BlockHash, extend_block_hashes, get_hash_function, lora_hash_key
+from engine.sched.kv_events import KVEventBatch
 
 # How many numbered batches a replica repeats in each publication: a router that misses up to
 # this many minus one polls in a row still sees every batch.

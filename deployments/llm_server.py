@@ -1,7 +1,7 @@
 """The LLM-server deployment: one data-parallel copy of one model.
 
 Each replica owns an ``AsyncLLM`` (the engine core's busy loop runs in a
-child process of the replica, ``engine.core_proc``) and the OpenAI serving
+child process of the replica, ``engine.core.core_proc``) and the OpenAI serving
 logic for its model. The
 ingress reaches it through a Serve handle; Serve's router balances requests
 across the replicas.

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from ray.util import metrics
 
-from engine.core.kv_transfer import KVTransferStats
-from engine.core.scheduler import SchedulerStats
-from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.metrics import IterationStats
+from engine.sched.kv_transfer import KVTransferStats
+from engine.sched.scheduler import SchedulerStats
+from engine.sched.spec_decode_stats import SpecDecodingStats
 
 TAG_KEYS = ("model_name", "replica")
 # Seconds; vLLM's buckets for request-level latencies, finer ones for per-token latencies.

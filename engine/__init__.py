@@ -1,7 +1,7 @@
 """Serval's inference engine.
 
 ``from engine import LLM, SamplingParams`` is the offline API. Heavy modules
-(torch, transformers) load on first use, so ``engine.core`` stays importable
+(torch, transformers) load on first use, so ``engine.sched`` stays importable
 without them.
 """
 

@@ -5,7 +5,7 @@
         print(output.outputs[0].text, end="")
 
 The engine core (scheduler, executor, the busy loop that steps them) runs in
-another process by default (``engine_core_process``; ``engine.core_proc``), so
+another process by default (``engine_core_process``; ``engine.core.core_proc``), so
 that it does not share this process's GIL with the server's event loop: a
 child process, or a Ray actor beside this process when it drives Ray worker
 actors (TP/PP) or moves KV blocks through Ray (disaggregated prefill). Here,
@@ -30,8 +30,7 @@ import os
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core.kv_events import KVEventBatch
-from engine.core_client import EngineCoreProcess, core_host_kind
+from engine.core.core_client import EngineCoreProcess, core_host_kind
 from engine.engine_args import EngineArgs
 from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError  # errors re-exported
 from engine.engine_thread import IDLE_STATS_INTERVAL_S, AddCommand, EngineThread
@@ -44,6 +43,7 @@ from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
 from engine.model.source import load_tokenizer
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_events import KVEventBatch
 from engine.worker.worker import resolve_device
 
 # Importers of this module also reach these here (EngineStats moved to engine.metrics, the busy loop to
@@ -63,7 +63,7 @@ __all__ = [
 def uses_core_process(config: EngineConfig) -> bool:
     """Whether serving runs this config's engine core in another process (``engine_core_process``).
 
-    With KV transfer the core runs in a Ray actor (``engine.core_client.core_host_kind``), which holds
+    With KV transfer the core runs in a Ray actor (``engine.core.core_client.core_host_kind``), which holds
     no GPU of its own: there, an engine with one in-process CUDA worker keeps its core in this process.
     """
     if not config.parallel_config.engine_core_process:
@@ -203,7 +203,7 @@ class AsyncLLM(EngineClient):
         EngineDeadError are raised by the first ``__anext__``, before any output.
         Closing or cancelling the generator early aborts the request (its KV
         blocks are freed); ``abort(request_id)`` ends it with finish_reason "abort".
-        ``kv_transfer_params``: disaggregated prefill (``engine.core.kv_transfer``); ``lora_request``: the
+        ``kv_transfer_params``: disaggregated prefill (``engine.sched.kv_transfer``); ``lora_request``: the
         adapter (multi-LoRA, ``enable_lora``; checked like the rest of the input).
         """
         if request_id in self._collectors:
@@ -261,7 +261,7 @@ class AsyncLLM(EngineClient):
         await asyncio.to_thread(self._engine_thread.check_integrity)
 
     def take_kv_events(self) -> KVEventBatch:
-        """The prefix cache's changes since the last call (``engine.core.kv_events``); cheap, any thread."""
+        """The prefix cache's changes since the last call (``engine.sched.kv_events``); cheap, any thread."""
         return self._engine_thread.take_kv_events()
 
     def get_stats(self) -> EngineStats:

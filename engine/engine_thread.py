@@ -18,9 +18,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from engine.core.kv_events import KVEventBatch
-from engine.core_client import CoreDied, EngineCoreProcess
-from engine.core_proc import CoreStep
+from engine.core.core_client import CoreDied, EngineCoreProcess
+from engine.core.core_proc import CoreStep
 from engine.engine_client import EngineDeadError, EngineOverloadedError
 from engine.frontend.output_collector import RequestOutputCollector
 from engine.frontend.processor import PromptType
@@ -29,6 +28,7 @@ from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_events import KVEventBatch
 
 logger = logging.getLogger(__name__)
 

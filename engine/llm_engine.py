@@ -9,12 +9,10 @@ from __future__ import annotations
 import time
 
 from engine.config import EngineConfig
-from engine.core.kv_events import KVEventBatch
-from engine.core.step_outputs import EngineCoreOutput
-from engine.core_client import EngineCoreProcess
-from engine.core_proc import CoreStep
+from engine.core.core_client import EngineCoreProcess
+from engine.core.core_proc import CoreStep
+from engine.core.engine_core import EngineCore
 from engine.engine_args import EngineArgs
-from engine.engine_core import EngineCore
 from engine.executor.base import Executor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
 from engine.frontend.processor import Processor, PromptType
@@ -24,6 +22,8 @@ from engine.model.architecture import Architecture
 from engine.model.source import load_tokenizer, open_model_source
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_events import KVEventBatch
+from engine.sched.step_outputs import EngineCoreOutput
 
 
 def resolve_eos_token_ids(model_path: str, arch: Architecture) -> list[int]:
@@ -47,7 +47,7 @@ class LLMEngine:
         core_process: bool = False,
         kv_events: bool = False,
     ) -> None:
-        """``core_process``: the core runs in a child process (``engine.core_client``), which steps on its
+        """``core_process``: the core runs in a child process (``engine.core.core_client``), which steps on its
         own: its steps come through ``process_core_step``, and ``step()`` is not called. ``kv_events``:
         the prefix cache's changes are kept for ``take_kv_events`` (a KV-aware router's feed)."""
         check_lora_supported(config)  # before any process or model starts
@@ -96,7 +96,7 @@ class LLMEngine:
         """Queues a request (``n`` > 1 fans out into n core requests); returns its (prompt text, prompt
         token ids). Raises ValueError on bad input.
 
-        ``kv_transfer_params`` (disaggregated prefill, see ``engine.core.kv_transfer``) go to every child,
+        ``kv_transfer_params`` (disaggregated prefill, see ``engine.sched.kv_transfer``) go to every child,
         and ``lora_request`` (multi-LoRA: the adapter, checked here; None: the base model).
         """
         if request_id in self.core_ids_of:
@@ -204,7 +204,7 @@ class LLMEngine:
                 stat_logger.log()
 
     def take_kv_events(self) -> KVEventBatch:
-        """The prefix cache's changes since the last call (``engine.core.kv_events``); empty unless
+        """The prefix cache's changes since the last call (``engine.sched.kv_events``); empty unless
         built with ``kv_events``."""
         if self._kv_feed is not None:
             return self._kv_feed.take()

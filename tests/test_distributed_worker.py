@@ -35,9 +35,9 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler
 from tests.conftest import random_token_ids
 
 CASES = [("llama", None), ("qwen3", None), ("llama", True)]  # untied, tied, tied (make_model's defaults first)

@@ -1,4 +1,4 @@
-"""The engine core in its own process (``engine.core_proc`` / ``engine.core_client``) behind AsyncLLM.
+"""The engine core in its own process (``engine.core.core_proc`` / ``engine.core.core_client``) behind AsyncLLM.
 
 The rest of the suite's AsyncLLM tests (streams, aborts, ``n`` > 1, errors,
 stats) run on this path too, since it is the default; these check what only
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, EngineDeadError, RequestOutputKind, SamplingParams
-from engine.core_client import EngineCoreProcess
+from engine.core.core_client import EngineCoreProcess
 from tests.conftest import engine_kwargs, make_async_llm, random_token_ids, token_prompt, wait_until
 
 KWARGS = engine_kwargs(max_model_len=512, max_num_seqs=8, num_gpu_blocks_override=8 * 512 // 16 + 1)

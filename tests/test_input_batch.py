@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from engine.config import KVTransferConfig
-from engine.core.kv_transfer import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
-from engine.core.step_outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.kv_transfer import worker as kv_transfer_worker
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_transfer import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
+from engine.sched.step_outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.worker.input_batch import InputBatch
 
 BLOCK_SIZE = 4

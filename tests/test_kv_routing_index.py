@@ -15,8 +15,8 @@ from deployments.kv_index import (
     publication,
     session_replica,
 )
-from engine.core.kv_events import KVEventBatch, snapshot_batch
-from tests.core.test_kv_cache_manager import make_manager, make_request, run_prefill
+from engine.sched.kv_events import KVEventBatch, snapshot_batch
+from tests.sched.test_kv_cache_manager import make_manager, make_request, run_prefill
 
 OPTIONS = KVRouterOptions(block_size=4)
 

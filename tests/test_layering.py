@@ -1,4 +1,4 @@
-"""The layering rules: engine/core is pure Python, engine/ never imports Ray.
+"""The layering rules: engine/sched is pure Python, engine/ never imports Ray.
 
 Checked twice: statically (every import statement in the source) and
 dynamically (importing the modules in a fresh interpreter pulls in neither
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import engine
-import engine.core
+import engine.sched
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,8 +30,8 @@ def imported_top_level_modules(path: Path) -> set[str]:
     return names
 
 
-def test_engine_core_source_imports_neither_torch_nor_ray():
-    for path in (ROOT / "engine" / "core").rglob("*.py"):
+def test_scheduler_source_imports_neither_torch_nor_ray():
+    for path in (ROOT / "engine" / "sched").rglob("*.py"):
         forbidden = imported_top_level_modules(path) & {"torch", "ray", "triton", "transformers", "numpy"}
         assert not forbidden, f"{path.relative_to(ROOT)} imports {forbidden}"
 
@@ -55,8 +55,10 @@ def _loaded_after_import(modules: list[str]) -> set[str]:
     return set(result.stdout.split())
 
 
-def test_importing_the_engine_core_loads_neither_torch_nor_ray():
-    loaded = _loaded_after_import(["engine.core", *_modules_of(engine.core), "engine.config", "engine.sampling_params"])
+def test_importing_the_scheduler_loads_neither_torch_nor_ray():
+    loaded = _loaded_after_import(
+        ["engine.sched", *_modules_of(engine.sched), "engine.config", "engine.sampling_params"]
+    )
     assert "torch" not in loaded and "ray" not in loaded
 
 

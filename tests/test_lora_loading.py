@@ -14,12 +14,12 @@ import threading
 
 import pytest
 
-from engine.core.request import Request
+from engine.core.engine_core import EngineCore
 from engine.engine_args import EngineArgs
-from engine.engine_core import EngineCore
 from engine.lora.make_adapter import make_lora_adapter
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
+from engine.sched.request import Request
 from tests.conftest import engine_kwargs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from deployments.kv_index import KVIndex, KVRouterOptions, adapter_tiers, choose, prompt_block_hashes, publication
 from deployments.routing_hints import PromptTokenizer, make_hint
-from engine.core.request import Request
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
-from tests.core.test_kv_cache_manager import make_manager, run_prefill
+from engine.sched.request import Request
+from tests.sched.test_kv_cache_manager import make_manager, run_prefill
 
 BLOCK_SIZE = 4
 OPTIONS = KVRouterOptions(block_size=BLOCK_SIZE)

@@ -4,11 +4,11 @@ whose adapter has no slot waits (it does not fail) and runs once one is free. Th
 from __future__ import annotations
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.step_outputs import ModelRunnerOutput
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
+from engine.sched.step_outputs import ModelRunnerOutput
 
 
 def _scheduler(max_loras: int) -> Scheduler:

@@ -11,10 +11,10 @@ import logging
 import pytest
 
 from engine import SamplingParams
-from engine.core.scheduler import SchedulerStats
 from engine.engine_args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.metrics import IterationStats, LoggingStatLogger, RequestTimes
+from engine.sched.scheduler import SchedulerStats
 
 MAX_TOKENS = 6
 PROMPT_LENGTHS = (3, 20, 45)

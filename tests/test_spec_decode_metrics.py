@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from engine.core.kv_cache_manager import PrefixCacheStats
-from engine.core.scheduler import SchedulerStats
-from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.metrics import EngineStats, EngineTotals, IterationStats, LoggingStatLogger
 from engine.metrics.reader import Counter, Vector, engine_metrics
+from engine.sched.kv_cache_manager import PrefixCacheStats
+from engine.sched.scheduler import SchedulerStats
+from engine.sched.spec_decode_stats import SpecDecodingStats
 from serval.dashboard import load_dashboard, panel_queries_by_row
 from tests.test_dashboard import serval_metric_series
 

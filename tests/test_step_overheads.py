@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.core.step_outputs import EngineCoreOutput
 from engine.frontend.output_processor import OutputProcessor
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sched.step_outputs import EngineCoreOutput
 from engine.worker.request_state import CachedRequestState
 from engine.worker.sampling_inputs import SamplingMetadataCache, sampling_metadata
 from tests.test_detokenizer import tokenizer

@@ -16,8 +16,8 @@ import re
 import jsonschema
 import pytest
 
-from engine.core.request import Request
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.sched.request import Request
 from tests.conftest import assert_pool_clean, make_llm
 
 PERSON = {

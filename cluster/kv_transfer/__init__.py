@@ -3,5 +3,5 @@
 ``transports``: ``ObjectStoreTransport`` and ``RayDirectTransport`` (by import
 path from ``engine.kv_transfer.transport``); ``ray_direct``: the coordinator
 actor and client that move blocks between worker actors over a collective group.
-The scheduler side is ``engine.core.kv_transfer``, the worker side ``engine.kv_transfer``.
+The scheduler side is ``engine.sched.kv_transfer``, the worker side ``engine.kv_transfer``.
 """

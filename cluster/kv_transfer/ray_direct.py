@@ -28,7 +28,7 @@ from ray.experimental.collective import create_collective_group
 
 from cluster.kv_transfer.transports import LOAD_TIMEOUT_S, DirectKVRef
 from engine.config import KVTransferConfig
-from engine.core.kv_transfer import KVLoad
+from engine.sched.kv_transfer import KVLoad
 
 logger = logging.getLogger(__name__)
 

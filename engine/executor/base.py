@@ -13,8 +13,8 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.lora.request import LoRARequest
+from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 EXECUTOR_IMPORT_PATHS = {
     "uni": "engine.executor.uniproc:UniProcExecutor",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor
 from engine.lora.request import LoRARequest
+from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
 
 

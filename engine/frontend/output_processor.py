@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.step_outputs import EngineCoreOutput, LogprobsLists
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.metrics.stats import IterationStats, RequestTimes
 from engine.request_output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sched.step_outputs import EngineCoreOutput, LogprobsLists
 
 
 @dataclass

@@ -12,11 +12,11 @@ import time
 from collections.abc import Mapping
 
 from engine.config import EngineConfig
-from engine.core.request import Request, check_prompt_fits
 from engine.lora.request import LoRARequest
 from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
 from engine.sampling_params import SamplingParams
+from engine.sched.request import Request, check_prompt_fits
 
 PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} / {"prompt": "text"}
 

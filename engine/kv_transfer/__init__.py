@@ -1,4 +1,4 @@
-"""The worker side of KV transfer for disaggregated prefill (the scheduler side is ``engine.core.kv_transfer``)."""
+"""The worker side of KV transfer for disaggregated prefill (the scheduler side is ``engine.sched.kv_transfer``)."""
 
 from engine.kv_transfer.transport import KVTransport, get_transport_class
 from engine.kv_transfer.worker import KVConnectorWorker

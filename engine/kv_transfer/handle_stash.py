@@ -2,7 +2,7 @@
 
 A ``KVHandle``'s ``data`` holds Ray references (object references, an actor handle:
 ``cluster.kv_transfer``). The pipe between the front end and an engine core in another process
-(``engine.core_proc``) pickles plainly, outside Ray; a reference pickled that way is pinned for the
+(``engine.core.core_proc``) pickles plainly, outside Ray; a reference pickled that way is pinned for the
 life of the process that pickled it (Ray's out-of-band serialization): a leak per request. So a
 handle's ``data`` never crosses the pipe. It crosses by a call to the core's Ray actor
 (``cluster.core_actor``), which Ray counts like any other argument or return value, and the pipe
@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from engine.core.kv_transfer import KVHandle
+from engine.sched.kv_transfer import KVHandle
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import KVTransferConfig
-from engine.core.kv_transfer import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
 from engine.kv_transfer.transport import get_transport_class
+from engine.sched.kv_transfer import KVConnectorMetadata, KVHandle, KVLoad, KVTransferOutput
 
 if TYPE_CHECKING:
     from engine.worker.input_batch import InputBatch

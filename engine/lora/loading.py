@@ -16,8 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 from concurrent.futures import Future
 
-from engine.core.request import Request, RequestStatus
-from engine.core.request_hold import RequestHold
+from engine.sched.request import Request, RequestStatus
+from engine.sched.request_hold import RequestHold
 
 
 class LoRALoading(RequestHold):

@@ -24,10 +24,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.config import LoRAConfig
-from engine.core.step_outputs import LoRAWorkerCounts
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.layers import LinearLoRA, LoRABatch
 from engine.lora.request import LoRARequest
+from engine.sched.step_outputs import LoRAWorkerCounts
 
 
 class LoRAManager:

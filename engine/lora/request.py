@@ -12,7 +12,7 @@ class LoRARequest:
 
     ``lora_int_id`` keys the worker's device slots and host LRU: two requests with the same id
     must name the same adapter. The prefix cache keys an adapter's blocks by its name instead
-    (``engine.core.block_hash.LoRAHashKeys``: alike on every replica, as the KV-aware router hashes).
+    (``engine.sched.block_hash.LoRAHashKeys``: alike on every replica, as the KV-aware router hashes).
     ``content_digest`` (``engine.lora.adapter.adapter_digest``; "" where the caller did not take one) tells
     an adapter rewritten in place at the same path from what was there before.
     """

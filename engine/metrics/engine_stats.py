@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from engine.core.kv_transfer import KVTransferStats
-from engine.core.scheduler import SchedulerStats
-from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.metrics.stats import IterationStats
+from engine.sched.kv_transfer import KVTransferStats
+from engine.sched.scheduler import SchedulerStats
+from engine.sched.spec_decode_stats import SpecDecodingStats
 
 
 @dataclass

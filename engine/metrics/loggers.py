@@ -12,9 +12,9 @@ import logging
 import time
 from typing import Protocol
 
-from engine.core.scheduler import SchedulerStats
-from engine.core.spec_decode_stats import SpecDecodingStats
 from engine.metrics.stats import IterationStats
+from engine.sched.scheduler import SchedulerStats
+from engine.sched.spec_decode_stats import SpecDecodingStats
 
 logger = logging.getLogger("engine.metrics")
 

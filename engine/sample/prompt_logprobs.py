@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.step_outputs import LogprobsLists
 from engine.sample.logprobs import compute_prompt_logprobs
+from engine.sched.step_outputs import LogprobsLists
 
 
 @dataclass(frozen=True)

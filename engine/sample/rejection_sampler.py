@@ -46,13 +46,13 @@ from typing import NamedTuple
 
 import torch
 
-from engine.core.step_outputs import LogprobsLists
 from engine.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p, sample_inverse_cdf
 from engine.sample.logprobs import compute_logprobs, gather_logprobs
 from engine.sample.masks import apply_all_masks
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.penalties import apply_penalties
 from engine.sample.sampler import argmax
+from engine.sched.step_outputs import LogprobsLists
 
 
 @dataclass

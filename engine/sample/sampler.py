@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.step_outputs import LogprobsLists
 from engine.kernels.cpu import load_cpu_kernels
 from engine.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p, random_sample
 from engine.sample.logprobs import compute_logprobs, gather_logprobs
 from engine.sample.masks import apply_all_masks
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.penalties import apply_penalties
+from engine.sched.step_outputs import LogprobsLists
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

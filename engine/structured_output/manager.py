@@ -21,9 +21,9 @@ import threading
 from collections import OrderedDict
 
 from engine.config import EngineConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.request_hold import RequestHold
-from engine.core.step_outputs import SchedulerOutput
+from engine.sched.request import Request, RequestStatus
+from engine.sched.request_hold import RequestHold
+from engine.sched.step_outputs import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

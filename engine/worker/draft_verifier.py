@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.step_outputs import LogprobsLists
 from engine.sample import SamplingMetadata
 from engine.sample.rejection_sampler import RejectionSampler
+from engine.sched.step_outputs import LogprobsLists
 from engine.worker.request_state import CachedRequestState
 
 

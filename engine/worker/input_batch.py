@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 import torch
 
-from engine.core.step_outputs import SchedulerOutput
 from engine.sample import make_generator
+from engine.sched.step_outputs import SchedulerOutput
 from engine.worker.request_state import BlockTable, CachedRequestState
 from engine.worker.step_inputs import StepInputs, build_step_inputs
 

@@ -23,8 +23,6 @@ import torch
 
 from engine.attention.backend import resolve_backend_name
 from engine.config import EngineConfig
-from engine.core.kv_transfer import KVTransferOutput
-from engine.core.step_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.distributed.parallel_state import get_parallel_state, recv_from_prev_stage, send_to_next_stage
 from engine.kv_transfer import KVConnectorWorker
 from engine.lora.manager import LoRAManager
@@ -34,6 +32,8 @@ from engine.model.layers.cpu_prepack import prepack_linears, skinny_products
 from engine.sample import Sampler
 from engine.sample.grammar_bitmask import apply_grammar_bitmask_rows, grammar_rows
 from engine.sample.prompt_logprobs import PromptLogprobs
+from engine.sched.kv_transfer import KVTransferOutput
+from engine.sched.step_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from engine.worker.input_batch import InputBatch
 from engine.worker.profiling import profile_forward

@@ -18,10 +18,10 @@ from concurrent.futures import Future
 import torch
 
 from engine.config import EngineConfig
-from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.distributed.parallel_state import ParallelState, destroy_distributed, get_parallel_state, init_distributed
 from engine.lora.request import LoRARequest
 from engine.model.architecture import parse_dtype
+from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

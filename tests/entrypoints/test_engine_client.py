@@ -111,7 +111,7 @@ def test_a_served_request_checks_its_prompt_length_once(serving, monkeypatch):
     scheduler (wherever a module imported it, every copy is counted)."""
     import sys
 
-    from engine.core import request as core_request
+    from engine.sched import request as core_request
 
     original = core_request.check_prompt_fits
     calls = []

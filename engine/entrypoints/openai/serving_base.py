@@ -14,7 +14,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.request import check_prompt_not_empty
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.continuation import ResumedRequest, resumed_outputs
 from engine.entrypoints.openai.errors import from_exception
@@ -24,6 +23,7 @@ from engine.lora.request import LoRARequest
 from engine.model.source import sampling_defaults
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.request import check_prompt_not_empty
 
 # Keyword arguments of apply_chat_template the serving sets itself; a request's chat_template_kwargs can't.
 _RESERVED_TEMPLATE_KWARGS = frozenset(

@@ -1,11 +1,11 @@
 """The scheduler side of KV transfer, driven by hand-made runner outputs, no model and no transport."""
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
-from engine.core.kv_transfer import KVHandle, KVTransferOutput
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler
-from engine.core.step_outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_transfer import KVHandle, KVTransferOutput
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler
+from engine.sched.step_outputs import ModelRunnerOutput
 
 EOS = 2
 BLOCK = 16

@@ -1,10 +1,10 @@
 import pytest
 
 from engine.config import CacheConfig
-from engine.core.block_hash import ROOT_HASH, get_hash_function, hash_block_tokens
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request
 from engine.sampling_params import SamplingParams
+from engine.sched.block_hash import ROOT_HASH, get_hash_function, hash_block_tokens
+from engine.sched.kv_cache_manager import KVCacheManager
+from engine.sched.request import Request
 
 
 def make_manager(num_blocks=16, block_size=4, caching=True, algo="sha256"):

@@ -3,9 +3,9 @@ cached hashes, through eviction, churn inside one batch, lost batches (a snapsho
 
 import random
 
-from engine.core.block_hash import extend_block_hashes, get_hash_function
-from engine.core.kv_events import KVEventBatch, KVEventFeed
-from tests.core.test_kv_cache_manager import make_manager, make_request, run_prefill
+from engine.sched.block_hash import extend_block_hashes, get_hash_function
+from engine.sched.kv_events import KVEventBatch, KVEventFeed
+from tests.sched.test_kv_cache_manager import make_manager, make_request, run_prefill
 
 
 class FakeClock:

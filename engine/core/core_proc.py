@@ -1,7 +1,7 @@
 """The engine core in its own process (vLLM's ``EngineCoreProc``): the busy loop away from the server's GIL.
 
-The process is a child of the front end's (``python -m engine.core_proc``), or, for a core that drives
-Ray worker actors (TP/PP), a Ray actor (``cluster.core_actor``); ``engine.core_client`` starts either.
+The process is a child of the front end's (``python -m engine.core.core_proc``), or, for a core that drives
+Ray worker actors (TP/PP), a Ray actor (``cluster.core_actor``); ``engine.core.core_client`` starts either.
 The protocol, over one duplex pipe (pickled messages, in order both ways):
 
     parent -> core   EngineCoreStart first, then Request (add), AbortRequests,
@@ -13,7 +13,7 @@ The protocol, over one duplex pipe (pickled messages, in order both ways):
 
 One ``CoreStep`` carries the outputs of all requests of one step plus the
 scheduler's statistics as they stand after it (and, with
-``EngineCoreStart.kv_events``, the prefix cache's changes, ``engine.core.kv_events``), so the parent learns everything
+``EngineCoreStart.kv_events``, the prefix cache's changes, ``engine.sched.kv_events``), so the parent learns everything
 in one message per step, never one per token. The core steps while it has
 work and blocks on the pipe when it has none; commands are applied between
 steps (continuous batching). The process exits when told to, when its parent
@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig
-from engine.core.kv_events import KVEventBatch
-from engine.core.request import Request
-from engine.core.scheduler import SchedulerStats
-from engine.core.step_outputs import EngineCoreOutput
 from engine.kv_transfer.handle_stash import stash_outputs, unstash_request
+from engine.sched.kv_events import KVEventBatch
+from engine.sched.request import Request
+from engine.sched.scheduler import SchedulerStats
+from engine.sched.step_outputs import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def run_engine_core(conn: Connection, parent_pid: int | None) -> None:
     """
     if parent_pid is not None:
         exit_with_parent(parent_pid)
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     try:
         start: EngineCoreStart = conn.recv()
@@ -216,10 +216,12 @@ class EngineCoreLoop:
         )
 
 
-if __name__ == "__main__":  # python -m engine.core_proc <socket fd> <parent pid> (engine.core_client starts it)
+if (
+    __name__ == "__main__"
+):  # python -m engine.core.core_proc <socket fd> <parent pid> (engine.core.core_client starts it)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s engine-core %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which shuts this down
-    # Through the module's import name: what crosses the pipe must pickle as engine.core_proc.*, not __main__.*
-    from engine import core_proc
+    # Through the module's import name: what crosses the pipe must pickle as engine.core.core_proc.*, not __main__.*
+    from engine.core import core_proc
 
     core_proc.run_engine_core(Connection(int(sys.argv[1])), int(sys.argv[2]))

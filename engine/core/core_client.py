@@ -1,4 +1,4 @@
-"""The front end's handle on an engine core running in another process (``engine.core_proc``).
+"""The front end's handle on an engine core running in another process (``engine.core.core_proc``).
 
 The core runs in a child process, or, when it drives Ray worker actors (the Ray executor: TP/PP) or moves
 KV blocks through Ray (disaggregated prefill), in a Ray actor (``cluster.core_actor``, found by import
@@ -29,11 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.core.kv_cache_manager import PrefixCacheStats
-from engine.core.kv_events import KVEventBatch
-from engine.core.request import Request
-from engine.core.scheduler import SchedulerStats
-from engine.core_proc import (
+from engine.core.core_proc import (
     AbortRequests,
     CoreFailed,
     CoreReady,
@@ -43,6 +39,10 @@ from engine.core_proc import (
     UtilityResult,
 )
 from engine.kv_transfer.handle_stash import StashedKV, remote_kv_data, with_remote_kv_data
+from engine.sched.kv_cache_manager import PrefixCacheStats
+from engine.sched.kv_events import KVEventBatch
+from engine.sched.request import Request
+from engine.sched.scheduler import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 # What starts a core, by host kind (``core_host_kind``): a function (config) -> (the front end's end of the
 # pipe, CoreHost).
 CORE_HOST_IMPORT_PATHS = {
-    "child": "engine.core_client:start_child_process",
+    "child": "engine.core.core_client:start_child_process",
     "actor": "cluster.core_actor:start_core_actor",
 }
 
@@ -291,7 +291,7 @@ class ChildProcess:
 
 
 def start_child_process(config: EngineConfig) -> tuple[Connection, ChildProcess]:
-    """``python -m engine.core_proc`` with one end of a socket pair; this process keeps the other
+    """``python -m engine.core.core_proc`` with one end of a socket pair; this process keeps the other
     (``config`` reaches the child in EngineCoreStart).
 
     Not multiprocessing's spawn: that re-runs the parent's main script in the child, which breaks
@@ -300,7 +300,7 @@ def start_child_process(config: EngineConfig) -> tuple[Connection, ChildProcess]
     parent_socket, child_socket = socket.socketpair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine.core_proc", str(child_socket.fileno()), str(os.getpid())],
+        [sys.executable, "-m", "engine.core.core_proc", str(child_socket.fileno()), str(os.getpid())],
         pass_fds=[child_socket.fileno()],
         env=env,
     )

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.core.block_hash import BlockHash
-from engine.core.kv_events import KVEventSink
+from engine.sched.block_hash import BlockHash
+from engine.sched.kv_events import KVEventSink
 
 NULL_BLOCK_ID = 0
 

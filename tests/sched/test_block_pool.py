@@ -1,6 +1,6 @@
 import pytest
 
-from engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from engine.sched.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 
 def ids(blocks):

@@ -9,7 +9,7 @@ from array import array
 
 import pytest
 
-from engine.core.block_hash import ROOT_HASH, extend_block_hashes, get_hash_function, hash_block_tokens
+from engine.sched.block_hash import ROOT_HASH, extend_block_hashes, get_hash_function, hash_block_tokens
 
 
 def block_by_block(hash_fn, token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.core.request import Request
+from engine.sched.request import Request
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 

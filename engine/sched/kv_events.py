@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.core.block_hash import BlockHash
+from engine.sched.block_hash import BlockHash
 
 
 @dataclass

@@ -5,10 +5,10 @@ import itertools
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
-from engine.core.step_outputs import ModelRunnerOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
+from engine.sched.step_outputs import ModelRunnerOutput
 
 EOS = 2
 # Distinct token ranges per request, so prompts share no prefix unless a test asks for one.
@@ -275,7 +275,7 @@ def test_an_engine_core_output_pickles_to_an_equal_one():
     import dataclasses
     import pickle
 
-    from engine.core.step_outputs import EngineCoreOutput, LogprobsLists
+    from engine.sched.step_outputs import EngineCoreOutput, LogprobsLists
 
     values = {
         "request_id": "r",

@@ -16,15 +16,15 @@ Contract:
   allocated beyond them (within ``max_model_len``).
 * ``disable_by_batch_size``: while that many requests run, nothing is verified (drafts dropped).
 
-Pure Python, like the rest of ``engine.core``.
+Pure Python, like the rest of ``engine.sched``.
 """
 
 from __future__ import annotations
 
 from engine.config import SpeculativeConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.spec_decode_stats import SpecDecodingStats
-from engine.core.step_plan import StepPlan
+from engine.sched.request import Request, RequestStatus
+from engine.sched.spec_decode_stats import SpecDecodingStats
+from engine.sched.step_plan import StepPlan
 
 
 class SpecDecodeScheduling:

@@ -19,11 +19,11 @@ import weakref
 from collections import deque
 
 from engine.config import EngineConfig
-from engine.core.request import Request
-from engine.core.scheduler import Scheduler, SchedulerStats
-from engine.core.step_outputs import EngineCoreOutput, LoRAWorkerCounts, ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import Executor, StepFuture
 from engine.lora.loading import LoRALoading
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler, SchedulerStats
+from engine.sched.step_outputs import EngineCoreOutput, LoRAWorkerCounts, ModelRunnerOutput, SchedulerOutput
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

@@ -14,16 +14,16 @@ import time
 from dataclasses import dataclass
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
-from engine.core.block_pool import KVCacheBlock
-from engine.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, check_pool_holds_one_sequence
-from engine.core.kv_transfer import KVConnectorScheduler, KVTransferStats
-from engine.core.request import Request, RequestStatus, lora_slot_blocked
-from engine.core.request_queue import make_request_queue
-from engine.core.spec_decode import SpecDecodeScheduling
-from engine.core.spec_decode_stats import SpecDecodingStats
-from engine.core.step_outputs import EngineCoreOutput, LoRAWorkerCounts, ModelRunnerOutput, SchedulerOutput
-from engine.core.step_plan import StepPlan
-from engine.core.stop_conditions import check_stop
+from engine.sched.block_pool import KVCacheBlock
+from engine.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats, check_pool_holds_one_sequence
+from engine.sched.kv_transfer import KVConnectorScheduler, KVTransferStats
+from engine.sched.request import Request, RequestStatus, lora_slot_blocked
+from engine.sched.request_queue import make_request_queue
+from engine.sched.spec_decode import SpecDecodeScheduling
+from engine.sched.spec_decode_stats import SpecDecodingStats
+from engine.sched.step_outputs import EngineCoreOutput, LoRAWorkerCounts, ModelRunnerOutput, SchedulerOutput
+from engine.sched.step_plan import StepPlan
+from engine.sched.stop_conditions import check_stop
 
 
 @dataclass

@@ -11,7 +11,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from engine.core.request import Request
+from engine.sched.request import Request
 
 
 class FCFSQueue:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.core.kv_transfer import KVConnectorMetadata, KVTransferOutput
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_transfer import KVConnectorMetadata, KVTransferOutput
 
 if TYPE_CHECKING:
     from engine.lora.request import LoRARequest

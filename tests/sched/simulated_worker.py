@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
+from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 
 def next_token(token_ids: list[int], vocab_size: int) -> int:

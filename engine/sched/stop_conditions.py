@@ -6,7 +6,7 @@ which then aborts the request in the core.
 
 from __future__ import annotations
 
-from engine.core.request import Request, RequestStatus
+from engine.sched.request import Request, RequestStatus
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
-from tests.core.simulated_worker import SimulatedWorker, next_token
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
+from tests.sched.simulated_worker import SimulatedWorker, next_token
 
 VOCAB_SIZE = 40
 EOS_TOKEN_ID = 0

@@ -14,7 +14,7 @@ Contract:
   them nor the plan. The output shares the plan's ``num_scheduled_tokens``
   dict and the ``finished_req_ids`` set it is given.
 
-Pure Python, like the rest of ``engine.core``.
+Pure Python, like the rest of ``engine.sched``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.core.request import Request
-from engine.core.step_outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.sched.request import Request
+from engine.sched.step_outputs import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 @dataclass(slots=True)

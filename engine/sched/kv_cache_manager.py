@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import CacheConfig
-from engine.core.block_hash import LoRAHashKeys, extend_block_hashes, get_hash_function
-from engine.core.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
-from engine.core.kv_events import KVEventFeed
-from engine.core.request import Request
+from engine.sched.block_hash import LoRAHashKeys, extend_block_hashes, get_hash_function
+from engine.sched.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
+from engine.sched.kv_events import KVEventFeed
+from engine.sched.request import Request
 
 
 @dataclass
@@ -143,7 +143,7 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(blocks))
 
     def kv_event_feed(self) -> KVEventFeed:
-        """Starts reporting this manager's prefix-cache changes (``engine.core.kv_events``); call once."""
+        """Starts reporting this manager's prefix-cache changes (``engine.sched.kv_events``); call once."""
         return KVEventFeed(self.block_pool)
 
     def get_block_ids(self, request_id: str) -> list[int]:
