@@ -47,7 +47,7 @@ def run(model: str, name: str, num_requests: int, input_len: int, output_len: in
         num_cpus_per_worker=0.5,
         **CONFIGS[name],
     )
-    executor = llm.llm_engine.engine_core.executor
+    executor = llm.llm_engine.engine_core.engine_core.executor
     step_times: list[float] = []
     execute_model = executor.execute_model
 

@@ -121,7 +121,7 @@ def run_load_times(lora_llm, model: str, loaded) -> None:
         start = time.perf_counter()
         load_adapter(path, arch, RANK, torch.float32)
         disk.append(time.perf_counter() - start)
-    manager = lora_llm.llm_engine.engine_core.executor.worker.model_runner.lora
+    manager = lora_llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.lora
     # New ids: each prepare reads the adapter from disk into the LRU and then into a slot (a swap: the
     # four slots hold the throughput run's adapters); then the first four again, from the LRU only.
     new = [LoRARequest(f"fresh-{i}", 100 + i, path) for i, path in enumerate(fresh)]

@@ -46,8 +46,8 @@ def instrument(llm, totals: dict) -> None:
     import engine.attention.torch_paged as torch_paged
 
     engine = llm.llm_engine
-    scheduler = engine.engine_core.scheduler
-    runner = engine.engine_core.executor.worker.model_runner
+    scheduler = engine.engine_core.engine_core.scheduler
+    runner = engine.engine_core.engine_core.executor.worker.model_runner
     scheduler.schedule = timed(totals, "scheduler.schedule", scheduler.schedule)
     scheduler.update_from_output = timed(totals, "scheduler.update_from_output", scheduler.update_from_output)
     batch = runner.input_batch
@@ -153,7 +153,7 @@ def main() -> None:
         return
     for i, prompt in enumerate(prompts):  # again, to profile decode steps once the prompts are in
         engine.add_request(f"again-{i}", {"prompt_token_ids": [t + args.repeat for t in prompt]}, params)
-    scheduler = engine.engine_core.scheduler
+    scheduler = engine.engine_core.engine_core.scheduler
     while len(scheduler.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU]) as profiler:

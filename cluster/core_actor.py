@@ -25,7 +25,7 @@ replica leaves nothing behind); ``RayActorHost.kill`` ends them after a
 shutdown, and removes the group if it made it. (A group the core made itself
 would outlive a killed core: groups belong to the job, not to the actor.) A
 dead core actor closes the socket: the front end's streams fail at once
-(``engine.core.core_client``).
+(``engine.core.proc_client``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class EngineCoreActor:
 
 
 class RayActorHost:
-    """A ``CoreHost`` (``engine.core.core_client``): the core in an ``EngineCoreActor``."""
+    """A ``CoreHost`` (``engine.core.core_hosts``): the core in an ``EngineCoreActor``."""
 
     def __init__(self, actor, run_ref, owned_group: PlacementGroup | None) -> None:
         self.actor, self.run_ref = actor, run_ref  # run_ref resolves when the core stops (an error if it died)
@@ -96,6 +96,10 @@ class RayActorHost:
         if self.owned_group is not None:
             group, self.owned_group = self.owned_group, None
             release_placement_group(group)
+
+    def set_niceness(self, niceness: int) -> bool:
+        """The actor keeps the niceness Ray starts its workers with (``core_niceness`` is a child process's)."""
+        return True
 
     def stash_kv(self, entries: dict) -> None:
         ray.get(self.actor.stash_kv.remote(entries), timeout=KV_CALL_TIMEOUT_S)

@@ -100,7 +100,7 @@ def percentile_exceeds(num_slow: int, num_samples: int, percentile: float) -> bo
 
 class TTFTWindow:
     """The replica's recent TTFTs, as a ``StatLogger`` (``engine.metrics.loggers``): ``record`` runs on the
-    engine's busy-loop thread, ``report`` on the replica's (Serve's autoscaling-metrics task)."""
+    engine's front-end thread, ``report`` on the replica's (Serve's autoscaling-metrics task)."""
 
     def __init__(self, options: TTFTPolicyOptions | None) -> None:
         """``options`` None (another policy): only the request counts are reported."""

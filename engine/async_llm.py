@@ -4,20 +4,15 @@
     async for output in llm.generate("Hello", SamplingParams(output_kind=RequestOutputKind.DELTA), "req-1"):
         print(output.outputs[0].text, end="")
 
-The engine core (scheduler, executor, the busy loop that steps them) runs in
-another process by default (``engine_core_process``; ``engine.core.core_proc``), so
-that it does not share this process's GIL with the server's event loop: a
-child process, or a Ray actor beside this process when it drives Ray worker
-actors (TP/PP) or moves KV blocks through Ray (disaggregated prefill). Here,
-one daemon thread alone touches the ``LLMEngine`` front end (tokenize, send,
-detokenize; it is not thread-safe): ``engine.engine_thread.EngineThread``.
-Requests reach it through its command queue, and the core's steps arrive in
-the same queue, one message per step; with the core in process
-(``engine_core_process=False``, or KV transfer with one CUDA worker) that
-thread steps it itself. Requests join and leave the running batch at step
-boundaries (continuous batching). Each step's outputs come back to the event
-loop as one batch, where each lands in its request's ``RequestOutputCollector``,
-which merges what a slow consumer has not read yet.
+Three places work on a request: the server's event loop (``generate`` and its stream); the front end's
+thread (``engine.frontend.processor_thread``), which alone touches the ``LLMEngine`` front end (tokenize,
+detokenize, publish stats); and the engine core, which steps on its own where ``serving_placement`` puts it
+(``engine.core.core_client``): by default another process (a child, or a Ray actor beside this process when
+it drives Ray worker actors or moves KV blocks through Ray), so that it does not share this process's GIL
+with the event loop; with ``engine_core_process=False`` a thread of this one. Requests join and leave the
+running batch at step boundaries (continuous batching). Each step's outputs come back to the event loop as
+one batch, where each lands in its request's ``RequestOutputCollector``, which merges what a slow consumer
+has not read yet.
 """
 
 from __future__ import annotations
@@ -30,13 +25,13 @@ import os
 from collections.abc import AsyncGenerator
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core.core_client import EngineCoreProcess, core_host_kind
+from engine.core.core_client import CorePlacement, serving_placement
 from engine.engine_args import EngineArgs
-from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError  # errors re-exported
-from engine.engine_thread import IDLE_STATS_INTERVAL_S, AddCommand, EngineThread
+from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
 from engine.executor.base import Executor
 from engine.frontend.output_collector import RequestOutputCollector
 from engine.frontend.processor import PromptType
+from engine.frontend.processor_thread import AddCommand, ProcessorThread
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
@@ -44,37 +39,13 @@ from engine.model.source import load_tokenizer
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_events import KVEventBatch
-from engine.worker.worker import resolve_device
 
-# Importers of this module also reach these here (EngineStats moved to engine.metrics, the busy loop to
-# engine.engine_thread, the errors to engine.engine_client).
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "IDLE_STATS_INTERVAL_S",
-    "AsyncLLM",
-    "EngineDeadError",
-    "EngineOverloadedError",
-    "EngineStats",
-    "EngineThread",
-]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError"]
 
 
-def uses_core_process(config: EngineConfig) -> bool:
-    """Whether serving runs this config's engine core in another process (``engine_core_process``).
-
-    With KV transfer the core runs in a Ray actor (``engine.core.core_client.core_host_kind``), which holds
-    no GPU of its own: there, an engine with one in-process CUDA worker keeps its core in this process.
-    """
-    if not config.parallel_config.engine_core_process:
-        return False
-    in_process_worker = config.parallel_config.executor_backend == "uni"
-    if config.kv_transfer_config is not None and in_process_worker:
-        return resolve_device(config.device_config.device).type == "cpu"
-    return True
-
-
-def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process: bool) -> EngineConfig:
+def with_torch_threads(config: EngineConfig, num_cpus: int | None, placement: CorePlacement) -> EngineConfig:
     """``config`` with the in-process worker's torch threads set from the engine's ``num_cpus`` (default:
     the machine's) unless ``num_threads`` is set: one thread per CPU, whether the core runs here or in its own process.
 
@@ -84,7 +55,7 @@ def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process:
     runs better with ``num_threads`` one fewer than its CPUs.
     """
     device_config = config.device_config
-    if device_config.num_threads is not None or (num_cpus is None and not core_process):
+    if device_config.num_threads is not None or (num_cpus is None and placement.in_this_process):
         return config
     if config.parallel_config.executor_backend != "uni":
         return config  # the forward runs in Ray worker actors, each with threads for its own CPUs
@@ -92,41 +63,11 @@ def with_torch_threads(config: EngineConfig, num_cpus: int | None, core_process:
     return dataclasses.replace(config, device_config=device_config.model_copy(update={"num_threads": num_threads}))
 
 
-def set_process_niceness(pid: int, niceness: int) -> bool:
-    """Sets every thread of process ``pid`` to ``niceness`` (Linux keeps one per thread: its OpenMP threads
-    exist already and later ones inherit it). False when not allowed (raising a priority needs
-    CAP_SYS_NICE) or not on Linux; the threads keep theirs then."""
-    task_dir = f"/proc/{pid}/task"
-    if not os.path.isdir(task_dir) or not hasattr(os, "setpriority"):
-        return False
-    for _ in range(2):  # a thread started while the first pass ran gets the second
-        for tid in os.listdir(task_dir):
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-            except ProcessLookupError:
-                continue  # that thread ended
-            except PermissionError:
-                return False
-    return True
-
-
-def prioritize_core_process(config: EngineConfig, engine: LLMEngine) -> None:
-    """Gives a child core process ``config``'s ``core_niceness`` (None: left as inherited)."""
-    niceness = config.device_config.core_niceness
-    core = engine.engine_core
-    if niceness is None or not isinstance(core, EngineCoreProcess) or core_host_kind(config) != "child":
-        return
-    if core.pid is None or os.getpriority(os.PRIO_PROCESS, core.pid) == niceness:
-        return
-    if not set_process_niceness(core.pid, niceness):
-        logger.warning("The engine core (pid %d) keeps its niceness: setting %d is not allowed.", core.pid, niceness)
-
-
 class AsyncLLM(EngineClient):
     """The engine behind an asyncio server: ``generate`` streams, ``abort`` stops, ``get_stats`` observes.
 
     Use it from one event loop at a time (the HTTP server's). Construction loads
-    the model and starts the busy-loop thread; ``shutdown`` stops it.
+    the model and starts the core and the front end's thread; ``shutdown`` stops them.
     """
 
     def __init__(
@@ -139,18 +80,15 @@ class AsyncLLM(EngineClient):
     ) -> None:
         """``num_cpus``: the CPUs this engine may use, front end included (default: the machine's).
         ``kv_events``: keep the prefix cache's changes for ``take_kv_events`` (a KV-aware router's feed)."""
-        core_process = uses_core_process(config)
-        config = with_torch_threads(config, num_cpus, core_process)
+        placement = serving_placement(config)
+        config = with_torch_threads(config, num_cpus, placement)
         self.config = config
-        engine = LLMEngine(
-            config, executor_class, stat_loggers=stat_loggers, core_process=core_process, kv_events=kv_events
-        )
-        prioritize_core_process(config, engine)
-        # The engine's tokenizer belongs to the busy-loop thread; the event loop (chat templates) gets its own.
+        engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers, placement=placement, kv_events=kv_events)
+        # The engine's tokenizer belongs to the front end's thread; the event loop (chat templates) gets its own.
         self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
         self._vocab_size = engine.vocab_size
         self._collectors: dict[str, RequestOutputCollector] = {}  # streams open on the event loop
-        self._engine_thread = EngineThread(engine)
+        self._frontend = ProcessorThread(engine)
 
     @classmethod
     def from_engine_args(
@@ -180,8 +118,7 @@ class AsyncLLM(EngineClient):
     @property
     def engine_core_pid(self) -> int | None:
         """The engine-core process's id, or None when the core runs in this process."""
-        core = self._engine_thread.engine.engine_core
-        return core.pid if isinstance(core, EngineCoreProcess) else None
+        return self._frontend.engine.engine_core.pid
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -210,7 +147,7 @@ class AsyncLLM(EngineClient):
             raise ValueError(f"Request id {request_id!r} is already in use.")
         collector = RequestOutputCollector(request_id, sampling_params, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._engine_thread.submit_add(
+        self._frontend.submit_add(
             AddCommand(
                 request_id,
                 prompt,
@@ -238,36 +175,36 @@ class AsyncLLM(EngineClient):
                 future.add_done_callback(lambda done: self._abort_if_added(done, request_id))
 
     def _abort_if_added(self, future: concurrent.futures.Future, request_id: str) -> None:
-        # Runs on whichever thread completes the future (possibly the busy loop): submit_abort is thread-safe.
+        # Runs on whichever thread completes the future (possibly the front end's thread): submit_abort is thread-safe.
         if not future.cancelled() and future.exception() is None:
-            self._engine_thread.submit_abort(request_id)
+            self._frontend.submit_abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stops a request before the next step; its stream ends with finish_reason "abort". No-op if unknown."""
         collector = self._collectors.pop(request_id, None)
         if collector is not None:
             collector.put_abort()
-        self._engine_thread.submit_abort(request_id)
+        self._frontend.submit_abort(request_id)
 
     async def check_health(self) -> None:
-        """Raises EngineDeadError if the busy loop died or the engine was shut down, or the
+        """Raises EngineDeadError if the front end died or the engine was shut down, or the
         executor's error if a worker is gone (pinging workers may block: done off the event loop)."""
-        self._engine_thread.check_alive()
-        await asyncio.to_thread(self._engine_thread.engine.check_health)
+        self._frontend.check_alive()
+        await asyncio.to_thread(self._frontend.engine.check_health)
 
     async def check_integrity(self) -> None:
         """Raises AssertionError unless the engine's KV cache accounts for every block exactly once (free list,
         reference counts, prefix-cache index: ``KVCacheManager.check_integrity``), checked between steps."""
-        await asyncio.to_thread(self._engine_thread.check_integrity)
+        await asyncio.to_thread(self._frontend.engine.engine_core.check_integrity)
 
     def take_kv_events(self) -> KVEventBatch:
         """The prefix cache's changes since the last call (``engine.sched.kv_events``); cheap, any thread."""
-        return self._engine_thread.take_kv_events()
+        return self._frontend.take_kv_events()
 
     def get_stats(self) -> EngineStats:
         """The snapshot published after the latest step (or command); cheap, from any thread."""
-        return self._engine_thread.stats
+        return self._frontend.stats
 
     def shutdown(self) -> None:
-        """Stops the busy loop after its current step and joins it; open streams raise EngineDeadError."""
-        self._engine_thread.stop()
+        """Stops the front end's thread (and with it the core) and joins it; open streams raise EngineDeadError."""
+        self._frontend.stop()

@@ -142,10 +142,10 @@ class ParallelConfig(_FrozenConfig):
     )
 
     # vLLM's AsyncLLM runs its EngineCoreProc likewise: the server's event loop (intake, detokenization,
-    # streaming) and the busy loop (schedule, forward, sample) then each have a GIL of their own.
+    # streaming) and the core's loop (schedule, forward, sample) then each have a GIL of their own.
     engine_core_process: bool = Field(
         True,
-        description="Serving (AsyncLLM): the engine core (busy loop, scheduler, executor) runs in another "
+        description="Serving (AsyncLLM): the engine core (its loop, scheduler, executor) runs in another "
         "process: a child process, or with the Ray executor (TP/PP) a Ray actor beside the server. The offline "
         "LLM and KV transfer keep it in process.",
     )
@@ -189,7 +189,7 @@ class StructuredOutputsConfig(_FrozenConfig):
         "a request's structured_outputs.disable_any_whitespace overrides it.",
     )
     num_compile_threads: int = Field(
-        1, ge=1, le=64, description="Threads compiling grammars beside the busy loop (never on the step's path)."
+        1, ge=1, le=64, description="Threads compiling grammars beside the core's loop (never on the step's path)."
     )
 
 

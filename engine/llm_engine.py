@@ -1,7 +1,9 @@
-"""The synchronous engine front end: tokenize, validate, step the core, detokenize.
+"""The engine front end: tokenize and validate requests for the core, detokenize what its steps give.
 
-``LLM`` (offline) drives it in a loop; the async front end (serving) wraps the
-same pieces around a background busy loop.
+Its core runs wherever ``placement`` says (``engine.core.core_client``). ``LLM`` (offline) keeps the core
+INLINE and turns it with ``step()``; serving (``AsyncLLM``) runs it on its own, and the front end's thread
+(``engine.frontend.processor_thread``) hands each ``CoreStep`` to ``process_core_step``: the one way a
+step's results come in.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 import time
 
 from engine.config import EngineConfig
-from engine.core.core_client import EngineCoreProcess
+from engine.core.core_client import CoreClient, CorePlacement
 from engine.core.core_proc import CoreStep
-from engine.core.engine_core import EngineCore
+from engine.core.make_client import make_core_client
 from engine.engine_args import EngineArgs
 from engine.executor.base import Executor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
@@ -23,7 +25,6 @@ from engine.model.source import load_tokenizer, open_model_source
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_events import KVEventBatch
-from engine.sched.step_outputs import EngineCoreOutput
 
 
 def resolve_eos_token_ids(model_path: str, arch: Architecture) -> list[int]:
@@ -44,12 +45,11 @@ class LLMEngine:
         executor_class: type[Executor] | None = None,
         stat_loggers: list[StatLogger] | None = None,
         log_interval_s: float = 10.0,
-        core_process: bool = False,
+        placement: CorePlacement = CorePlacement.INLINE,
         kv_events: bool = False,
     ) -> None:
-        """``core_process``: the core runs in a child process (``engine.core.core_client``), which steps on its
-        own: its steps come through ``process_core_step``, and ``step()`` is not called. ``kv_events``:
-        the prefix cache's changes are kept for ``take_kv_events`` (a KV-aware router's feed)."""
+        """``placement``: where the core runs (INLINE: ``step()`` turns it here). ``kv_events``: the prefix
+        cache's changes are kept for ``take_kv_events`` (a KV-aware router's feed)."""
         check_lora_supported(config)  # before any process or model starts
         self.config = config
         self.stat_loggers = list(stat_loggers or [])
@@ -57,21 +57,13 @@ class LLMEngine:
         self._last_log_time = time.monotonic()
         model_dir = config.model_config.model
         arch = Architecture.from_model(model_dir)
-        if core_process:  # the core process loads the model while this one loads the tokenizer
-            self.engine_core: EngineCore | EngineCoreProcess = EngineCoreProcess(config, executor_class, kv_events)
-            try:
-                self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
-                self.engine_core.wait_ready()
-            except BaseException:
-                self.engine_core.shutdown()  # no core process outlives a failed start
-                raise
-        else:
+        self.engine_core: CoreClient = make_core_client(config, placement, executor_class, kv_events)
+        try:  # a core elsewhere loads the model while this thread loads the tokenizer
             self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
-            self.engine_core = EngineCore(config, executor_class)
-        # In process the feed is read here; a core process sends its batches with each step.
-        self._kv_feed = (
-            self.engine_core.scheduler.kv_cache_manager.kv_event_feed() if kv_events and not core_process else None
-        )
+            self.engine_core.wait_ready()
+        except BaseException:
+            self.engine_core.shutdown()  # no core outlives a failed start
+            raise
         self.processor = Processor(
             config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch), arch=arch
         )
@@ -167,15 +159,13 @@ class LLMEngine:
         self.engine_core.abort_requests(core_ids)
 
     def step(self) -> list[RequestOutput]:
-        """Steps the in-process core once; returns the outputs it gave its requests."""
-        return self._process_core_outputs(self.engine_core.step())
+        """An INLINE core: turns its loop once here; returns the outputs its step gave."""
+        return self.process_core_step(self.engine_core.step())
 
     def process_core_step(self, core_step: CoreStep) -> list[RequestOutput]:
-        """One step of a core process (``core_process=True``): its outputs, and its state for the stats."""
-        return self._process_core_outputs(self.engine_core.take_step(core_step))
-
-    def _process_core_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """One step of the core: its outputs as RequestOutputs, its state for the stats."""
         iteration_stats = IterationStats()  # latencies only with stat loggers; the token count always
+        core_outputs = self.engine_core.take_step(core_step)
         outputs, stopped_by_string = self.output_processor.process_outputs(core_outputs, iteration_stats)
         iteration_stats.num_finished_reqs = sum(output.finished for output in outputs)
         self.totals.record_step(iteration_stats)
@@ -187,11 +177,6 @@ class LLMEngine:
             if output.finished:
                 self.core_ids_of.pop(output.request_id, None)
         return outputs
-
-    def record_idle_stats(self) -> None:
-        """Gives the stat loggers the scheduler's state without a step (an idle engine takes none)."""
-        if self.stat_loggers:
-            self._record_stats(IterationStats())
 
     def _record_stats(self, iteration_stats: IterationStats) -> None:
         scheduler_stats = self.engine_core.make_stats()
@@ -206,11 +191,7 @@ class LLMEngine:
     def take_kv_events(self) -> KVEventBatch:
         """The prefix cache's changes since the last call (``engine.sched.kv_events``); empty unless
         built with ``kv_events``."""
-        if self._kv_feed is not None:
-            return self._kv_feed.take()
-        if isinstance(self.engine_core, EngineCoreProcess):
-            return self.engine_core.take_kv_events()
-        return KVEventBatch()
+        return self.engine_core.take_kv_events()
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -123,7 +123,7 @@ def assert_pool_clean(llm) -> None:
     """No request left anywhere, the KV pool consistent, and every block back in the free queue."""
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
-    scheduler = engine.engine_core.scheduler
+    scheduler = engine.engine_core.engine_core.scheduler
     assert not scheduler.has_unfinished_requests()
     assert not scheduler.requests, f"requests left in the scheduler: {list(scheduler.requests)}"
     kv = scheduler.kv_cache_manager

@@ -3,7 +3,7 @@
 Each test drives the engine from a fresh ``asyncio.run`` (the engine thread
 serves whichever loop a request came from) and checks results against the
 offline ``LLM`` on the same checkpoint; KV blocks are checked through the
-stats snapshot the busy loop publishes, never by touching the engine from
+stats snapshot the front end's thread publishes, never by touching the engine from
 the test thread.
 """
 
@@ -235,14 +235,14 @@ def test_request_added_mid_decode_joins_the_running_batch(async_llm, offline, pr
     assert num_steps == num_long_tokens
 
 
-def test_idle_busy_loop_blocks_instead_of_spinning(async_llm, prompts):
+def test_the_idle_front_end_blocks_instead_of_spinning(async_llm, prompts):
     run(collect(async_llm, prompts[2], greedy(4), "wake-up"))  # the loop worked, then went idle
-    clock = time.pthread_getcpuclockid(async_llm._engine_thread.thread.ident)
+    clock = time.pthread_getcpuclockid(async_llm._frontend.thread.ident)
     cpu_before = time.clock_gettime(clock)
     # A fixed window on purpose: what is checked is that nothing happens (the thread's CPU time stays flat),
     # so there is no event to poll for; a spinning loop would burn about the whole 0.3 s, 10x the bound.
     time.sleep(0.3)
-    assert time.clock_gettime(clock) - cpu_before < 0.03, "the idle busy loop burns CPU"
+    assert time.clock_gettime(clock) - cpu_before < 0.03, "the idle front end burns CPU"
     outputs = run(collect(async_llm, prompts[2], greedy(4), "wakes-it"))  # a new request wakes it
     assert outputs[-1].finished
 
@@ -290,7 +290,7 @@ def test_closing_or_cancelling_a_stream_aborts_and_frees_blocks(async_llm, promp
 @pytest.mark.parametrize("in_process", [True, False], ids=["in-process core", "core process"])
 def test_check_integrity_runs_between_steps_and_catches_a_corrupt_pool(model_path, prompts, in_process):
     """``check_integrity`` (what ``serval bench soak`` asks every replica afterwards) holds while requests run:
-    it is checked between steps (by the busy loop for an in-process core, by a core process itself), never
+    it is checked between steps by the core's own loop, wherever the core runs, never
     racing one. A block both free and held fails it (corrupted by hand in the in-process core)."""
     llm = make_async_llm(model_path, engine_core_process=not in_process)
 
@@ -306,7 +306,7 @@ def test_check_integrity_runs_between_steps_and_catches_a_corrupt_pool(model_pat
         await llm.check_integrity()
         if not in_process:
             return
-        kv = llm._engine_thread.engine.engine_core.scheduler.kv_cache_manager
+        kv = llm._frontend.engine.engine_core.engine_core.scheduler.kv_cache_manager
         kv.req_to_blocks["ghost"] = [next(iter(kv.block_pool.free_queue))]  # held, and still on the free list
         try:
             with pytest.raises(AssertionError, match="both free and referenced"):
@@ -471,7 +471,7 @@ def test_merge_outputs_concatenates_deltas_and_keeps_newest_cumulative():
 
 def test_shutdown_ends_streams_and_joins_the_thread(model_path, prompts):
     llm = make_async_llm(model_path)
-    thread = llm._engine_thread.thread
+    thread = llm._frontend.thread
 
     async def body():
         stream = llm.generate(prompts[0], greedy(900, output_kind=DELTA), "open")
@@ -502,7 +502,7 @@ class FailingExecutor(UniProcExecutor):
         return super().execute_model(scheduler_output)
 
 
-def test_busy_loop_failure_makes_the_engine_dead(model_path, prompts, caplog):
+def test_a_failed_step_makes_the_engine_dead(model_path, prompts, caplog):
     llm = make_async_llm(model_path, executor_class=FailingExecutor)
 
     async def body():
@@ -522,5 +522,5 @@ def test_busy_loop_failure_makes_the_engine_dead(model_path, prompts, caplog):
     llm.shutdown()
     assert all(isinstance(result, EngineDeadError) for result in results), results
     assert isinstance(results[0].__cause__, RuntimeError)
-    assert "busy loop died" in caplog.text and "injected worker failure" in caplog.text
-    assert not llm._engine_thread.thread.is_alive()
+    assert "engine died" in caplog.text and "injected worker failure" in caplog.text
+    assert not llm._frontend.thread.is_alive()

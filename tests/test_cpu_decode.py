@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 
 
 def _runner(llm):
-    return llm.llm_engine.engine_core.executor.worker.model_runner
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
 
 
 def _prompts(vocab_size: int, lengths: list[int]) -> list[dict]:

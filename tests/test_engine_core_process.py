@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, EngineDeadError, RequestOutputKind, SamplingParams
-from engine.core.core_client import EngineCoreProcess
+from engine.core.core_client import CorePlacement
+from engine.core.proc_client import ProcCoreClient
 from tests.conftest import engine_kwargs, make_async_llm, random_token_ids, token_prompt, wait_until
 
 KWARGS = engine_kwargs(max_model_len=512, max_num_seqs=8, num_gpu_blocks_override=8 * 512 // 16 + 1)
@@ -32,9 +33,9 @@ def greedy(max_tokens: int, **changes) -> SamplingParams:
     return SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens, **changes)
 
 
-def core_of(llm) -> EngineCoreProcess:
-    core = llm._engine_thread.engine.engine_core
-    assert isinstance(core, EngineCoreProcess)
+def core_of(llm) -> ProcCoreClient:
+    core = llm._frontend.engine.engine_core
+    assert isinstance(core, ProcCoreClient)
     return core
 
 
@@ -155,7 +156,7 @@ def test_the_core_process_exits_with_its_parent(model_path, tmp_path):
         sys.path.insert(0, {str(REPO)!r})
         from tests.conftest import make_async_llm
         llm = make_async_llm({model_path!r}, **{KWARGS!r})
-        print(llm._engine_thread.engine.engine_core.pid, flush=True)
+        print(llm._frontend.engine.engine_core.pid, flush=True)
         time.sleep(600)
         """
     )
@@ -176,12 +177,13 @@ def test_torch_threads_follow_the_engines_cpu_share(model_path):
     config = EngineArgs(model=model_path, **KWARGS).create_engine_config()
 
     def threads(num_cpus, core_process, **device):
+        placement = CorePlacement.CHILD_PROCESS if core_process else CorePlacement.THREAD
         changed = (
             config
             if not device
             else dataclasses.replace(config, device_config=config.device_config.model_copy(update=device))
         )
-        return with_torch_threads(changed, num_cpus, core_process).device_config.num_threads
+        return with_torch_threads(changed, num_cpus, placement).device_config.num_threads
 
     assert threads(4, core_process=True) == 4 and threads(4, core_process=False) == 4
     assert threads(1, core_process=True) == 1

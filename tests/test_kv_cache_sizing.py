@@ -6,11 +6,11 @@ from engine import LLM, SamplingParams
 
 
 def num_blocks_of(llm) -> int:
-    return llm.llm_engine.engine_core.cache_config.num_blocks
+    return llm.llm_engine.engine_core.engine_core.cache_config.num_blocks
 
 
 def block_bytes_of(llm) -> int:
-    return llm.llm_engine.engine_core.executor.worker.model_runner.get_kv_cache_block_bytes()
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.get_kv_cache_block_bytes()
 
 
 def test_explicit_budget_sets_the_pool(tiny_checkpoint):
@@ -20,7 +20,7 @@ def test_explicit_budget_sets_the_pool(tiny_checkpoint):
     )
     assert block_bytes_of(llm) == 2 * 2 * 16 * 2 * 16 * 4
     assert num_blocks_of(llm) == 40
-    kv_caches = llm.llm_engine.engine_core.executor.worker.model_runner.kv_caches
+    kv_caches = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.kv_caches
     assert len(kv_caches) == 2 and kv_caches[0].shape == (2, 40, 16, 2, 16)
     # The pool works at that size: more requests than fit at once still all finish.
     outputs = llm.generate(

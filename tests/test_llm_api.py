@@ -418,7 +418,7 @@ def test_child_ids_of_n_do_not_clash_with_user_ids(llm, good_prompts, clean_run)
 
 def test_abort_frees_blocks(llm, good_prompts, clean_run):
     engine = llm.llm_engine
-    scheduler = engine.engine_core.scheduler
+    scheduler = engine.engine_core.engine_core.scheduler
     kv = scheduler.kv_cache_manager
     free_before = kv.block_pool.num_free_blocks
     for i, (prompt, params) in enumerate(zip(good_prompts, GOOD_PARAMS)):

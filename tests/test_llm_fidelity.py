@@ -119,7 +119,7 @@ def assert_greedy_equal(outputs, prompt_token_ids, expected, label="", tokenizer
 
 def record_schedules(llm, monkeypatch) -> list[dict[str, int]]:
     """Records ``num_scheduled_tokens`` of every step the engine takes."""
-    scheduler = llm.llm_engine.engine_core.scheduler
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     original = scheduler.schedule
     steps: list[dict[str, int]] = []
 
@@ -246,7 +246,7 @@ def test_greedy_matches_hf_under_preemption(base_case, config):
     prompt_token_ids = base_case.prompt_token_ids + base_case.shared_prompt_token_ids
     expected = base_case.expected + base_case.shared_expected
     assert max(len(ids) for ids in prompt_token_ids) + MAX_TOKENS <= PREEMPT_MAX_MODEL_LEN
-    scheduler = llm.llm_engine.engine_core.scheduler
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     priority = [i % 3 for i in range(len(prompts))] if config.startswith("priority") else None
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=priority)
     assert scheduler.num_preemptions > 0
@@ -350,7 +350,7 @@ def _check_logprobs_match_hf(case, config):
     for i, output in enumerate(outputs):
         check_logprobs_close(output, case.ref, NUM_LOGPROBS, f"{config} prompt {i}", check_prompt=with_prompt)
     if config == "preempted":
-        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+        assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
     assert_pool_clean(llm)
 
 
@@ -369,7 +369,7 @@ def test_prompt_logprobs_survive_preemption(tiny_checkpoint, hf_reference):
     )
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, prompt_logprobs=2)
     outputs = llm.generate(case.prompts, params, use_tqdm=False)
-    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
     assert_greedy_equal(outputs, case.prompt_token_ids, case.expected, "preempted")
     for i, output in enumerate(outputs):
         check_prompt_logprobs_close(output, case.ref, 2, f"preempted prompt {i}")

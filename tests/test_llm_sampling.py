@@ -138,7 +138,7 @@ def test_seeded_tokens_survive_preemption_and_chunking(seeded_model, seeded_prom
     params = [seeded_params(1000 + i) for i in range(len(seeded_prompts))]
     assert token_ids(llm.generate(seeded_prompts, params, use_tqdm=False)) == seeded_reference
     if config == "preemption":
-        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+        assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
     assert_pool_clean(llm)
 
 

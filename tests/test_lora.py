@@ -102,7 +102,7 @@ def test_a_batch_mixing_the_base_and_more_adapters_than_slots(llm, base, loras):
     plan = [None, "a", "b", "c", "a", None, "c", "b"]
     prompts = [_prompt(10 + i) for i in range(len(plan))]
     requests = [None if name is None else loras[name] for name in plan]
-    manager = llm.llm_engine.engine_core.executor.worker.model_runner.lora
+    manager = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.lora
     swaps_before = manager.num_slot_swaps
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=requests)
     for output, prompt, lora in zip(outputs, prompts, requests):

@@ -138,7 +138,7 @@ def test_the_engine_on_the_triton_kernels_generates_the_torch_paths_tokens(tiny_
     prompts = [{"prompt_token_ids": list(range(20, 20 + n))} for n in (5, 11, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0, ignore_eos=True)
     llm = make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, enable_prefix_caching=False)
-    manager = llm.llm_engine.engine_core.executor.worker.model_runner.lora
+    manager = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.lora
     results = {}
     for kernels in ("torch", "triton"):
         for _, layer in manager.layers:

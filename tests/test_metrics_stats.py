@@ -110,10 +110,11 @@ def test_logging_stat_logger_writes_vllms_throughput_line(engine_run, caplog):
 
 
 def test_an_idle_async_engine_keeps_reporting_its_state(tiny_checkpoint):
-    """No steps while idle, yet the loggers hear every IDLE_STATS_INTERVAL_S: gauges read 0, not 'gone'."""
+    """No steps while idle, yet the loggers hear every IDLE_REPORT_INTERVAL_S: gauges read 0, not 'gone'."""
     import time
 
-    from engine.async_llm import IDLE_STATS_INTERVAL_S, AsyncLLM
+    from engine.async_llm import AsyncLLM
+    from engine.core.core_proc import IDLE_REPORT_INTERVAL_S
 
     sink = KeepingStatLogger()
     engine = AsyncLLM.from_engine_args(
@@ -121,7 +122,7 @@ def test_an_idle_async_engine_keeps_reporting_its_state(tiny_checkpoint):
     )
     try:
         # The same 2.5 intervals as the deadline, ended as soon as the two reports asserted below are in.
-        deadline = time.monotonic() + 2.5 * IDLE_STATS_INTERVAL_S
+        deadline = time.monotonic() + 2.5 * IDLE_REPORT_INTERVAL_S
         while len(sink.records) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:

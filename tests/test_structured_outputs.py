@@ -188,7 +188,7 @@ def test_min_tokens_with_a_grammar_is_refused(llm):
 
 def test_a_grammar_that_fails_to_compile_in_the_core_finishes_its_request_with_the_reason(llm):
     # Straight to the core, past the front end's check: the core's own contract.
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     params = SamplingParams(structured_outputs={"regex": "a(b"})
     core.add_request(Request("bad-grammar", [5, 6, 7], params, eos_token_id=1))
     outputs = []

@@ -1,4 +1,4 @@
-"""The engine core: the scheduler plus an executor, one busy loop step at a time.
+"""The engine core: the scheduler plus an executor, one step at a time.
 
 Each ``step()`` schedules, executes the schedule on the workers and feeds the
 sampled tokens back to the scheduler. The core speaks token ids only; text,

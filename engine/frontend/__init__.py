@@ -4,5 +4,7 @@
 fans out here, bad words become token ids). ``output_processor``: the core's
 token outputs into ``RequestOutput``s (incremental ``detokenizer``, stop
 strings, ``n`` > 1 joins). ``output_collector``: the one-slot mailbox between
-the busy loop and a streaming request on the event loop (``AsyncLLM``).
+the front end's thread and a streaming request on the event loop (``AsyncLLM``).
+``processor_thread``: that thread, which alone runs the processors while serving, fed by an ``Inbox`` of
+commands and core steps.
 """

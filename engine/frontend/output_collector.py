@@ -1,6 +1,6 @@
 """Per-request output collectors of the async front end (vLLM's ``RequestOutputCollector``).
 
-The busy loop hands each step's outputs to the event loop; each lands in its
+The front end's thread hands each step's outputs to the event loop; each lands in its
 request's collector, which keeps at most one undelivered output, merging what
 a slow consumer has not read yet.
 """

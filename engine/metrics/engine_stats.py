@@ -3,7 +3,7 @@
 ``LLMEngine`` keeps an ``EngineTotals``, folding in every step's
 ``IterationStats``; ``EngineStats`` joins those totals with the scheduler's
 ``SchedulerStats`` and the KV pool's block counts. ``AsyncLLM.get_stats()``
-returns the snapshot its busy loop published last; ``deployments/llm_server.py``
+returns the snapshot its front-end thread published last; ``deployments/llm_server.py``
 serves it as JSON.
 """
 
@@ -64,7 +64,7 @@ class SpecDecodingSummary:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot the busy loop publishes after every step (``*_total`` count since start).
+    """A snapshot the front end publishes after every step (``*_total`` count since start).
 
     Blocks exclude the null block; ``num_free_blocks`` counts blocks that only
     hold a cached prefix as free (they are evicted on demand). The prefix-cache

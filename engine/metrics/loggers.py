@@ -1,6 +1,6 @@
 """Stat loggers: where each step's ``SchedulerStats`` and ``IterationStats`` go.
 
-The async front end calls every logger's ``record`` on its busy-loop thread
+The async front end calls every logger's ``record`` on its front-end thread
 after each step, and ``log`` from time to time; loggers must be cheap in
 ``record``. The serving layer adds one that exports Prometheus metrics
 through Ray; ``LoggingStatLogger`` is vLLM's periodic throughput line.
@@ -21,7 +21,7 @@ logger = logging.getLogger("engine.metrics")
 
 class StatLogger(Protocol):
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        """One step's statistics (busy-loop thread; must not block)."""
+        """One step's statistics (the front end's thread; must not block)."""
 
     def log(self) -> None:
         """Called about every ``log_interval_s``; loggers that aggregate print here."""

@@ -123,7 +123,7 @@ class StructuredOutputManager(RequestHold):
         return future
 
     def _compile_in_pool(self, params):
-        with self._backend_lock:  # the first compile builds the backend (loads the tokenizer): off the busy loop too
+        with self._backend_lock:  # the first compile builds the backend (loads the tokenizer): off the core's loop too
             if self._backend is None:
                 self._backend = self._make_backend()
         return self._backend.compile(params)
@@ -143,7 +143,7 @@ class StructuredOutputManager(RequestHold):
 
 
 def _lower_thread_priority() -> None:
-    """The compile threads yield the CPU to the busy loop: on a node whose cores the forward already uses,
+    """The compile threads yield the CPU to the core's loop: on a node whose cores the forward already uses,
     a compile at the same priority slows every step it overlaps (p99 ITL 12 -> 32 ms on 2 cores). Linux
     schedules threads one by one, so this thread alone becomes SCHED_IDLE (or, failing that, nice 19)."""
     try:

@@ -13,7 +13,7 @@ import xgrammar as xgr
 
 
 class RequestGrammar:
-    """Implements ``engine.sched.request.Grammar``; not thread-safe (the busy loop alone drives it)."""
+    """Implements ``engine.sched.request.Grammar``; not thread-safe (the core's loop alone drives it)."""
 
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self._matcher = matcher

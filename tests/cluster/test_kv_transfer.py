@@ -42,7 +42,7 @@ class _Engine:
 
     @property
     def connector(self):
-        return self.llm_engine.engine_core.scheduler.kv_connector
+        return self.llm_engine.engine_core.engine_core.scheduler.kv_connector
 
     def run(self, requests: dict[str, tuple[list[int], SamplingParams, dict | None]]) -> dict:
         """Adds the requests, steps until all finish (checking block integrity every step); final outputs."""
@@ -54,7 +54,7 @@ class _Engine:
             for output in engine.step():
                 if output.finished:
                     finals[output.request_id] = output
-            engine.engine_core.scheduler.kv_cache_manager.check_integrity()
+            engine.engine_core.engine_core.scheduler.kv_cache_manager.check_integrity()
         return finals
 
 

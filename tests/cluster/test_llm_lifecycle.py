@@ -51,7 +51,7 @@ def test_single_device_llm_releases_its_worker(tiny_checkpoint, release):
     from engine import LLM
 
     llm = LLM(tiny_checkpoint("llama"), **ENGINE_KWARGS)
-    executor = llm.llm_engine.engine_core.executor
+    executor = llm.llm_engine.engine_core.engine_core.executor
     worker = weakref.ref(executor.worker)
     weight = weakref.ref(next(executor.worker.model_runner.model.parameters()))
     kv_cache = weakref.ref(executor.worker.model_runner.kv_caches[0])
@@ -191,7 +191,7 @@ def _start_ray_llm(model: str, **parallel):
 
     start = time.monotonic()
     llm = LLM(model, distributed_executor_backend="ray", num_cpus_per_worker=1.0, **parallel, **ENGINE_KWARGS)
-    executor = llm.llm_engine.engine_core.executor
+    executor = llm.llm_engine.engine_core.engine_core.executor
     handles = (executor.placement_group, [worker._actor_id.hex() for worker in executor.workers])
     assert len(_greedy_token_ids(llm)) == len(PROMPTS)
     print(f"started in {time.monotonic() - start:.1f} s: {parallel}", flush=True)

@@ -51,7 +51,7 @@ def test_pipeline_stages_on_two_nodes_match_single_device(three_node_cluster, ti
         **ENGINE_KWARGS,
     )
     try:
-        workers = llm.llm_engine.engine_core.executor.workers
+        workers = llm.llm_engine.engine_core.engine_core.executor.workers
         node_ids = ray.get([worker.node_id.remote() for worker in workers])
         assert node_ids[0] != node_ids[1]
         assert _greedy_token_ids(llm) == expected

@@ -269,7 +269,7 @@ def test_speculative_decoding_under_tp2_equals_single_device(
     try:
         assert _greedy_token_ids(llm) == single_device_tokens("llama")
         assert_pool_clean(llm)
-        stats = llm.llm_engine.engine_core.scheduler.make_stats().spec_decoding_stats
+        stats = llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats
         assert stats.num_draft_tokens > 0, stats
         if "model" in speculative_config:  # the target drafting for itself: its drafts hold
             assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats
@@ -301,4 +301,4 @@ def test_lora_adapters_load_on_every_worker_under_tp2(local_ray, tiny_checkpoint
         base, tensor_parallel_size=2, distributed_executor_backend="ray", num_cpus_per_worker=0.4, **lora_kwargs
     ) as tp2:
         assert tokens(tp2) == expected
-        assert tp2.llm_engine.engine_core.lora_loading.num_waiting_requests() == 0
+        assert tp2.llm_engine.engine_core.engine_core.lora_loading.num_waiting_requests() == 0

@@ -37,7 +37,7 @@ def pp_outputs(local_ray, smollm2_path) -> dict:
         outputs = llm.chat([CONVERSATIONS[name] for name in NAMES], greedy_params(), use_tqdm=False)
         # generate returns once every request has finished; a micro-batch may still be in flight then, but only
         # one that tells the workers which requests finished (it schedules no token).
-        in_flight = llm.llm_engine.engine_core.batches_in_flight
+        in_flight = llm.llm_engine.engine_core.engine_core.batches_in_flight
         assert all(scheduler_output.total_num_scheduled_tokens == 0 for scheduler_output, _ in in_flight)
         assert_pool_clean(llm)
     finally:

@@ -79,7 +79,9 @@ def pipeline_parallel(checkpoint: str) -> dict:
         checkpoint, pipeline_parallel_size=2, distributed_executor_backend="ray", num_cpus_per_worker=1, **ENGINE_KWARGS
     )
     try:
-        node_ids = ray.get([worker.node_id.remote() for worker in llm.llm_engine.engine_core.executor.workers])
+        node_ids = ray.get(
+            [worker.node_id.remote() for worker in llm.llm_engine.engine_core.engine_core.executor.workers]
+        )
         return {
             "expected": expected,
             "tokens": _greedy_token_ids(llm),

@@ -1,12 +1,11 @@
-"""The busy loop behind ``AsyncLLM``: a daemon thread that alone touches the ``LLMEngine``.
+"""The front end's thread behind ``AsyncLLM``: it alone touches the ``LLMEngine`` front end.
 
-The event loop talks to it through a thread-safe command queue (add, abort,
-shutdown) that the thread applies between steps, so requests join and leave
-the running batch at step boundaries (continuous batching); it blocks on the
-queue when there is no work. Each step's outputs go back to their requests'
-event loops as one batch per loop (one ``call_soon_threadsafe``), into each
-request's ``RequestOutputCollector``. After every step (and every batch of
-commands) it publishes the engine's ``EngineStats``.
+It tokenizes requests in, detokenizes the core's steps out, and publishes the engine's ``EngineStats``; it
+never steps the model (the core steps on its own: ``engine.core.core_client``). It waits on one ``Inbox``
+with two lanes: commands from the event loops (add, abort, stop), applied in order, and the core's
+``CoreStep``\\ s, handed on in order. A request joins the core's running batch when its add is applied here
+(continuous batching). Each step's outputs go back to their requests' event loops as one batch per loop
+(one ``call_soon_threadsafe``), into each request's ``RequestOutputCollector``.
 """
 
 from __future__ import annotations
@@ -14,11 +13,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 from dataclasses import dataclass
 
-from engine.core.core_client import CoreDied, EngineCoreProcess
 from engine.core.core_proc import CoreStep
 from engine.engine_client import EngineDeadError, EngineOverloadedError
 from engine.frontend.output_collector import RequestOutputCollector
@@ -32,16 +29,47 @@ from engine.sched.kv_events import KVEventBatch
 
 logger = logging.getLogger(__name__)
 
-# An idle engine takes no steps; it still reports its (idle) state this often, so that gauges exported
-# through a pipeline that drops values not set recently (Ray's) read 0 rather than vanish.
-IDLE_STATS_INTERVAL_S = 2.0
-
 
 def dead_error(reason: str, cause: BaseException | None) -> EngineDeadError:
     """The error every caller and stream gets once the loop is dead; ``cause``: what killed it (None: a stop)."""
     error = EngineDeadError(reason)
     error.__cause__ = cause
     return error
+
+
+class Inbox:
+    """What the front end's thread waits on: commands (from any thread) and the core's steps (from the core
+    client's thread) in two lanes under one condition, and the core's death; a ``CoreSink``."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._commands: list = []
+        self._steps: list[CoreStep] = []
+        self._core_died: str | None = None
+
+    def put_command(self, command) -> None:
+        with self._ready:
+            self._commands.append(command)
+            self._ready.notify()
+
+    def on_step(self, step: CoreStep) -> None:
+        with self._ready:
+            self._steps.append(step)
+            self._ready.notify()
+
+    def on_died(self, reason: str) -> None:
+        with self._ready:
+            self._core_died = reason
+            self._ready.notify()
+
+    def take(self, block: bool = True) -> tuple[list, list[CoreStep], str | None]:
+        """(commands, steps, the reason the core died or None), each in order, once any is there (or at once)."""
+        with self._ready:
+            if block:
+                self._ready.wait_for(lambda: self._commands or self._steps or self._core_died)
+            commands, steps = self._commands, self._steps
+            self._commands, self._steps = [], []
+            return commands, steps, self._core_died
 
 
 @dataclass
@@ -57,20 +85,43 @@ class AddCommand:
     future: concurrent.futures.Future
     lora_request: LoRARequest | None = None  # multi-LoRA: the request's adapter
 
+    @property
+    def num_reqs(self) -> int:
+        """Core requests it adds (``n``), counted as waiting until applied."""
+        return self.params.n
+
+    def apply(self, thread: ProcessorThread) -> bool:
+        """Applies this command on the front end's thread; False: stop."""
+        thread._add(self)
+        return True
+
+    def refuse(self, error: BaseException) -> None:
+        """The loop died before applying it."""
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_exception(error)
+
 
 @dataclass
-class _AbortCommand:
+class AbortCommand:
     request_id: str
+    num_reqs = 0
+
+    def apply(self, thread: ProcessorThread) -> bool:
+        thread._abort(self.request_id)
+        return True
+
+    def refuse(self, error: BaseException) -> None:
+        pass  # nothing left to abort
 
 
-@dataclass
-class _IntegrityCheck:
-    """``EngineCore.check_integrity`` of an in-process core, run by the busy loop between steps."""
+class StopCommand:
+    num_reqs = 0
 
-    future: concurrent.futures.Future
+    def apply(self, thread: ProcessorThread) -> bool:
+        return False
 
-
-_SHUTDOWN = object()
+    def refuse(self, error: BaseException) -> None:
+        pass
 
 
 def _deliver(batch: list[tuple[RequestOutputCollector, RequestOutput]]) -> None:
@@ -103,33 +154,30 @@ def _copy_shared_lists(output: RequestOutput) -> None:
             completion.logprobs = list(completion.logprobs)
 
 
-class EngineThread:
-    """The busy loop: a daemon thread that owns an LLMEngine and steps it while there is work.
+class ProcessorThread:
+    """A daemon thread that owns an LLMEngine (whose core steps on its own) and runs its processors.
 
-    ``submit_add``, ``submit_abort``, ``stop`` and ``check_alive`` may be called
-    from any thread, and ``stats`` read from any; everything else runs on the
-    busy-loop thread. Once the loop is dead (it raised, or was stopped) every
-    call that would queue work raises EngineDeadError, and so does every open stream.
+    ``submit_add``, ``submit_abort``, ``stop`` and ``check_alive`` may be called from any thread, and
+    ``stats`` read from any; everything else runs on this thread. Once the loop is dead (it raised, the
+    core died, or it was stopped) every call that would queue work raises EngineDeadError, and so does
+    every open stream.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.max_num_queued_reqs = engine.config.scheduler_config.max_num_queued_reqs
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox = Inbox()
         # Guards the dead state, the unapplied count and the stats snapshot together, so that the
         # overload check sees a consistent count and no command is queued after the loop has stopped.
         self._lock = threading.Lock()
         self._dead_reason: str | None = None
         self._dead_cause: BaseException | None = None
-        self._num_unapplied_reqs = 0  # core requests (n per add) in the queue, not yet in the scheduler
-        self._collector_of: dict[str, RequestOutputCollector] = {}  # busy-loop thread only: requests in the engine
+        self._num_unapplied_reqs = 0  # core requests (n per add) in the inbox, not yet in the scheduler
+        self._collector_of: dict[str, RequestOutputCollector] = {}  # this thread only: requests in the engine
         self.stats: EngineStats = engine.get_stats()  # the latest snapshot; replaced whole, never mutated
         self._kv_events = KVEventBatch()  # the prefix cache's changes not taken yet (guarded by _lock)
-        # A core process steps on its own: its steps arrive in the command queue, in order with the commands.
-        self._core_steps_itself = isinstance(engine.engine_core, EngineCoreProcess)
-        if self._core_steps_itself:
-            engine.engine_core.attach(self._commands.put)
-        self.thread = threading.Thread(target=self._run, name="AsyncLLM-busy-loop", daemon=True)
+        engine.engine_core.attach(self._inbox)
+        self.thread = threading.Thread(target=self._run, name="AsyncLLM-frontend", daemon=True)
         self.thread.start()
 
     # ------------------------------------------------------------- any thread
@@ -146,26 +194,13 @@ class EngineThread:
                     f"{num_waiting} requests are already waiting (max_num_queued_reqs={limit}); retry later."
                 )
             self._num_unapplied_reqs += command.params.n
-            self._commands.put(command)
+            self._inbox.put_command(command)
 
     def submit_abort(self, request_id: str) -> None:
         """Queues an abort; once the loop is dead nothing is left to abort and this does nothing."""
         with self._lock:
             if self._dead_reason is None:
-                self._commands.put(_AbortCommand(request_id))
-
-    def check_integrity(self, timeout_s: float = 30.0) -> None:
-        """Raises AssertionError unless the core's KV cache is consistent (``KVCacheManager.check_integrity``),
-        checked between steps: by a core process itself, or by this loop for an in-process core. Blocks; call
-        it off the event loop."""
-        if self._core_steps_itself:
-            self.engine.engine_core.check_integrity()
-            return
-        check = _IntegrityCheck(concurrent.futures.Future())
-        with self._lock:
-            self._raise_if_dead()
-            self._commands.put(check)
-        check.future.result(timeout=timeout_s)
+                self._inbox.put_command(AbortCommand(request_id))
 
     def take_kv_events(self) -> KVEventBatch:
         """The prefix cache's changes published since the last call (empty unless the engine keeps them)."""
@@ -178,14 +213,14 @@ class EngineThread:
         with self._lock:
             self._raise_if_dead()
         if not self.thread.is_alive():
-            raise dead_error("The engine's busy-loop thread is gone.", None)
+            raise dead_error("The engine's front-end thread is gone.", None)
 
     def stop(self) -> None:
-        """Stops the loop after the current step: streams in flight end with EngineDeadError. Idempotent."""
+        """Stops the loop after what it is doing: streams in flight end with EngineDeadError. Idempotent."""
         with self._lock:
             if self._dead_reason is None:
                 self._dead_reason = "The engine was shut down."
-                self._commands.put(_SHUTDOWN)
+                self._inbox.put_command(StopCommand())
         if self.thread is not threading.current_thread():
             self.thread.join()
 
@@ -193,21 +228,33 @@ class EngineThread:
         if self._dead_reason is not None:
             raise dead_error(self._dead_reason, self._dead_cause)
 
-    # ------------------------------------------------------- busy-loop thread
-
-    def _has_steps_to_take(self) -> bool:
-        return not self._core_steps_itself and self.engine.has_unfinished_requests()
+    # ----------------------------------------------------- the front end's thread
 
     def _run(self) -> None:
         try:
-            while self._apply_commands(block=not self._has_steps_to_take()):
-                if self._has_steps_to_take():
-                    self._publish(self.engine.step())
+            while self._take_inbox():
+                pass
         except Exception as error:
-            logger.exception("The engine's busy loop died; every request in flight fails with EngineDeadError.")
-            self._die(f"The engine's busy loop died: {error!r}", error)
+            logger.exception("The engine died; every request in flight fails with EngineDeadError.")
+            self._die(f"The engine died: {error!r}", error)
         else:
             self._die("The engine was shut down.", None)
+
+    def _take_inbox(self) -> bool:
+        """Applies the commands waiting, then hands on the steps waiting; False once asked to stop."""
+        commands, steps, core_died = self._inbox.take()
+        is_running = all([command.apply(self) for command in commands])  # each applied; False after a StopCommand
+        if commands:
+            with self._lock:
+                self._num_unapplied_reqs -= sum(command.num_reqs for command in commands)
+                self.stats = self.engine.get_stats()
+        if not is_running:
+            return False
+        for step in steps:
+            self._publish(self.engine.process_core_step(step))
+        if core_died is not None:
+            raise RuntimeError(core_died)
+        return True
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs to their streams."""
@@ -220,47 +267,6 @@ class EngineThread:
                 self._kv_events.merge(kv_events)
         for loop, batch in batches.items():
             self._post(loop, _deliver, batch)
-
-    def _drain_commands(self, commands: list) -> list:
-        """``commands`` with every command queued now appended (without waiting)."""
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _apply_commands(self, block: bool) -> bool:
-        """Applies every queued command (waiting for one if ``block``); False once asked to stop."""
-        first = []
-        if block:
-            try:
-                first.append(self._commands.get(timeout=IDLE_STATS_INTERVAL_S))
-            except queue.Empty:
-                self.engine.record_idle_stats()
-                return True
-        num_applied_reqs, is_stopping = 0, False
-        for command in self._drain_commands(first):
-            if isinstance(command, AddCommand):
-                self._add(command)
-                num_applied_reqs += command.params.n
-            elif isinstance(command, _AbortCommand):
-                self._abort(command.request_id)
-            elif isinstance(command, CoreStep):
-                self._publish(self.engine.process_core_step(command))
-            elif isinstance(command, CoreDied):
-                raise RuntimeError(command.reason)
-            elif isinstance(command, _IntegrityCheck):
-                try:
-                    self.engine.engine_core.check_integrity()
-                    command.future.set_result(None)
-                except AssertionError as error:
-                    command.future.set_exception(error)
-            else:
-                is_stopping = True
-        with self._lock:
-            self._num_unapplied_reqs -= num_applied_reqs
-            self.stats = self.engine.get_stats()
-        return not is_stopping
 
     def _add(self, command: AddCommand) -> None:
         if not command.future.set_running_or_notify_cancel():
@@ -310,10 +316,9 @@ class EngineThread:
             if self._dead_reason is None or cause is not None:
                 self._dead_reason, self._dead_cause = reason, cause
             reason, cause = self._dead_reason, self._dead_cause
-            commands = self._drain_commands([])
+            commands, _, _ = self._inbox.take(block=False)
         for command in commands:
-            if isinstance(command, AddCommand) and command.future.set_running_or_notify_cancel():
-                command.future.set_exception(dead_error(reason, cause))
+            command.refuse(dead_error(reason, cause))
         self._fail_streams(reason, cause)
         try:
             if cause is None:  # a clean stop: leave the core consistent before releasing it
