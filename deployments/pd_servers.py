@@ -31,7 +31,8 @@ from deployments.llm_config import LLMConfig
 from deployments.llm_server import LLMServer
 from deployments.metrics import RemotePrefillMetrics
 from deployments.pd_config import PDOptions
-from engine.async_llm import AsyncLLM, EngineStats
+from engine.async_llm import AsyncLLM
+from engine.metrics import EngineStats
 from engine.config import ModelConfig
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ServiceUnavailableError

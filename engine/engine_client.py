@@ -28,7 +28,7 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: the engine modules import this one
-    from engine.async_llm import EngineStats
+    from engine.metrics import EngineStats
     from engine.config import ModelConfig
     from engine.frontend.processor import PromptType
     from engine.request_output import RequestOutput
