@@ -32,12 +32,12 @@ from deployments.llm_server import LLMServer
 from deployments.metrics import RemotePrefillMetrics
 from deployments.pd_config import PDOptions
 from engine.async_llm import AsyncLLM
-from engine.metrics import EngineStats
 from engine.config import ModelConfig
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ServiceUnavailableError
 from engine.entrypoints.openai.serving import OpenAIServing
 from engine.frontend.processor import PromptType
+from engine.metrics import EngineStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
