@@ -143,24 +143,10 @@ class AsyncLLM(EngineClient):
         ``kv_transfer_params``: disaggregated prefill (``engine.sched.kv_transfer``); ``lora_request``: the
         adapter (multi-LoRA, ``enable_lora``; checked like the rest of the input).
         """
-        if request_id in self._collectors:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
         collector = RequestOutputCollector(request_id, sampling_params, asyncio.get_running_loop())
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._frontend.submit_add(
-            AddCommand(
-                request_id,
-                prompt,
-                sampling_params,
-                priority,
-                cache_salt,
-                kv_transfer_params,
-                collector,
-                future,
-                lora_request=lora_request,
-            )
-        )
-        self._collectors[request_id] = collector
+        future: concurrent.futures.Future = concurrent.futures.Future()  # (prompt text, prompt token ids)
+        options = (priority, cache_salt, kv_transfer_params)
+        self._submit(AddCommand(request_id, prompt, sampling_params, *options, collector, future, lora_request))
         is_finished = False
         try:
             collector.prompt, collector.prompt_token_ids = await asyncio.wrap_future(future)
@@ -173,6 +159,13 @@ class AsyncLLM(EngineClient):
                 del self._collectors[request_id]
             if not is_finished:  # the consumer left early (or the add failed): abort iff it was queued
                 future.add_done_callback(lambda done: self._abort_if_added(done, request_id))
+
+    def _submit(self, command: AddCommand) -> None:
+        """Queues the add of ``generate`` (raising as it says) and opens its stream."""
+        if command.request_id in self._collectors:
+            raise ValueError(f"Request id {command.request_id!r} is already in use.")
+        self._frontend.submit_add(command)
+        self._collectors[command.request_id] = command.collector
 
     def _abort_if_added(self, future: concurrent.futures.Future, request_id: str) -> None:
         # Runs on whichever thread completes the future (possibly the front end's thread): submit_abort is thread-safe.

@@ -95,18 +95,11 @@ class LLMEngine:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         prompt_text, prompt_token_ids = self.processor.tokenize_prompt(prompt)
         children, parent = self._fan_out(request_id, params)
-        requests = [
-            self.processor.make_request(
-                core_id,
-                prompt_token_ids,
-                child_params,
-                priority,
-                cache_salt,
-                kv_transfer_params=kv_transfer_params,
-                lora_request=lora_request,
-            )
+        options = {"kv_transfer_params": kv_transfer_params, "lora_request": lora_request}
+        requests = [  # validates everything before queueing anything
+            self.processor.make_request(core_id, prompt_token_ids, child_params, priority, cache_salt, **options)
             for core_id, child_params in children
-        ]  # validates everything before queueing anything
+        ]
         arrival_time = time.monotonic() if self.stat_loggers else None
         for index, request in enumerate(requests):
             self.engine_core.add_request(request)
@@ -179,7 +172,7 @@ class LLMEngine:
         return outputs
 
     def _record_stats(self, iteration_stats: IterationStats) -> None:
-        scheduler_stats = self.engine_core.make_stats()
+        scheduler_stats = self.engine_core.get_stats()
         iteration_stats.kv_load_latencies_s = self.engine_core.take_kv_load_latencies()
         for stat_logger in self.stat_loggers:
             stat_logger.record(scheduler_stats, iteration_stats)
@@ -199,7 +192,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         """A snapshot of the scheduler's state, the KV pool and ``totals``; it shares nothing mutable."""
         num_total_blocks, num_free_blocks = self.engine_core.kv_block_counts()
-        return EngineStats.derive(self.engine_core.make_stats(), self.totals, num_total_blocks, num_free_blocks)
+        return EngineStats.derive(self.engine_core.get_stats(), self.totals, num_total_blocks, num_free_blocks)
 
     def check_health(self) -> None:
         """Raises the executor's error if a worker is gone (may block while it pings them)."""

@@ -208,7 +208,7 @@ def test_greedy_matches_hf_prefix_caching_cold_and_warm(base_case):
         (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE for ids in prompt_token_ids
     ]
     assert all(o.num_cached_tokens > 0 for o, ids in zip(warm, prompt_token_ids) if len(ids) > BLOCK_SIZE)
-    stats = llm.llm_engine.engine_core.make_stats().prefix_cache_stats
+    stats = llm.llm_engine.engine_core.get_stats().prefix_cache_stats
     assert stats.num_hit_tokens > 0
     assert_pool_clean(llm)
 
@@ -250,7 +250,7 @@ def test_greedy_matches_hf_under_preemption(base_case, config):
     priority = [i % 3 for i in range(len(prompts))] if config.startswith("priority") else None
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=priority)
     assert scheduler.num_preemptions > 0
-    assert llm.llm_engine.engine_core.make_stats().num_preemptions == scheduler.num_preemptions
+    assert llm.llm_engine.engine_core.get_stats().num_preemptions == scheduler.num_preemptions
     assert_greedy_equal(outputs, prompt_token_ids, expected, config, base_case.ref.tokenizer)
     assert_pool_clean(llm)
 

@@ -110,7 +110,7 @@ def test_a_batch_mixing_the_base_and_more_adapters_than_slots(llm, base, loras):
     assert manager.num_slot_swaps > swaps_before  # three adapters went through two slots
     assert manager.num_host_evictions > 0
     # What the replica's metrics export (serval_lora_slot_swaps, serval_lora_step_loads): the engine's stats.
-    counts = llm.llm_engine.engine_core.make_stats().lora_counts
+    counts = llm.llm_engine.engine_core.get_stats().lora_counts
     assert (counts.num_slot_swaps, counts.num_step_loads) == (manager.num_slot_swaps, manager.num_step_loads)
 
 

@@ -76,7 +76,7 @@ def test_a_request_waits_for_its_adapter_while_the_others_step(core, tiny_checkp
         plain, slow = _request("plain", None), _request("slow", LoRARequest("slow", 7, str(slow_path)))
         first = _run(core, [plain, slow], until=lambda: plain.is_finished)
         assert len(first["plain"]) == GREEDY.max_tokens and first["slow"] == []
-        assert core.lora_loading.num_waiting_requests() == 1 and core.make_stats().num_waiting_reqs == 1
+        assert core.lora_loading.num_waiting_requests() == 1 and core.get_stats().num_waiting_reqs == 1
         assert slow.num_computed_tokens == 0  # held before the scheduler: no KV taken
     finally:
         safety_net.cancel()

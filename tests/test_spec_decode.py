@@ -94,7 +94,7 @@ def test_greedy_outputs_equal_the_non_speculative_ones(model_path, draft_path, r
     prompts, params = workload()
     assert generate_checked(llm, prompts, params) == reference
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    stats = scheduler.make_stats().spec_decoding_stats
+    stats = scheduler.get_stats().spec_decoding_stats
     assert scheduler.num_preemptions > 0 and stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
     llm.shutdown()
@@ -106,7 +106,7 @@ def test_the_target_as_its_own_draft_accepts_at_least_98_percent(model_path):
     rng = random.Random(1)
     prompts = [token_prompt(random_token_ids(rng, n)) for n in (5, 30, 70, 11)]
     generate_checked(llm, prompts, [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)] * 4)
-    stats = llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats
+    stats = llm.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats
     assert stats.num_draft_tokens > 100 and stats.acceptance_rate >= 0.98, stats
     llm.shutdown()
 
@@ -162,11 +162,11 @@ def test_logprobs_of_accepted_tokens_equal_the_non_speculative_ones(model_path, 
     expected = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     plain.shutdown()
     drafts_before = (
-        ngram_llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats.num_accepted_tokens
+        ngram_llm.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats.num_accepted_tokens
     )
     got = ngram_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert (
-        ngram_llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats.num_accepted_tokens
+        ngram_llm.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats.num_accepted_tokens
         > drafts_before
     )
     assert got.token_ids == expected.token_ids
@@ -207,7 +207,7 @@ def test_constrained_outputs_stay_valid_under_speculation(request, engine):
             jsonschema.validate(json.loads(completion.text), SCHEMA)
         else:
             assert re.fullmatch(r"(ab|cd){2,6}x", completion.text), completion.text
-    assert llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats.num_draft_tokens > 0
+    assert llm.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats.num_draft_tokens > 0
 
 
 def test_disable_by_batch_size_verifies_no_draft_while_the_batch_is_that_large(model_path):
@@ -216,10 +216,10 @@ def test_disable_by_batch_size_verifies_no_draft_while_the_batch_is_that_large(m
     repetitive = random_token_ids(random.Random(6), 4) * 6
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     generate_checked(llm, [token_prompt(repetitive)] * 3, [params] * 3)  # three run side by side throughout
-    stats = llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats
+    stats = llm.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats
     assert stats.num_drafts == 0
     generate_checked(llm, [token_prompt(repetitive)] * 2, [params] * 2)
-    assert llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats.num_drafts > 0
+    assert llm.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats.num_drafts > 0
     llm.shutdown()
 
 
@@ -270,7 +270,7 @@ def test_a_stop_string_inside_a_verified_run_drops_the_tokens_after_it(model_pat
         model_path, max_model_len=256, speculative_config={"model": model_path, "num_speculative_tokens": 4}
     )
     got = spec.generate(prompts, params, use_tqdm=False)
-    assert spec.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats.num_accepted_tokens > 0
+    assert spec.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats.num_accepted_tokens > 0
     spec.shutdown()
     for mine, theirs in zip(got, expected):
         mine, theirs = mine.outputs[0], theirs.outputs[0]

@@ -140,10 +140,10 @@ def test_a_long_chunked_prompt_and_a_prefix_cache_hit_keep_the_constraint(llm):
 def test_preempted_structured_requests_keep_their_grammar(llm):
     # 40 blocks of 16 for 12 requests growing past 50 tokens each: the pool runs dry and some are preempted.
     core = llm.llm_engine.engine_core
-    before = core.make_stats().num_preemptions
+    before = core.get_stats().num_preemptions
     params = [constrained(json=PERSON, seed=i) for i in range(12)]
     outputs = run(llm, [f"preempt me {i} " * 3 for i in range(12)], params)
-    assert core.make_stats().num_preemptions > before
+    assert core.get_stats().num_preemptions > before
     for output, param in zip(outputs, params):
         assert output.outputs[0].finish_reason == "stop"
         assert_valid(output.outputs[0].text, param)

@@ -18,7 +18,7 @@ The contract, for every client:
   order, from a thread of the client's, and once it has died one ``on_died`` and nothing after. An INLINE
   core takes a step only in ``step()``, which returns it.
 - ``take_step(step)`` (the front end's thread, once per step, in order) returns the step's outputs and makes
-  its state what ``make_stats``, ``kv_block_counts``, ``take_kv_load_latencies`` and ``take_kv_events`` read.
+  its state what ``get_stats``, ``kv_block_counts``, ``take_kv_load_latencies`` and ``take_kv_events`` read.
 - ``shutdown`` stops the core and frees what it holds; idempotent.
 """
 
@@ -134,7 +134,7 @@ class CoreClient:
             self._kv_events.merge(step.kv_events)
         return step.outputs
 
-    def make_stats(self) -> SchedulerStats:
+    def get_stats(self) -> SchedulerStats:
         if self._latest is None:
             return SchedulerStats(0, 0, 0.0, 0, PrefixCacheStats())
         return self._latest.scheduler_stats

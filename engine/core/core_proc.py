@@ -273,7 +273,7 @@ class EngineCoreProc:
         kv_events = None if self.kv_feed is None else self.kv_feed.take()
         if self.stash_kv:
             stash_outputs(outputs)
-        return CoreStep(outputs, core.make_stats(), core.kv_block_counts(), core.take_kv_load_latencies(), kv_events)
+        return CoreStep(outputs, core.get_stats(), core.kv_block_counts(), core.take_kv_load_latencies(), kv_events)
 
 
 if __name__ == "__main__":  # python -m engine.core.core_proc <socket fd> <parent pid> (from engine.core.core_hosts)

@@ -159,8 +159,8 @@ class EngineCore:
         scheduler_output, future = self.batches_in_flight.popleft()
         return self._update(scheduler_output, future.result())
 
-    def make_stats(self) -> SchedulerStats:
-        stats = self.scheduler.make_stats()
+    def get_stats(self) -> SchedulerStats:
+        stats = self.scheduler.get_stats()
         stats.num_waiting_reqs += self._num_held_requests()  # waiting for their grammar or their adapter
         stats.lora_counts = self.lora_counts
         return stats

@@ -20,7 +20,7 @@ class InprocCoreClient(CoreClient):
     """INLINE: the core in the caller's thread; ``step()`` turns its loop once (vLLM's ``InprocClient``).
 
     Not thread-safe: one thread adds, aborts and steps. Commands apply at once, so its state is the live
-    core's (``make_stats``, ``kv_block_counts``), not the latest step's.
+    core's (``get_stats``, ``kv_block_counts``), not the latest step's.
     """
 
     def __init__(self, config: EngineConfig, executor_class: type | None = None, kv_events: bool = False) -> None:
@@ -41,8 +41,8 @@ class InprocCoreClient(CoreClient):
     def call(self, method: str, timeout_s: float = 30.0):
         return getattr(self.engine_core, method)()
 
-    def make_stats(self) -> SchedulerStats:
-        return self.engine_core.make_stats()
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()
 
     def kv_block_counts(self) -> tuple[int, int]:
         return self.engine_core.kv_block_counts()

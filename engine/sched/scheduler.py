@@ -337,7 +337,7 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         return None if self.kv_connector is None else self.kv_connector.request_finished(request)
 
-    def make_stats(self) -> SchedulerStats:
+    def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),

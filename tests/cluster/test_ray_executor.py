@@ -269,7 +269,7 @@ def test_speculative_decoding_under_tp2_equals_single_device(
     try:
         assert _greedy_token_ids(llm) == single_device_tokens("llama")
         assert_pool_clean(llm)
-        stats = llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats
+        stats = llm.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats
         assert stats.num_draft_tokens > 0, stats
         if "model" in speculative_config:  # the target drafting for itself: its drafts hold
             assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens, stats

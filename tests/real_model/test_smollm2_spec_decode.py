@@ -31,7 +31,7 @@ def ngram_llm(smollm2_path):
 
 
 def spec_stats(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler.make_stats().spec_decoding_stats
+    return llm.llm_engine.engine_core.engine_core.scheduler.get_stats().spec_decoding_stats
 
 
 @pytest.fixture(scope="module")

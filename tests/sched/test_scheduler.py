@@ -255,7 +255,7 @@ def test_a_repeated_prompt_hits_the_cache_and_ships_its_block_ids():
     (new,) = output.scheduled_new_reqs
     assert new.num_computed_tokens == 48 and output.num_scheduled_tokens == {"b": 2}
     assert results["b"].num_cached_tokens == 48
-    stats = scheduler.make_stats().prefix_cache_stats
+    stats = scheduler.get_stats().prefix_cache_stats
     assert stats.num_queried_tokens == 100 and stats.num_hit_tokens == 48
 
 
