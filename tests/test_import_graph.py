@@ -148,6 +148,19 @@ def test_the_packages_import_graph_has_no_cycle():
     assert not cycles, "import cycles (a module's imports, at any depth of its source):\n" + "\n".join(cycles)
 
 
+def test_the_engine_never_imports_the_serval_commands():
+    """``serval/`` (the command line, the developer tools) builds on the engine, never the other way round."""
+    graph = import_graph()
+    reversed_edges = [
+        f"{module} (line {line}) -> {target}"
+        for module, edges in graph.items()
+        if module.split(".")[0] == "engine"
+        for target, line in edges.items()
+        if target.split(".")[0] == "serval"
+    ]
+    assert not reversed_edges, "engine/ imports serval/:\n" + "\n".join(reversed_edges)
+
+
 def test_the_walker_sees_deferred_relative_and_submodule_imports(tmp_path):
     """The checker itself: a cycle made of a function-level relative import and ``from pkg import submodule``."""
     package = tmp_path / "engine" / "pkg"
