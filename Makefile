@@ -65,17 +65,17 @@ test: venv models prometheus iproute2 lint
 
 # The tests' embedded model: a deterministic random-weight checkpoint made locally (no downloads); remade
 # when the tokenizer / chat template source is newer (--force: make-model's own check compares only the spec).
-$(MODELS)/tiny-llama/serval_model_spec.json: engine/tools/tokenizer_trainer.py | venv
+$(MODELS)/tiny-llama/serval_model_spec.json: serval/tools/tokenizer_trainer.py | venv
 	$(VENV)/bin/serval make-model $(MODELS)/tiny-llama --arch llama --size small --force
 
 # The default served model and its speculative-decoding draft: trained on the stdlib (`serval make-model
-# --train`, engine/tools/train_model.py) and committed under assets/trained, so this recipe runs only when
+# --train`, serval/tools/train_model.py) and committed under assets/trained, so this recipe runs only when
 # the pair is missing (16 minutes measured on 2 shared cores); never remade from newer sources (retrain by hand).
 TRAINED := assets/trained
 $(TRAINED)/serval-llama-10m/serval_model_spec.json $(TRAINED)/serval-llama-draft/serval_model_spec.json &: | venv
 	$(VENV)/bin/serval make-model $(TRAINED) --train
 
-# Two random PEFT adapters over tiny-llama for configs/serve/lora.yaml (engine/lora/make_adapter.py).
+# Two random PEFT adapters over tiny-llama for configs/serve/lora.yaml (serval/tools/make_adapter.py).
 LORAS := $(MODELS)/tiny-llama-loras
 $(LORAS)/lora-1/adapter_config.json $(LORAS)/lora-2/adapter_config.json &: $(MODELS)/tiny-llama/serval_model_spec.json
 	$(VENV)/bin/serval make-model $(LORAS)/lora-1 --lora $(MODELS)/tiny-llama --lora-rank 8 --seed 1

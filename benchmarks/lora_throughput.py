@@ -11,7 +11,7 @@ round so the machine's load falls on all alike:
 * ``lora, no adapter``: ``enable_lora=True, max_loras=4, max_lora_rank=16``, every request on the base
   model (what enabling LoRA costs by itself);
 * ``lora, 4 adapters``: the same engine, request i on adapter i % 4 (random PEFT adapters, rank 16, every
-  projection, made by ``engine.lora.make_adapter`` beside the checkpoint).
+  projection, made by ``serval.tools.make_adapter`` beside the checkpoint).
 
 The prefix cache is off in all three (the rounds repeat the prompts; a hit would skip their prefill).
 The figure is generated tokens per second; the ratio is the adapters' against ``base`` (target >= 0.8),
@@ -50,7 +50,7 @@ def log(message: str) -> None:
 
 def make_adapters(model: str, count: int, first_seed: int = 1) -> list[str]:
     """``count`` random rank-16 PEFT adapters for ``model`` (made once; the same bytes each time)."""
-    from engine.lora.make_adapter import make_lora_adapter
+    from serval.tools.make_adapter import make_lora_adapter
 
     root = Path(model).parent / f"{Path(model).name}-loras"
     seeds = range(first_seed, first_seed + count)

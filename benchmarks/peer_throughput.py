@@ -121,7 +121,7 @@ def ensure_model(workload: str, dtype: str) -> str:
     if "path" in spec:  # a real checkpoint: used as it is (its own dtype is converted at load)
         return str(ROOT / spec["path"])
     path = ROOT / "models" / "bench" / f"{workload}-{spec['arch']}"
-    from engine.tools.make_model import make_model
+    from serval.tools.make_model import make_model
 
     make_model(path, arch=spec["arch"], size=spec["size"], dtype=dtype, tie_word_embeddings=spec["tie"], quiet=True)
     return str(path)

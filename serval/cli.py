@@ -14,8 +14,8 @@ import sys
 
 # Command path -> module. A two-word path ("bench serve") is a subcommand of a group.
 SUBCOMMANDS = {
-    ("make-model",): "engine.tools.make_model",
-    ("demo",): "engine.tools.demo",
+    ("make-model",): "serval.tools.make_model",
+    ("demo",): "serval.demo",
     ("fetch-model",): "serval.fetch_model",
     ("gguf-to-hf",): "serval.gguf_to_hf",
     ("serve",): "serval.serve_cmd",

@@ -1,7 +1,7 @@
 """Shared session fixtures for the end-to-end engine tests (tests/test_llm_*.py).
 
 * ``tiny_checkpoint(arch, tie=None)``: the path of a tiny random-weight
-  checkpoint (``engine.tools.make_model``, float32, seed 0), built once per
+  checkpoint (``serval.tools.make_model``, float32, seed 0), built once per
   session under a temporary directory.
 * ``hf_reference(arch, tie=None)``: an :class:`HFReference` around the
   Hugging Face transformers model of that checkpoint (float32, eval), loaded
@@ -200,7 +200,7 @@ class HFReference:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(arch, tie=None) -> str``: a tiny float32 checkpoint, built once per session."""
-    from engine.tools.make_model import make_model
+    from serval.tools.make_model import make_model
 
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     paths: dict[tuple, str] = {}

@@ -63,8 +63,8 @@ def test_unknown_argument_and_no_gpu_without_smoke():
 
 @pytest.fixture(scope="module")
 def llama8b_facts() -> ModelFacts:
-    from engine.tools.make_model import build_config
-    from engine.tools.weights import parameter_shapes
+    from serval.tools.checkpoint import build_config
+    from serval.tools.weights import parameter_shapes
 
     config = build_config("llama", "8b", "bfloat16")
     return ModelFacts.from_shapes(config.to_dict(), parameter_shapes(config))
@@ -199,8 +199,8 @@ def test_report_judges_the_targets(graph_tokens_per_s, verdicts, code):
 
 
 def test_reserved_vocabulary_keeps_encoding_and_decodes():
-    from engine.tools.make_model import RESERVED_TOKEN, _reserve_vocab
-    from engine.tools.tokenizer_trainer import build_hf_tokenizer
+    from serval.tools.checkpoint import RESERVED_TOKEN, _reserve_vocab
+    from serval.tools.tokenizer_trainer import build_hf_tokenizer
 
     tokenizer = build_hf_tokenizer(512, True)
     text = "def f(x):\n    return x + 1"
@@ -211,7 +211,7 @@ def test_reserved_vocabulary_keeps_encoding_and_decodes():
 
 
 def test_threads_write_the_same_bytes(tmp_path):
-    from engine.tools.make_model import make_model
+    from serval.tools.make_model import make_model
 
     one = make_model(tmp_path / "one", size="tiny", max_shard_size=200_000, quiet=True)
     two = make_model(tmp_path / "two", size="tiny", max_shard_size=200_000, quiet=True, threads=3)

@@ -13,9 +13,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.engine_args import EngineArgs
 from engine.frontend.processor import Processor
-from engine.lora.make_adapter import make_lora_adapter
 from engine.lora.request import LoRARequest
 from engine.model.architecture import Architecture
+from serval.tools.make_adapter import make_lora_adapter
 from tests.conftest import FIRST_ORDINARY_TOKEN, engine_kwargs, make_async_llm
 
 MAX_TOKENS = 6

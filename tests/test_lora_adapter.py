@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, load_adapter
-from engine.lora.make_adapter import make_lora_adapter
 from engine.model.architecture import Architecture
-from engine.tools.make_model import main as make_model_main
+from serval.tools.make_adapter import make_lora_adapter
+from serval.tools.make_model import main as make_model_main
 
 
 @pytest.fixture(scope="module")

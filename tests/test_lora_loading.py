@@ -16,10 +16,10 @@ import pytest
 
 from engine.core.engine_core import EngineCore
 from engine.engine_args import EngineArgs
-from engine.lora.make_adapter import make_lora_adapter
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
+from serval.tools.make_adapter import make_lora_adapter
 from tests.conftest import engine_kwargs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -21,11 +21,11 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from engine.lora.make_adapter import make_lora_adapter
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
+from serval.tools.make_adapter import make_lora_adapter
 from tests.test_distributed_worker import free_port
 
 NUM_BLOCKS = 64

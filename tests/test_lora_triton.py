@@ -20,8 +20,8 @@ from engine import SamplingParams  # noqa: E402 - after TRITON_INTERPRET
 from engine.lora import triton_ops  # noqa: E402
 from engine.lora.adapter import LoRAAdapter  # noqa: E402
 from engine.lora.layers import LinearLoRA, LoRABatch  # noqa: E402
-from engine.lora.make_adapter import make_lora_adapter  # noqa: E402
 from engine.lora.request import LoRARequest  # noqa: E402
+from serval.tools.make_adapter import make_lora_adapter  # noqa: E402
 from tests.conftest import make_llm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""Tests for ``serval make-model`` (engine/tools/make_model.py)."""
+"""Tests for ``serval make-model`` (serval/tools/make_model.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.tools.make_model import ARCHS, SPEC_FILE, build_config, make_model
-from engine.tools.tokenizer_trainer import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID
-from engine.tools.weights import parameter_shapes
 from serval.cli import main as cli_main
+from serval.tools.checkpoint import ARCHS, SPEC_FILE, build_config
+from serval.tools.make_model import make_model
+from serval.tools.tokenizer_trainer import BOS_ID, EOS_ID, IM_END_ID, IM_START_ID, PAD_ID
+from serval.tools.weights import parameter_shapes
 
 ARCH_NAMES = sorted(ARCHS)
 # Measured median top1-top2 gap on random prompts is ~0.7-1.0 for every

@@ -241,7 +241,7 @@ def test_disable_by_batch_size_verifies_no_draft_while_the_batch_is_that_large(m
 )
 def test_bad_speculative_configs_fail_at_start_up_naming_the_field(model_path, tmp_path, spec, field):
     from engine.engine_args import EngineArgs
-    from engine.tools.make_model import make_model
+    from serval.tools.make_model import make_model
 
     if spec.get("model") == "DRAFT_OTHER_VOCAB":
         spec = {**spec, "model": str(make_model(tmp_path / "v", arch="llama", size="small", seed=0, quiet=True))}

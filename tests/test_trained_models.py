@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tools import distill, train_model
-from engine.tools.make_model import SPEC_FILE, build_config
-from engine.tools.tokenizer_trainer import BOS_ID
+from serval.tools import distill, train_model
+from serval.tools.checkpoint import SPEC_FILE, build_config
+from serval.tools.tokenizer_trainer import BOS_ID
 from tests.conftest import HFReference, make_llm
 
 TRAINED = Path(__file__).resolve().parents[1] / "assets" / "trained"

@@ -103,8 +103,8 @@ def run_kernels(settings: Settings, work: Path, deadline: float) -> dict:
 
 
 def run_checkpoint(settings: Settings, work: Path, deadline: float) -> dict:
-    """Makes the random checkpoint (``python -m engine.tools.make_model``'s code); skipped when up to date."""
-    from engine.tools.make_model import make_model
+    """Makes the random checkpoint (``python -m serval.tools.make_model``'s code); skipped when up to date."""
+    from serval.tools.make_model import make_model
 
     path = checkpoint_dir(work, settings)
     spec_file = path / "serval_model_spec.json"  # written last; left alone when the checkpoint is up to date

@@ -1,4 +1,4 @@
-"""Attention backend interface and registry.
+"""Attention backend interface and registry (``ATTENTION_BACKEND_IMPORT_PATHS``).
 
 A backend owns the KV-cache layout and the paged attention computation. One
 backend instance serves every layer; each layer passes its own cache tensor.
@@ -20,8 +20,8 @@ rope, ``engine/kernels``), so the backend skips its own write.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import torch
 
@@ -74,12 +74,12 @@ class AttentionBackend(ABC):
         return caches
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
-
-
-def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
-    """Make ``get_attention_backend(name)`` return ``factory()`` (e.g. a Triton backend)."""
-    _BACKENDS[name] = factory
+# Backend name -> "module:class", imported on first use (Triton is slow to import and absent from CPU-only
+# installs); the same style as EXECUTOR_IMPORT_PATHS and CORE_HOST_IMPORT_PATHS.
+ATTENTION_BACKEND_IMPORT_PATHS = {
+    "torch": "engine.attention.torch_paged:TorchPagedAttention",
+    "triton": "engine.attention.triton_paged:TritonPagedAttention",
+}
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
@@ -90,11 +90,8 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """A new backend instance by name; ``"torch"`` (CPU/any device, plain torch) is the default."""
-    if name not in _BACKENDS and name == "torch":
-        import engine.attention.torch_paged  # noqa: F401  (registers itself)
-    if name not in _BACKENDS and name == "triton":
-        import engine.attention.triton_paged  # noqa: F401  (registers itself)
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS) or ['torch']}")
-    return _BACKENDS[name]()
+    """A new backend instance by name (a key of ``ATTENTION_BACKEND_IMPORT_PATHS``); ``"torch"`` is the default."""
+    if name not in ATTENTION_BACKEND_IMPORT_PATHS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKEND_IMPORT_PATHS)}")
+    module_name, _, class_name = ATTENTION_BACKEND_IMPORT_PATHS[name].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)()

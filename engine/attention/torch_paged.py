@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, register_backend
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import load_cpu_kernels, product_dtype
 
@@ -284,6 +284,3 @@ class TorchPagedAttention(AttentionBackend):
             enable_gqa=q.shape[1] != hk,
         )  # [1, H, Q, D]
         return out[0].transpose(0, 1).to(q.dtype)
-
-
-register_backend("torch", TorchPagedAttention)

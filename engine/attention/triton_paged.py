@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend, register_backend
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.triton_cache import write_kv_cache
 from engine.kernels.triton_decode import choose_num_splits, paged_decode_attention
@@ -63,6 +63,3 @@ class TritonPagedAttention(AttentionBackend):
                 q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.backend_plan, scale
             )
         return out.reshape(n, -1)  # [T, H*D]
-
-
-register_backend("triton", TritonPagedAttention)

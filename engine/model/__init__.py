@@ -2,10 +2,15 @@
 
 Entry point: ``get_model(model_path, dtype, device="cpu")`` (a directory or a .gguf file); see ``LlamaForCausalLM``
 for the forward / ``compute_logits`` interface the model runner uses.
+
+Modules: ``registry`` (architecture name -> model class, and the factory ``get_model``), ``llama`` and
+``qwen`` (the decoder), ``layers`` (its building blocks), ``architecture`` (the shapes and flags read from a
+config), ``source`` (a Hugging Face directory or a GGUF file, read tensor by tensor), ``gguf_file`` (the GGUF
+reader), ``loader`` (checkpoint tensors into the model's parameters).
 """
 
 from engine.model.architecture import Architecture, parse_dtype
-from engine.model.loader import WeightLoadingError, get_model
-from engine.model.registry import MODEL_REGISTRY, get_model_class
+from engine.model.loader import WeightLoadingError
+from engine.model.registry import MODEL_REGISTRY, get_model, get_model_class
 
 __all__ = ["MODEL_REGISTRY", "Architecture", "WeightLoadingError", "get_model", "get_model_class", "parse_dtype"]

@@ -1,4 +1,4 @@
-"""Build a model from its source (``engine.model.source``: a Hugging Face directory or a GGUF file).
+"""Load a model's weights from its source (``engine.model.source``: a Hugging Face directory or a GGUF file).
 
 Weights are read lazily, tensor by tensor, from the source and handed to each parameter's
 ``weight_loader(param, tensor, shard_id=None)``, which copies (and casts) the
@@ -9,15 +9,12 @@ missing and unexpected checkpoint weight of this rank's part.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from engine.model.architecture import Architecture, parse_dtype
 from engine.model.layers.linear import default_weight_loader
-from engine.model.source import open_model_source
 
 
 class WeightLoadingError(RuntimeError):
@@ -87,51 +84,3 @@ def _display(name: str, shard_id: object) -> str:
     part = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj"}.get(shard_id, shard_id)
     packed = name.split(".")[-2]
     return name.replace(f".{packed}.", f".{part}.")
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def get_model(
-    model_path: str,
-    dtype: torch.dtype | str | None = None,
-    device: torch.device | str = "cpu",
-    *,
-    attn_backend: str = "torch",
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-) -> nn.Module:
-    """Build this rank's part of the model at ``model_path``, load its weights cast to ``dtype``; eval mode.
-
-    The part is pipeline stage ``pp_rank`` of ``pp_size``, tensor-parallel slice
-    ``tp_rank`` of ``tp_size`` (defaults: the whole model). ``dtype`` defaults to
-    the checkpoint's (float32 if unrecorded). The result follows the interface
-    documented on ``LlamaForCausalLM``.
-    """
-    from engine.attention.backend import get_attention_backend
-    from engine.model.registry import get_model_class
-
-    source = open_model_source(model_path)
-    model_cls = get_model_class((source.hf_config.get("architectures") or ["<none>"])[0])
-    arch = Architecture.from_hf_config(source.hf_config)
-    dtype = parse_dtype(dtype) or arch.torch_dtype or torch.float32
-    with _default_dtype(dtype), torch.device(device):
-        model = model_cls(
-            arch,
-            get_attention_backend(attn_backend),
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            pp_rank=pp_rank,
-            pp_size=pp_size,
-        )
-    model.load_weights(source.iter_weights(model.wants_weight))
-    return model.eval()

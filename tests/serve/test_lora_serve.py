@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from engine.lora.make_adapter import make_lora_adapter
+from serval.tools.make_adapter import make_lora_adapter
 from tests.serve.cluster import deploy_and_wait, llm_config, serve_config
 
 pytestmark = pytest.mark.slow  # three replicas to deploy and an offline reference: ~100 s at load 5

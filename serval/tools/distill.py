@@ -8,7 +8,7 @@ next-token distribution at every position (a far richer signal than one label pe
 Loss: ``kd_weight * KL(target || draft) + (1 - kd_weight) * CE(corpus)``, the KL over every window
 position (float32, temperature 1; the mean over positions of the sum over the vocabulary). The target
 runs in eval mode under ``torch.no_grad`` on the very batches, in the same order, that train_model.py's
-schedule draws for the draft (same seed, same :func:`~engine.tools.train_model.batch_order`). The
+schedule draws for the draft (same seed, same :func:`~serval.tools.train_model.batch_order`). The
 target is always the saved bfloat16 checkpoint loaded in float32 (right after it was trained, or an
 existing one with ``--draft-only``), so both paths distill from the same weights and give the same
 draft bits; the draft's spec records the target's weights hash (a retrained target makes it stale).

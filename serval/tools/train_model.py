@@ -1,14 +1,14 @@
 """``serval make-model PATH --train``: train a small Llama target on the Python stdlib, distil its draft.
 
 What: two Llama checkpoints sharing one byte-level BPE tokenizer (8192 ids,
-:mod:`engine.tools.tokenizer_trainer`), for speculative decoding demos and
+:mod:`serval.tools.tokenizer_trainer`), for speculative decoding demos and
 acceptance-rate benchmarks (random weights accept almost nothing and write
 noise). ``PATH/serval-llama-10m`` is the target (make-model's ``10m`` preset:
 hidden 256, 8 layers, 4 heads / 2 KV heads, untied: 10.0M parameters);
 ``PATH/serval-llama-draft`` the draft (``draft`` preset: hidden 128, 2 layers,
 tied: 1.42M). Both are saved in bfloat16 (about 23 MB together).
 
-Corpus: :func:`~engine.tools.tokenizer_trainer.stdlib_corpus` (the top-level
+Corpus: :func:`~serval.tools.tokenizer_trainer.stdlib_corpus` (the top-level
 stdlib ``*.py`` sources, sorted) with a cap of ``LM_CORPUS_CHARS`` instead of
 the tokenizer's 2M characters: the whole top-level stdlib (4.7M characters,
 about 1.2M tokens on CPython 3.11.7), whose first 2M characters are exactly the
@@ -21,7 +21,7 @@ Schedule: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warmup
 then cosine decay to 10% of the peak, gradient clipping at 1.0, batches of 8
 windows (2048 tokens), ``TrainSpec.steps`` steps (360: 0.64 epoch of the 4490 training windows).
 The target trains on next-token cross-entropy. The draft, made after it, is distilled from the saved
-target (:mod:`engine.tools.distill`: KL(target || draft) on the target's next-token distributions)
+target (:mod:`serval.tools.distill`: KL(target || draft) on the target's next-token distributions)
 on the very same batches, in the same order; ``--draft-only`` remakes only the draft from an
 existing target.
 
@@ -45,7 +45,6 @@ with 640 steps of 4 windows at lr 3e-3 (perplexity 202.7); a 240-step draft (60.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -59,6 +58,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+
+from serval.tools.checkpoint import is_complete, mark_complete, write_skeleton  # noqa: E402
 
 TARGET_NAME = "serval-llama-10m"
 DRAFT_NAME = "serval-llama-draft"
@@ -128,7 +129,7 @@ def encode_corpus(tokenizer_file: Path, max_chars: int = LM_CORPUS_CHARS) -> tor
     """The stdlib corpus as one token stream: each file's ids (no special tokens), then EOS."""
     from tokenizers import Tokenizer
 
-    from engine.tools.tokenizer_trainer import EOS_ID, stdlib_corpus
+    from serval.tools.tokenizer_trainer import EOS_ID, stdlib_corpus
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     ids: list[int] = []
@@ -145,7 +146,7 @@ def split_windows(stream: torch.Tensor, seq_len: int = SEQ_LEN) -> tuple[torch.T
 
 
 def _windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    from engine.tools.tokenizer_trainer import BOS_ID
+    from serval.tools.tokenizer_trainer import BOS_ID
 
     body = seq_len - 1
     rows = stream[: len(stream) // body * body].view(-1, body)
@@ -184,7 +185,7 @@ def train_lm(
     """Train a fresh float32 causal LM for ``config`` on ``windows``; return ``(model, per-step losses)``.
 
     ``loss_fn(model, batch)``: the objective (default: next-token cross-entropy; the draft's is
-    :class:`engine.tools.distill.DistillLoss`). Deterministic in (config, windows, spec, seed,
+    :class:`serval.tools.distill.DistillLoss`). Deterministic in (config, windows, spec, seed,
     loss_fn); call inside :func:`deterministic_cpu`.
     """
     from transformers import AutoModelForCausalLM
@@ -259,15 +260,12 @@ def _save(model, path: Path, spec: dict, measured: dict) -> None:
     model.save_pretrained(path)
     for weights in path.glob("*.safetensors"):
         os.chmod(weights, 0o644)  # safetensors creates files as 0600
-    record = {**spec, "num_parameters": model.num_parameters(), "measured": measured}
-    from engine.tools.make_model import SPEC_FILE
-
-    (path / SPEC_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    mark_complete(path, {**spec, "num_parameters": model.num_parameters(), "measured": measured})
 
 
 def _train_one(paths: dict[str, Path], name: str, config, seed: int, data, quiet: bool) -> dict:
     """Train (the draft: distil from the saved target), round to bfloat16, evaluate and save one model."""
-    from engine.tools.distill import DistillLoss, greedy_agreement, load_teacher, teacher_spec
+    from serval.tools.distill import DistillLoss, greedy_agreement, load_teacher, teacher_spec
 
     teacher = load_teacher(paths[TARGET_NAME]) if name == DRAFT_NAME else None
     loss_fn = None if teacher is None else DistillLoss(teacher)
@@ -294,8 +292,7 @@ def _train_one(paths: dict[str, Path], name: str, config, seed: int, data, quiet
 
 def _stale(paths: dict[str, Path], seed: int, force: bool, draft_only: bool) -> list[str]:
     """The models to (re)make, in order: a new target always takes a new draft with it."""
-    from engine.tools.distill import teacher_spec
-    from engine.tools.make_model import is_complete
+    from serval.tools.distill import teacher_spec
 
     target_ok = is_complete(paths[TARGET_NAME], _spec(TARGET_NAME, seed))
     if draft_only and not target_ok:
@@ -311,13 +308,11 @@ def train_pair(
 ) -> dict[str, Path]:
     """Train (target, draft) into ``root/serval-llama-10m`` and ``root/serval-llama-draft``; return both paths.
 
-    The target first, then the draft distilled from it (:mod:`engine.tools.distill`). Skips a model whose
+    The target first, then the draft distilled from it (:mod:`serval.tools.distill`). Skips a model whose
     directory already holds a checkpoint with the same spec, unless ``force``. ``draft_only``: never touch
     the target (it must be up to date), (re)make just the draft from it. Both get the same tokenizer files
     (make-model's, for 8192 ids).
     """
-    from engine.tools.make_model import write_skeleton
-
     root = Path(root)
     paths = {name: root / name for name in PAIR}
     todo = _stale(paths, seed, force, draft_only)

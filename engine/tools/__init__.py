@@ -1,1 +1,0 @@
-"""Developer tools: checkpoint generation (``serval make-model``) and friends."""
