@@ -24,7 +24,8 @@ from pathlib import Path
 
 from serval.bench.datasets import SampleRequest, ordinary_token_ids
 from serval.bench.report import RequestResult, percentile
-from serval.bench.serve import CompletionSender, arrival_offsets
+from serval.bench.request_funcs import Backend, RequestSender
+from serval.bench.serve import arrival_offsets
 
 
 def make_requests(args: argparse.Namespace, token_ids: list[int]) -> list[tuple[float, str, SampleRequest]]:
@@ -51,10 +52,12 @@ async def run_schedule(args: argparse.Namespace, schedule) -> list[tuple[str, Re
     import httpx
     from tqdm import tqdm
 
-    sender = CompletionSender(
-        argparse.Namespace(
-            url=args.url, api_key=None, model=args.model, ignore_eos=True, temperature=0.0, max_concurrency=None
-        )
+    sender = RequestSender(
+        Backend.OPENAI,
+        f"{args.url.rstrip('/')}/v1/completions",
+        args.model,
+        ignore_eos=True,
+        sampling={"temperature": 0.0},
     )
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:

@@ -1,6 +1,7 @@
-"""Benchmark request sets, as ``vllm bench``'s datasets draw them: ``random``, ``prefix-repetition``, ``sharegpt``.
+"""Benchmark request sets, as ``vllm bench``'s datasets draw them: ``random``, ``prefix_repetition``, ``sharegpt``
+(vLLM's names; ``prefix-repetition`` is a deprecated alias).
 
-``random`` and ``prefix-repetition`` prompts are token-id lists (the OpenAI completions API and the offline
+``random`` and ``prefix_repetition`` prompts are token-id lists (the OpenAI completions API and the offline
 engine both take them), so every input length is exact; their ids avoid the tokenizer's special tokens.
 ``sharegpt`` prompts are the first human turn of each conversation, as text.
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from dataclasses import dataclass
 
-DATASET_NAMES = ("random", "prefix-repetition", "sharegpt")
+DATASET_NAMES = ("random", "prefix_repetition", "sharegpt")
+DEPRECATED_DATASET_NAMES = {"prefix-repetition": "prefix_repetition"}
 
 # vLLM's ShareGPT filter: pairs outside these token bounds are skipped.
 SHAREGPT_MIN_LEN = 4
@@ -27,10 +30,20 @@ class SampleRequest:
     expected_output_len: int
 
 
+def dataset_name(text: str) -> str:
+    """A ``--dataset-name``: a deprecated spelling is mapped to vLLM's, with a one-line note."""
+    if text in DEPRECATED_DATASET_NAMES:
+        print(
+            f"serval bench: --dataset-name {text} is deprecated; use {DEPRECATED_DATASET_NAMES[text]}",
+            file=sys.stderr,
+        )
+    return DEPRECATED_DATASET_NAMES.get(text, text)
+
+
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds ``--dataset-name``, every dataset's flags, ``--num-prompts`` and ``--seed`` to ``parser``."""
     group = parser.add_argument_group("dataset")
-    group.add_argument("--dataset-name", choices=DATASET_NAMES, default="random")
+    group.add_argument("--dataset-name", type=dataset_name, choices=DATASET_NAMES, default="random")
     group.add_argument("--num-prompts", type=int, default=1000, help="Number of requests to sample.")
     group.add_argument(
         "--seed", type=int, default=0, help="Seed of the sampled requests (and of bench serve's arrival times)."
@@ -39,6 +52,9 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--random-output-len", type=int, default=128)
     group.add_argument(
         "--random-range-ratio", type=float, default=0.0, help="Lengths are uniform in [len * (1 - r), len * (1 + r)]."
+    )
+    group.add_argument(
+        "--random-prefix-len", type=int, default=0, help="Random tokens shared by every prompt, before its own."
     )
     group.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
     group.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
@@ -61,6 +77,8 @@ def sample_requests(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
     ShareGPT path or no usable conversation in it).
     """
     rng = random.Random(args.seed)
+    if args.dataset_name != "sharegpt" and args.dataset_path:
+        raise ValueError(f"--dataset-name {args.dataset_name} takes no --dataset-path (sharegpt does)")
     if args.dataset_name == "random":
         return sample_random(
             rng,
@@ -69,8 +87,9 @@ def sample_requests(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
             args.random_input_len,
             args.random_output_len,
             args.random_range_ratio,
+            args.random_prefix_len,
         )
-    if args.dataset_name == "prefix-repetition":
+    if args.dataset_name == "prefix_repetition":
         return sample_prefix_repetition(
             rng,
             ordinary_token_ids(tokenizer),
@@ -81,7 +100,10 @@ def sample_requests(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
             args.prefix_repetition_output_len,
         )
     if not args.dataset_path:
-        raise ValueError("--dataset-name sharegpt needs --dataset-path")
+        raise ValueError(
+            "--dataset-name sharegpt needs --dataset-path: a local ShareGPT JSON file (nothing is downloaded), "
+            'a list of {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}'
+        )
     return sample_sharegpt(rng, tokenizer, args.dataset_path, args.num_prompts, args.sharegpt_output_len)
 
 
@@ -95,16 +117,23 @@ def ordinary_token_ids(tokenizer) -> list[int]:
 
 
 def sample_random(
-    rng: random.Random, token_ids: list[int], num_prompts: int, input_len: int, output_len: int, range_ratio: float
+    rng: random.Random,
+    token_ids: list[int],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    prefix_len: int = 0,
 ) -> list[SampleRequest]:
-    """Prompts of uniformly drawn lengths in ``[len * (1 - r), len * (1 + r)]``, of random ordinary tokens."""
+    """Prompts of random ordinary tokens: ``prefix_len`` shared ones, then their own, of a length drawn
+    uniformly in ``[len * (1 - r), len * (1 + r)]`` (vLLM's random dataset)."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {range_ratio}")
+    prefix = rng.choices(token_ids, k=prefix_len)
     requests = []
     for _ in range(num_prompts):
-        prompt_len = _draw_length(rng, input_len, range_ratio)
-        prompt = rng.choices(token_ids, k=prompt_len)
-        requests.append(SampleRequest(prompt, prompt_len, _draw_length(rng, output_len, range_ratio)))
+        prompt = prefix + rng.choices(token_ids, k=_draw_length(rng, input_len, range_ratio))
+        requests.append(SampleRequest(prompt, len(prompt), _draw_length(rng, output_len, range_ratio)))
     return requests
 
 

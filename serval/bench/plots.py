@@ -70,7 +70,7 @@ def latency_samples_ms(report: dict) -> dict[str, list[float]]:
         "ttft": present(report["ttfts"]),
         "tpot": present(report["tpots"]),
         "itl": [itl * 1e3 for itls in report["itls"] for itl in itls],
-        "e2el": present(report["e2els"]),
+        "e2el": present(report["latencies"]),
     }
 
 

@@ -7,6 +7,7 @@ detailed results); the summary metrics (``mean_ttft_ms``, ...) are in millisecon
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -39,6 +40,12 @@ class RequestResult:
         return self.error is None
 
     @property
+    def input_len(self) -> int:
+        """The prompt's tokens: the server's count when it sent one (a chat template adds tokens), else the
+        dataset's."""
+        return self.prompt_len if self.num_prompt_tokens is None else self.num_prompt_tokens
+
+    @property
     def ttft(self) -> float:
         return self.chunk_times[0] - self.start_time
 
@@ -60,54 +67,80 @@ class RequestResult:
 
 def parse_percentiles(text: str) -> list[float]:
     """``"50,90,99"`` -> ``[50.0, 90.0, 99.0]``; each in [0, 100]."""
-    values = [float(item) for item in text.split(",") if item.strip()]
+    try:
+        values = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
     if not values or any(not 0 <= value <= 100 for value in values):
-        raise ValueError(f"percentiles must be numbers in [0, 100], got {text!r}")
+        raise argparse.ArgumentTypeError(f"percentiles are comma-separated numbers in [0, 100], got {text!r}")
     return values
 
 
-def parse_slos(text: str) -> dict[str, float]:
-    """``"ttft=500,tpot=50"`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (milliseconds; vLLM's ``ttft:500`` too)."""
-    slos = {}
-    for item in text.split(","):
-        name, _, value = item.replace(":", "=").partition("=")
-        name = name.strip()
-        if name not in SLO_METRICS or not value:
-            raise ValueError(f"an SLO is NAME=MILLISECONDS with NAME in {', '.join(SLO_METRICS)}, got {item!r}")
-        slos[name] = float(value)
-    return slos
+def parse_metric_names(text: str) -> list[str]:
+    """``"ttft,tpot"`` -> ``["ttft", "tpot"]``; each one of :data:`METRICS`."""
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    if not names or any(name not in METRICS for name in names):
+        raise argparse.ArgumentTypeError(f"metrics are comma-separated names in {', '.join(METRICS)}, got {text!r}")
+    return names
+
+
+def parse_goodput(text: str) -> tuple[str, float]:
+    """One vLLM ``--goodput`` pair: ``"ttft:500"`` -> ``("ttft", 500.0)`` (milliseconds, not negative)."""
+    name, _, value = text.partition(":")
+    try:
+        milliseconds = float(value)
+    except ValueError:
+        milliseconds = -1.0
+    if name.strip() not in SLO_METRICS or milliseconds < 0:
+        raise argparse.ArgumentTypeError(
+            f"a goodput SLO is NAME:MILLISECONDS with NAME in {', '.join(SLO_METRICS)}, got {text!r}"
+        )
+    return name.strip(), milliseconds
+
+
+def parse_slos(text: str) -> list[tuple[str, float]]:
+    """The deprecated ``--slo`` form: ``"ttft=500,tpot=50"`` -> ``[("ttft", 500.0), ("tpot", 50.0)]``."""
+    return [parse_goodput(item.replace("=", ":")) for item in text.split(",")]
 
 
 def build_report(
-    results: list[RequestResult], duration_s: float, percentiles: list[float], slos: dict[str, float] | None = None
+    results: list[RequestResult],
+    duration_s: float,
+    percentiles: list[float],
+    percentile_metrics: list[str] = METRICS,
+    slos: dict[str, float] | None = None,
 ) -> dict:
-    """The metrics of one measured run (vLLM's names) plus the raw per-request lists.
+    """The metrics of one measured run, with vLLM's keys, plus the per-request lists.
 
     Throughputs divide by ``duration_s`` (first dispatch to last completion); token totals and latency
-    statistics count completed requests only. ``goodput`` (completed requests per second meeting every
-    SLO) and ``goodput_fraction`` (of all requests) are None without ``slos``.
+    statistics count completed requests only, and a request's input tokens are the server's count when it
+    sent one (vLLM's rule). ``mean_``/``median_``/``std_``/``p{N}_{metric}_ms`` are written for each of
+    ``percentile_metrics``. ``request_goodput`` (completed requests per second meeting every SLO) and
+    ``goodput_fraction`` (of all requests) are None without ``slos``.
     """
     completed = [result for result in results if result.is_success]
-    num_input_tokens = sum(result.prompt_len for result in completed)
+    num_input_tokens = sum(result.input_len for result in completed)
     num_output_tokens = sum(result.num_output_tokens for result in completed)
     report = {
+        "duration": duration_s,
         "completed": len(completed),
         "failed": len(results) - len(completed),
-        "errors": first_errors(results),
-        "duration_s": duration_s,
+        "first_errors": first_errors(results),
         "total_input_tokens": num_input_tokens,
         "total_output_tokens": num_output_tokens,
         "request_throughput": len(completed) / duration_s,
         "output_throughput": num_output_tokens / duration_s,
         "total_token_throughput": (num_input_tokens + num_output_tokens) / duration_s,
         "max_concurrent_requests": max_concurrent_requests(results),
-        "percentiles": percentiles,
-        "slo": slos or None,
+        "percentile_metrics": list(percentile_metrics),
+        "metric_percentiles": percentiles,
+        "goodput_config": slos or None,
     }
     report.update(goodput(completed, len(results), duration_s, slos))
-    for name, values in latencies_ms(completed).items():
-        report.update(latency_stats(name, values, percentiles))
-    report.update(raw_lists(results))
+    samples = latencies_ms(completed)
+    for name in percentile_metrics:
+        report.update(latency_stats(name, samples[name], percentiles))
+    report.update(per_request_lists(results))
     return report
 
 
@@ -153,9 +186,10 @@ def goodput(
     completed: list[RequestResult], num_requests: int, duration_s: float, slos: dict[str, float] | None
 ) -> dict[str, float | None]:
     if not slos:
-        return {"goodput": None, "goodput_fraction": None}
+        return {"request_goodput": None, "goodput_fraction": None}
     num_good = sum(is_within_slos(result, slos) for result in completed)
-    return {"goodput": num_good / duration_s, "goodput_fraction": num_good / num_requests if num_requests else 0.0}
+    fraction = num_good / num_requests if num_requests else 0.0
+    return {"request_goodput": num_good / duration_s, "goodput_fraction": fraction}
 
 
 def is_within_slos(result: RequestResult, slos: dict[str, float]) -> bool:
@@ -184,19 +218,33 @@ def first_errors(results: list[RequestResult]) -> list[str]:
     return errors
 
 
-def raw_lists(results: list[RequestResult]) -> dict[str, list]:
-    """Per-request lists in send order, in seconds; a failed request's latencies are None (JSON null)."""
+# The per-request lists: in the JSON with --save-detailed only, as in vLLM.
+PER_REQUEST_KEYS = (
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "tpots",
+    "itls",
+    "latencies",
+    "start_times",
+    "end_times",
+    "errors",
+)
+
+
+def per_request_lists(results: list[RequestResult]) -> dict[str, list]:
+    """Per-request lists in send order (vLLM's detailed keys), in seconds; a failed request's latencies are
+    None (JSON null), its error the message (None for a success)."""
     return {
-        "input_lens": [result.prompt_len for result in results],
-        "server_prompt_lens": [result.num_prompt_tokens for result in results],
+        "input_lens": [result.input_len for result in results],
         "output_lens": [result.num_output_tokens if result.is_success else 0 for result in results],
         "ttfts": [result.ttft if result.is_success else None for result in results],
         "tpots": [result.tpot if result.is_success else None for result in results],
         "itls": [result.itls if result.is_success else [] for result in results],
-        "e2els": [result.e2el if result.is_success else None for result in results],
+        "latencies": [result.e2el if result.is_success else None for result in results],
         "start_times": [result.start_time for result in results],
         "end_times": [result.end_time for result in results],
-        "request_errors": [result.error for result in results],
+        "errors": [result.error for result in results],
     }
 
 
@@ -208,23 +256,23 @@ def format_summary(report: dict) -> str:
         ("Failed requests:", report["failed"]),
         ("Maximum request concurrency:", report.get("max_concurrency")),
         ("Peak concurrent requests:", report["max_concurrent_requests"]),
-        ("Benchmark duration (s):", f"{report['duration_s']:.2f}"),
+        ("Benchmark duration (s):", f"{report['duration']:.2f}"),
         ("Total input tokens:", report["total_input_tokens"]),
         ("Total generated tokens:", report["total_output_tokens"]),
         ("Request throughput (req/s):", f"{report['request_throughput']:.2f}"),
         ("Output token throughput (tok/s):", f"{report['output_throughput']:.2f}"),
         ("Total Token throughput (tok/s):", f"{report['total_token_throughput']:.2f}"),
     ]
-    if report["goodput"] is not None:
-        rows.append(("Request goodput (req/s):", f"{report['goodput']:.2f}"))
+    if report["request_goodput"] is not None:
+        rows.append(("Request goodput (req/s):", f"{report['request_goodput']:.2f}"))
         rows.append(("Goodput fraction:", f"{report['goodput_fraction']:.3f}"))
     lines += [f"{label:<40} {value}" for label, value in rows]
-    for name in METRICS:
+    for name in report["percentile_metrics"]:
         lines.append("{s:{c}^{n}}".format(s=METRIC_TITLES[name], n=50, c="-"))
         label = name.upper()
         lines.append(f"{f'Mean {label} (ms):':<40} {report[f'mean_{name}_ms']:<10.2f}")
         lines.append(f"{f'Median {label} (ms):':<40} {report[f'median_{name}_ms']:<10.2f}")
-        for q in report["percentiles"]:
+        for q in report["metric_percentiles"]:
             key = percentile_label(q)
             lines.append(f"{f'P{key} {label} (ms):':<40} {report[f'p{key}_{name}_ms']:<10.2f}")
     lines.append("=" * 50)

@@ -4,7 +4,7 @@ For every point of ``--max-num-seqs`` x ``--max-num-batched-tokens`` (x
 ``--num-replicas``) it redeploys the Serve config with that model's settings
 changed (through the dashboard's REST API, as ``serve deploy`` does), waits
 until the app runs, and runs ``serval bench serve`` against it. The best point
-is the highest output throughput whose ``--slo`` latencies (at
+is the highest output throughput whose ``--goodput`` latencies (at
 ``--slo-percentile``) are all within their limits and whose requests all
 succeeded. It writes a JSON record and a plot of throughput against latency
 with the Pareto frontier, then redeploys the original config (or the best
@@ -12,7 +12,7 @@ one, ``--keep-best``).
 
     serval bench tune --config configs/serve/default.yaml --model smollm2-135m-instruct \\
         --tokenizer models/smollm2-135m-instruct \\
-        --max-num-seqs 16 64 --max-num-batched-tokens 512 2048 --slo ttft=500,tpot=50 --num-prompts 200
+        --max-num-seqs 16 64 --max-num-batched-tokens 512 2048 --goodput ttft:500 tpot:50 --num-prompts 200
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--slo-percentile",
         type=float,
         default=DEFAULT_SLO_PERCENTILE,
-        help="The percentile of each --slo metric that must be within its limit.",
+        help="The percentile of each --goodput metric that must be within its limit.",
     )
     tune.add_argument("--deploy-timeout-s", type=float, default=600.0)
     tune.add_argument(
@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     """Sweeps, writes ``tune-*.json`` and ``tune-*-frontier.png``; 0 when some point met the SLO, else 1."""
     from deployments import launcher
 
-    if args.slo_percentile not in args.percentiles:
-        args.percentiles = sorted({*args.percentiles, args.slo_percentile})
+    if args.slo_percentile not in args.metric_percentiles:
+        args.metric_percentiles = sorted({*args.metric_percentiles, args.slo_percentile})
     original = launcher.load_config(args.config)
     points = [
         measure_point(args, original, point, index, total) for index, point, total in enumerate_points(args, original)
@@ -146,7 +146,7 @@ def measure_point(args: argparse.Namespace, config: dict, point: TunePoint, inde
     point.num_failed = report["failed"]
     point.latencies_ms = slo_latencies(report, args)
     point.is_within_slo = point.num_failed == 0 and all(
-        point.latencies_ms[name] <= limit for name, limit in (args.slo or {}).items()
+        point.latencies_ms[name] <= limit for name, limit in slos(args).items()
     )
     print(
         f"[{index + 1}/{total}] {point.label()}: {point.output_throughput:.1f} output tok/s, "
@@ -159,7 +159,12 @@ def measure_point(args: argparse.Namespace, config: dict, point: TunePoint, inde
 def slo_latencies(report: dict, args: argparse.Namespace) -> dict[str, float]:
     """Each SLO'd metric (TTFT and TPOT when no SLO is set) at ``--slo-percentile``, in ms."""
     label = percentile_label(args.slo_percentile)
-    return {name: report[f"p{label}_{name}_ms"] for name in (args.slo or {"ttft": 0, "tpot": 0})}
+    return {name: report[f"p{label}_{name}_ms"] for name in (slos(args) or {"ttft": 0, "tpot": 0})}
+
+
+def slos(args: argparse.Namespace) -> dict[str, float]:
+    """``--goodput``'s limits in ms by metric."""
+    return dict(args.goodput or [])
 
 
 def format_latencies(latencies_ms: dict[str, float]) -> str:
@@ -188,16 +193,16 @@ def pareto_frontier(points: list[TunePoint], metric: str) -> list[TunePoint]:
 
 def write_tune_results(points: list[TunePoint], best: TunePoint | None, args: argparse.Namespace) -> list[Path]:
     """``tune-<model>-<time>.json`` and its frontier plot under ``--result-dir``."""
-    result_dir = Path(args.result_dir)
+    result_dir = Path(args.result_dir or ".")
     result_dir.mkdir(parents=True, exist_ok=True)
     stem = f"tune-{Path(args.model).name}-{time.strftime('%Y%m%d-%H%M%S')}"
     json_path = result_dir / f"{stem}.json"
     record = {
         "config": args.config,
         "model_id": args.model,
-        "slo": args.slo,
+        "slo": slos(args),
         "slo_percentile": args.slo_percentile,
-        "settings": serve.run_settings(args),
+        "settings": serve.run_settings(args, args.model, args.tokenizer or args.model, serve.make_sender(args)),
         "points": [asdict(point) for point in points],
         "best": asdict(best) if best else None,
     }
@@ -263,8 +268,8 @@ def _plot_metric(
             zorder=4,
             label="best",
         )
-    if args.slo and metric in args.slo:
-        axes.axhline(args.slo[metric], color="tab:red", linestyle=":", label=f"{metric} SLO")
+    if metric in slos(args):
+        axes.axhline(slos(args)[metric], color="tab:red", linestyle=":", label=f"{metric} SLO")
     axes.set_xlabel("output tokens/s")
     axes.set_ylabel(f"p{percentile_label(args.slo_percentile)} {metric.upper()} (ms)")
     axes.grid(alpha=0.3)

@@ -60,6 +60,21 @@ def test_random_is_reproducible_from_the_seed(tokenizer):
     assert sample("7") != sample("8")
 
 
+def test_random_prefix_len_is_shared_by_every_prompt(tokenizer):
+    args = parse("--num-prompts", "8", "--random-input-len", "10", "--random-prefix-len", "6", "--seed", "2")
+    requests = sample_requests(args, tokenizer)
+    assert {request.prompt_len for request in requests} == {16} == {len(request.prompt) for request in requests}
+    assert len({tuple(request.prompt[:6]) for request in requests}) == 1
+    assert len({tuple(request.prompt[6:]) for request in requests}) == 8
+
+
+def test_the_old_dataset_name_is_a_deprecated_alias(capsys):
+    assert parse("--dataset-name", "prefix-repetition").dataset_name == "prefix_repetition"
+    assert "--dataset-name prefix-repetition is deprecated; use prefix_repetition" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse("--dataset-name", "sonnet")
+
+
 def test_random_range_ratio_of_one_is_refused(tokenizer):
     with pytest.raises(ValueError, match="range-ratio"):
         sample_requests(parse("--random-range-ratio", "1.0"), tokenizer)
@@ -68,7 +83,7 @@ def test_random_range_ratio_of_one_is_refused(tokenizer):
 def test_prefix_repetition_shares_prefixes(tokenizer):
     args = parse(
         "--dataset-name",
-        "prefix-repetition",
+        "prefix_repetition",
         "--num-prompts",
         "12",
         "--prefix-repetition-prefix-len",
