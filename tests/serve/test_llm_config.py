@@ -49,7 +49,7 @@ def test_bad_values_and_duplicates_are_refused():
         LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {"model": "x"}})
     with pytest.raises(ValidationError, match="Duplicate model_id"):
         LLMServingArgs.model_validate({"llm_configs": [MINIMAL, MINIMAL]})
-    with pytest.raises(ValidationError, match="not both"):
+    with pytest.raises(ValidationError, match="num_replicas is not allowed when autoscaling_config"):  # Serve's
         LLMConfig.model_validate(
             {
                 **MINIMAL,
@@ -130,8 +130,8 @@ def test_pd_yaml_validates_and_gives_each_pool_its_role():
         ({"decode_config": {**MINIMAL, "engine_kwargs": {"block_size": 32}}}, "same block_size"),
         ({"prefill_config": {**MINIMAL, "engine_kwargs": {"tensor_parallel_size": 2}}}, "tensor_parallel_size=1"),
         (
-            {"prefill_config": {**MINIMAL, "engine_kwargs": {"kv_transfer_config": {"kv_role": "kv_both"}}}},
-            "set by the PD builder",
+            {"prefill_config": {**MINIMAL, "engine_kwargs": {"kv_transfer_config": {"kv_role": "kv_consumer"}}}},
+            "kv_role must be one of",
         ),
         ({"kv_transfer_config": {"kv_connector": "nixl"}}, "kv_connector"),
         ({"prefill_timeout_s": 0}, "prefill_timeout_s"),
