@@ -1,6 +1,6 @@
 """The Serve application builder that ``serve run`` / ``serve deploy`` reach through ``import_path``.
 
-    import_path: deployments.app:build_openai_app
+    import_path: serval.serve:build_openai_app      # (serval/serve.py re-exports this module's builders)
     args: {llm_configs: [...], ingress_deployment_config: {...}, api_keys: [...], request_limits: {...}}
 
 One ``LLMServer:<model id>`` deployment per model (its replicas are the
@@ -25,45 +25,95 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.placement import engine_bundles, placement_strategy, uses_gpus
+from deployments.deployment_options import DeploymentConfig
 from deployments.ingress import IngressLLMServer, OpenAiIngress
 from deployments.llm_config import LLMConfig, LLMServingArgs
 from deployments.llm_server import LLMServer
 from deployments.pd_config import PDServingArgs
 from deployments.pd_servers import PDDecodeServer, PrefillServer
+from deployments.placement_config import ACCELERATOR_HINT, accelerator_resource
 
 INGRESS_DEPLOYMENT_NAME = "OpenAiIngress"
 DEFAULT_REPLICA_NUM_CPUS = 1  # Serve's default for a replica actor
 
 
-def placement_options(llm_config: LLMConfig, actor_options: dict[str, Any]) -> dict[str, Any]:
-    """Each replica's placement group when its engine runs Ray workers (TP/PP): one bundle per
-    worker, the replica's own resources added to bundle 0 (Serve places the replica there)."""
-    engine_args = llm_config.engine_args()
-    parallel = engine_args.create_parallel_config()
-    if parallel.executor_backend != "ray":
-        return {}
-    replica_resources = {
+def replica_resources(actor_options: dict[str, Any]) -> dict[str, float]:
+    """What the replica actor itself asks Ray for (Serve's defaults where unset)."""
+    resources = {
         "CPU": actor_options.get("num_cpus", DEFAULT_REPLICA_NUM_CPUS),
         "GPU": actor_options.get("num_gpus", 0),
         **actor_options.get("resources", {}),
     }
-    return {
-        "placement_group_bundles": engine_bundles(parallel, uses_gpus(engine_args.device), replica_resources),
-        "placement_group_strategy": placement_strategy(parallel),
-    }
+    if "memory" in actor_options:
+        resources["memory"] = actor_options["memory"]
+    return resources
+
+
+def placement_options(llm_config: LLMConfig, actor_options: dict[str, Any]) -> dict[str, Any]:
+    """Each replica's placement group when its engine runs Ray workers (TP/PP): one bundle per worker
+    (``placement_group_config``'s, else the engine's), a GPU type's resource in each, the replica's own
+    resources added to bundle 0 (Serve places the replica there), as Ray Serve LLM builds it."""
+    engine_args = llm_config.engine_args()
+    parallel = engine_args.create_parallel_config()
+    if parallel.executor_backend != "ray":
+        return {}
+    configured = llm_config.placement_group_config
+    if configured is None:
+        bundles = engine_bundles(parallel, uses_gpus(engine_args.device))
+        strategy = placement_strategy(parallel)
+    else:
+        bundles, strategy = configured.worker_bundles(parallel.world_size), configured.strategy
+    if llm_config.accelerator_type is not None:
+        for bundle in bundles:
+            bundle.setdefault(accelerator_resource(llm_config.accelerator_type), ACCELERATOR_HINT)
+    for name, amount in replica_resources(actor_options).items():
+        bundles[0][name] = bundles[0].get(name, 0.0) + amount
+    bundles = [{name: amount for name, amount in bundle.items() if amount > 0} or {"CPU": 0.01} for bundle in bundles]
+    return {"placement_group_bundles": bundles, "placement_group_strategy": strategy}
+
+
+def server_options(llm_config: LLMConfig) -> dict[str, Any]:
+    """``Deployment.options`` for one model's LLM servers: its ``deployment_config`` (Serve's options), the
+    router's view of the engine, the runtime_env, a CUDA engine's GPU and the placement group."""
+    options = llm_config.deployment_config.to_options()
+    if llm_config.uses_kv_router():
+        router = options["request_router_config"]
+        router["request_router_kwargs"] = {
+            **router.get("request_router_kwargs", {}),
+            **llm_config.router_engine_kwargs(),
+        }
+    actor_options = options.setdefault("ray_actor_options", {})
+    if llm_config.runtime_env is not None:  # the LLM config's wins, as in Ray Serve LLM
+        actor_options["runtime_env"] = {**actor_options.get("runtime_env", {}), **llm_config.runtime_env}
+    engine_args = llm_config.engine_args()
+    if engine_args.create_parallel_config().executor_backend != "ray" and engine_args.device == "cuda":
+        actor_options.setdefault("num_gpus", 1)  # the engine runs in the replica: the replica holds the GPU
+        if llm_config.accelerator_type is not None:
+            actor_options.setdefault("accelerator_type", llm_config.accelerator_type)
+    options.update(placement_options(llm_config, actor_options))
+    return options
 
 
 def build_llm_server(
     llm_config: LLMConfig, server_class: type = LLMServer, name: str | None = None, *extra_args: Any
 ) -> Application:
     """One model's LLM-server deployment (``server_class``, named ``LLMServer:<model id>`` unless ``name``
-    says), bound to its config and ``extra_args``."""
-    options = llm_config.deployment_config.to_options()
-    if llm_config.runtime_env is not None:
-        options["ray_actor_options"] = {**options.get("ray_actor_options", {}), "runtime_env": llm_config.runtime_env}
-    options.update(placement_options(llm_config, options.get("ray_actor_options", {})))
+    or its ``deployment_config.name`` says), bound to its config and ``extra_args``."""
+    options = server_options(llm_config)
+    options.pop("name", None)
+    if options.get("user_config") is not None and not hasattr(server_class, "reconfigure"):
+        raise ValueError(
+            f"deployment_config.user_config: Serve hands it to the deployment's reconfigure(), which "
+            f"{server_class.__name__} does not have."
+        )
     deployment = serve.deployment(server_class).options(name=name or llm_config.server_deployment_name(), **options)
     return deployment.bind(llm_config, *extra_args)
+
+
+def build_ingress(deployment_config: DeploymentConfig) -> Any:
+    """The ``OpenAiIngress`` deployment (named so unless ``deployment_config.name`` says)."""
+    options = deployment_config.to_options()
+    return serve.deployment(OpenAiIngress).options(**{"name": INGRESS_DEPLOYMENT_NAME, **options})
 
 
 def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
@@ -73,9 +123,7 @@ def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
         [llm_config] = serving_args.llm_configs
         return build_llm_server(llm_config, IngressLLMServer, None, serving_args.server_options())
     servers = {config.model_id: build_llm_server(config) for config in serving_args.llm_configs}
-    ingress = serve.deployment(OpenAiIngress).options(
-        name=INGRESS_DEPLOYMENT_NAME, **serving_args.ingress_deployment_config.to_options()
-    )
+    ingress = build_ingress(serving_args.ingress_deployment_config)
     return ingress.bind(servers, serving_args.server_options(), serving_args.migration_limit)
 
 
@@ -92,7 +140,5 @@ def build_pd_openai_app(args: dict[str, Any] | PDServingArgs) -> Application:
         prefill,
         pd_args.options.model_dump(),
     )
-    ingress = serve.deployment(OpenAiIngress).options(
-        name=INGRESS_DEPLOYMENT_NAME, **pd_args.ingress_deployment_config.to_options()
-    )
+    ingress = build_ingress(pd_args.ingress_deployment_config)
     return ingress.bind({pd_args.decode_config.model_id: decode}, pd_args.server_options())

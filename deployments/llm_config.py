@@ -2,165 +2,87 @@
 
     applications:
     - name: llm
-      import_path: deployments.app:build_openai_app
+      import_path: serval.serve:build_openai_app     # or deployments.app:build_openai_app
       args:
         llm_configs:
         - model_loading_config: {model_id: tiny-llama, model_source: models/tiny-llama}
           engine_kwargs: {max_model_len: 2048, max_num_seqs: 64}
           deployment_config: {num_replicas: 1, max_ongoing_requests: 256, ray_actor_options: {num_cpus: 1}}
+          accelerator_type: H100                  # optional: a GPU type (CUDA), placement_config.py
+          placement_group_config: {bundle_per_worker: {CPU: 1, GPU: 1}, strategy: PACK}   # optional
+          runtime_env: {env_vars: {...}}          # optional: the replica's and its engine workers'
         api_keys: [sk-...]                        # optional; or SERVAL_API_KEY in the cluster's environment
         request_limits: {max_n: 8}                # optional; engine/entrypoints/openai/limits.py lists them
 
-An LLM config's optional ``lora_config`` serves PEFT LoRA adapters over its model (``LoraConfig``).
+An LLM config's optional ``lora_config`` serves PEFT LoRA adapters over its model (``LoraConfig``);
+``deployment_config`` takes every Serve deployment option (``deployment_options.py``).
 
 Every model rejects unknown keys, and ``engine_kwargs`` is checked against
 ``EngineArgs`` here, so a typo fails the deploy with a message naming the key
-instead of surfacing later inside a replica.
+instead of surfacing later inside a replica. Ray Serve LLM keys Serval cannot
+honour get a message saying so (``RAY_SERVE_LLM_ONLY``).
 """
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from deployments.autoscaling import TTFT_POLICY, TTFTPolicyOptions
-from deployments.kv_index import KVRouterOptions
+from deployments.autoscaling import TTFT_POLICY
+from deployments.deployment_options import KV_ROUTER_CLASS, DeploymentConfig
+from deployments.model_paths import SERVAL_ROOT as SERVAL_ROOT
+from deployments.model_paths import ResolvesPaths, refuse_cloud_uri, resolve_path, search_bases
+from deployments.placement_config import PlacementGroupConfig, check_accelerator_type
 from engine.config import LoRAConfig
 from engine.engine_args import EngineArgs
 from engine.entrypoints.openai.lora_models import check_adapter_name
 from engine.entrypoints.openai.server_options import ServerOptions
 
-# Relative model sources are resolved against the Serval checkout (the directory holding deployments/),
-# so that the same YAML works from `make serve`, `serve deploy` and replicas whose cwd is elsewhere.
-SERVAL_ROOT = Path(__file__).resolve().parent.parent
 SERVER_NAME_PREFIX = "LLMServer:"
 DEFAULT_MIGRATION_LIMIT = 3  # LLMServingArgs.migration_limit's default, also the ingress's own
+# Ray Serve LLM's LLMConfig keys with no Serval meaning: key -> why, and what to do instead.
+RAY_SERVE_LLM_ONLY = {
+    "llm_engine": "Serval serves with its own engine (engine/); leave llm_engine out.",
+    "accelerator_config": "Serval infers the device from accelerator_type, placement_group_config and "
+    "engine_kwargs.device; leave accelerator_config out.",
+    "server_cls": "Serval's builders choose the server class; leave server_cls out.",
+    "experimental_configs": "Serval has no experimental_configs; engine_kwargs.stream_interval batches "
+    "streamed tokens, ingress_deployment_config sizes the ingress.",
+    "log_engine_metrics": "Serval's engine metrics are always exported (serval_* and vllm:* names); "
+    "leave log_engine_metrics out.",
+    "callback_config": "Serval has no initialization callbacks; leave callback_config out.",
+}
 
 
 class _StrictModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
 
-class ModelLoadingConfig(_StrictModel):
+class ModelLoadingConfig(ResolvesPaths):
     model_id: str = Field(min_length=1, description="The name clients pass as `model`.")
     model_source: str | None = Field(
-        None, description="Local checkpoint directory or .gguf file; defaults to model_id."
+        None,
+        description="Local checkpoint directory or .gguf file, or a Hugging Face id already in the local cache; "
+        "defaults to model_id.",
     )
+    tokenizer_source: str | None = Field(None, description="Where the tokenizer is; defaults to the model's.")
+
+    @field_validator("model_source", "tokenizer_source", mode="before")
+    @classmethod
+    def _local_only(cls, value: Any, info: Any) -> Any:
+        return refuse_cloud_uri(value, info.field_name)
 
     def resolved_source(self) -> str:
-        return resolve_checkout_path(self.model_source or self.model_id)
+        return self.resolve(self.model_source or self.model_id)
+
+    def resolved_tokenizer(self) -> str | None:
+        return None if self.tokenizer_source is None else self.resolve(self.tokenizer_source)
 
 
-def resolve_checkout_path(path: str) -> str:
-    """``path`` with ``~`` expanded; a relative one resolves against the Serval checkout (as YAML paths do)."""
-    source = Path(os.path.expanduser(path))
-    return str(source if source.is_absolute() else SERVAL_ROOT / source)
-
-
-class AutoscalingPolicy(_StrictModel):
-    """Serve's ``autoscaling_config.policy`` (its names; see ray.serve.config.AutoscalingPolicy)."""
-
-    policy_function: str = Field(description="module:function or module:Class (a class gets policy_kwargs).")
-    policy_kwargs: dict[str, Any] = Field(default_factory=dict, description="The policy class's options.")
-
-    def ttft_options(self) -> TTFTPolicyOptions | None:
-        """``TTFTPolicy``'s options when this names it."""
-        if self.policy_function.replace(":", ".") != TTFT_POLICY.replace(":", "."):
-            return None
-        try:
-            return TTFTPolicyOptions.model_validate(self.policy_kwargs)
-        except ValueError as exc:
-            raise ValueError(f"Bad policy_kwargs for {TTFT_POLICY}: {exc}") from None
-
-    @model_validator(mode="after")
-    def _check_ttft_policy_options(self) -> AutoscalingPolicy:
-        self.ttft_options()
-        return self
-
-
-class AutoscalingConfig(_StrictModel):
-    """Serve's autoscaling knobs (a subset with its names); see ray.serve.config.AutoscalingConfig."""
-
-    min_replicas: int = Field(1, ge=0)
-    initial_replicas: int | None = Field(None, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(2.0, gt=0)
-    upscale_delay_s: float = Field(30.0, ge=0)
-    downscale_delay_s: float = Field(600.0, ge=0)
-    metrics_interval_s: float = Field(10.0, gt=0)
-    look_back_period_s: float = Field(30.0, gt=0)
-    policy: AutoscalingPolicy | None = Field(None, description="None: Serve's (ongoing requests per replica).")
-
-
-KV_ROUTER_CLASS = "deployments.routing:KVAwareRouter"
-
-
-class RequestRouterConfig(_StrictModel):
-    """Serve's ``request_router_config`` (its names; see ray.serve.config.RequestRouterConfig)."""
-
-    request_router_class: str = Field(KV_ROUTER_CLASS, description="module:Class of a Serve RequestRouter.")
-    request_router_kwargs: dict[str, Any] = Field(default_factory=dict, description="The router's options.")
-    request_routing_stats_period_s: float = Field(
-        0.5, gt=0, description="How often Serve polls each replica's record_routing_stats (KV events, load)."
-    )
-    request_routing_stats_timeout_s: float = Field(10.0, gt=0)
-
-    def is_kv_router(self) -> bool:
-        return self.request_router_class.replace(":", ".") == KV_ROUTER_CLASS.replace(":", ".")
-
-    @model_validator(mode="after")
-    def _check_kv_router_options(self) -> RequestRouterConfig:
-        if self.is_kv_router():
-            try:
-                KVRouterOptions.model_validate(self.request_router_kwargs)
-            except ValueError as exc:
-                raise ValueError(f"Bad request_router_kwargs for {KV_ROUTER_CLASS}: {exc}") from None
-        return self
-
-
-class DeploymentConfig(_StrictModel):
-    """Options of one Serve deployment, passed to ``Deployment.options`` under the same names."""
-
-    num_replicas: int | Literal["auto"] | None = Field(None, description="None: 1, or autoscaling's choice.")
-    max_ongoing_requests: int = Field(256, ge=1, description="Requests one replica takes at once.")
-    max_queued_requests: int = Field(-1, ge=-1, description="Requests a caller queues per deployment; -1: no cap.")
-    autoscaling_config: AutoscalingConfig | None = None
-    request_router_config: RequestRouterConfig | None = None
-    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
-    health_check_period_s: float = Field(10.0, gt=0)
-    health_check_timeout_s: float = Field(30.0, gt=0)
-    graceful_shutdown_timeout_s: float = Field(
-        60.0, ge=0, description="How long a draining replica waits for its in-flight streams (scale-down, redeploys)."
-    )
-
-    @model_validator(mode="after")
-    def _one_way_to_scale(self) -> DeploymentConfig:
-        if isinstance(self.num_replicas, int) and self.autoscaling_config is not None:
-            raise ValueError("Set either num_replicas or autoscaling_config, not both.")
-        return self
-
-    def to_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``Deployment.options`` (unset fields keep Serve's defaults)."""
-        options = self.model_dump(exclude_none=True)
-        if self.autoscaling_config is not None:
-            options["autoscaling_config"] = self.autoscaling_config.model_dump(exclude_none=True)
-        return options
-
-    def uses_kv_router(self) -> bool:
-        return self.request_router_config is not None and self.request_router_config.is_kv_router()
-
-    def ttft_policy_options(self) -> TTFTPolicyOptions | None:
-        """The options of ``TTFTPolicy`` when it scales this deployment (``deployments.autoscaling``)."""
-        policy = self.autoscaling_config.policy if self.autoscaling_config is not None else None
-        return policy.ttft_options() if policy is not None else None
-
-
-class LoraConfig(_StrictModel):
+class LoraConfig(ResolvesPaths):
     """Multi-LoRA: Ray Serve LLM's ``lora_config`` keys plus vLLM's static ``lora_modules``.
 
     Setting it turns the engine's ``enable_lora`` on and sets its ``max_cpu_loras`` (so leave both out of
@@ -183,6 +105,11 @@ class LoraConfig(_StrictModel):
         default_factory=dict, description="vLLM's static adapters: name -> PEFT directory, held for the app's life."
     )
 
+    @field_validator("dynamic_lora_loading_path", mode="before")
+    @classmethod
+    def _local_directory(cls, value: Any) -> Any:
+        return refuse_cloud_uri(value, "dynamic_lora_loading_path")
+
     @field_validator("lora_modules")
     @classmethod
     def _adapter_names(cls, modules: dict[str, str]) -> dict[str, str]:
@@ -204,11 +131,11 @@ class LoraConfig(_StrictModel):
         return {"enable_lora": True, "max_cpu_loras": self.max_num_adapters_per_replica}
 
     def resolved_modules(self) -> dict[str, str]:
-        return {name: resolve_checkout_path(path) for name, path in self.lora_modules.items()}
+        return {name: self.resolve(path) for name, path in self.lora_modules.items()}
 
     def resolved_dynamic_path(self) -> str | None:
         path = self.dynamic_lora_loading_path
-        return None if path is None else resolve_checkout_path(path)
+        return None if path is None else self.resolve(path)
 
 
 class LLMConfig(_StrictModel):
@@ -217,48 +144,94 @@ class LLMConfig(_StrictModel):
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     lora_config: LoraConfig | None = Field(None, description="Multi-LoRA adapters over this model.")
-    deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
-    runtime_env: dict[str, Any] | None = None
+    deployment_config: DeploymentConfig = Field(default_factory=lambda: DeploymentConfig({}))
+    runtime_env: dict[str, Any] | None = Field(None, description="The replica's (and its engine workers').")
+    accelerator_type: str | None = Field(None, description="A Ray GPU type (H100, A10G, ...): CUDA on those nodes.")
+    placement_group_config: PlacementGroupConfig | None = Field(
+        None, description="Each replica's bundles (one per engine worker) and strategy."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ray_serve_llm_only_keys(cls, data: Any) -> Any:
+        for key in sorted(set(data) & set(RAY_SERVE_LLM_ONLY)) if isinstance(data, dict) else ():
+            raise ValueError(f"{key}: {RAY_SERVE_LLM_ONLY[key]}")
+        return data
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _gpu_type(cls, value: str | None) -> str | None:
+        return None if value is None else check_accelerator_type(value)
 
     @field_validator("engine_kwargs")
     @classmethod
     def _engine_kwargs_are_engine_args(cls, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         if "model" in engine_kwargs:
             raise ValueError("Set the checkpoint in model_loading_config.model_source, not engine_kwargs.model.")
+        if "tokenizer" in engine_kwargs:
+            raise ValueError("Set the tokenizer in model_loading_config.tokenizer_source, not engine_kwargs.tokenizer.")
         # Field-level check only (no checkpoint access: the deploying machine may not hold the model).
         EngineArgs.model_validate({"model": "-", **engine_kwargs})
         return engine_kwargs
 
     @model_validator(mode="after")
-    def _kv_router_follows_the_engine(self) -> LLMConfig:
-        """``KVAwareRouter`` hashes prompts as the engine does: its block size and hash come from
-        ``engine_kwargs`` (set there, not in the router's options), and it needs prefix caching."""
-        if not self.deployment_config.uses_kv_router():
-            return self
-        router = self.deployment_config.request_router_config
-        engine_args = EngineArgs.model_validate({"model": "-", **self.engine_kwargs})
-        if not engine_args.enable_prefix_caching:
-            raise ValueError(f"{KV_ROUTER_CLASS} routes on prefix-cache hits; enable_prefix_caching is off.")
-        kwargs = router.request_router_kwargs
-        for key, value in (("block_size", engine_args.block_size), ("hash_algo", engine_args.prefix_caching_hash_algo)):
-            if key in kwargs and kwargs[key] != value:
-                raise ValueError(f"request_router_kwargs.{key} comes from engine_kwargs; leave it out.")
-            kwargs[key] = value  # the dict is ours (validated copy); the model stays frozen
+    def _fix_search_bases(self) -> LLMConfig:
+        """Relative paths resolve where the config is validated (``search_bases``), wherever they are used."""
+        bases = search_bases((self.runtime_env or {}).get("working_dir"))
+        for part in (self.model_loading_config, self.lora_config):
+            if part is not None:
+                part._bases = bases
+        self._bases = bases
         return self
 
     @model_validator(mode="after")
-    def _lora_knobs_set_once(self) -> LLMConfig:
-        """``lora_config`` sets ``enable_lora`` and ``max_cpu_loras``; the engine's other checks run on the result."""
+    def _placement_is_the_llm_configs(self) -> LLMConfig:
+        """Bundles come from ``placement_group_config`` (Ray Serve LLM's rule), the device from it or the
+        accelerator type; the engine's world size and device are checked against them."""
+        for key in ("placement_group_bundles", "placement_group_strategy"):
+            if key in self.deployment_config.root:
+                raise ValueError(f"deployment_config.{key}: set placement_group_config on the LLM config instead.")
+        engine_args = self.engine_args()
+        if self.placement_group_config is not None:
+            self.placement_group_config.worker_bundles(engine_args.create_parallel_config().world_size)
+            if self.engine_kwargs.get("distributed_executor_backend") == "uni":
+                raise ValueError("placement_group_config places Ray engine workers; the executor is uni.")
+            if self.accelerator_type is not None and not self.placement_group_config.uses_gpus():
+                raise ValueError(f"accelerator_type {self.accelerator_type} is a GPU; placement_group_config has none.")
+        if self.implies_cuda() and self.engine_kwargs.get("device") == "cpu":
+            raise ValueError("accelerator_type / placement_group_config GPUs run the engine on CUDA; device is cpu.")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_router_follows_the_engine(self) -> LLMConfig:
+        """``KVAwareRouter`` hashes prompts as the engine does: its block size and hash come from
+        ``engine_kwargs`` (set there, not in the router's options), and it needs prefix caching."""
+        if not self.uses_kv_router():
+            return self
+        engine_args = EngineArgs.model_validate({"model": "-", **self.engine_kwargs})
+        if not engine_args.enable_prefix_caching:
+            raise ValueError(f"{KV_ROUTER_CLASS} routes on prefix-cache hits; enable_prefix_caching is off.")
+        kwargs = self.deployment_config.get("request_router_config").get("request_router_kwargs") or {}
+        for key in self.router_engine_kwargs():
+            if key in kwargs:
+                raise ValueError(f"request_router_kwargs.{key} comes from engine_kwargs; leave it out.")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_knobs_agree(self) -> LLMConfig:
+        """``lora_config`` sets ``enable_lora`` and ``max_cpu_loras``: engine_kwargs may repeat them (as Ray Serve
+        LLM's examples do) but not contradict them; the engine's other checks run on the result."""
         if self.lora_config is None:
+            if self.engine_kwargs.get("enable_lora"):
+                raise ValueError("engine_kwargs.enable_lora needs a lora_config (where the adapters are).")
             return self
         if self.model_id in self.lora_config.lora_modules:
             raise ValueError(f"lora_config.lora_modules names the base model's id {self.model_id!r}.")
-        doubled = sorted(set(self.lora_config.engine_kwargs()) & set(self.engine_kwargs))
-        if doubled:
-            raise ValueError(f"lora_config sets {doubled}; leave them out of engine_kwargs.")
-        engine_args = EngineArgs.model_validate(
-            {"model": "-", **self.engine_kwargs, **self.lora_config.engine_kwargs()}
-        )
+        for key, value in self.lora_config.engine_kwargs().items():
+            if key in self.engine_kwargs and self.engine_kwargs[key] != value:
+                raise ValueError(f"engine_kwargs.{key}={self.engine_kwargs[key]!r} contradicts lora_config ({value}).")
+        lora_kwargs = {**self.engine_kwargs, **self.lora_config.engine_kwargs()}
+        engine_args = EngineArgs.model_validate({"model": "-", **lora_kwargs})
         try:
             LoRAConfig(**{name: getattr(engine_args, name) for name in LoRAConfig.model_fields})
         except ValueError as exc:
@@ -271,8 +244,21 @@ class LLMConfig(_StrictModel):
             raise ValueError(f"{TTFT_POLICY} scales on the engine's TTFTs; disable_log_stats turns them off.")
         return self
 
+    _bases: tuple[str, ...] | None = PrivateAttr(None)
+
     def uses_kv_router(self) -> bool:
         return self.deployment_config.uses_kv_router()
+
+    def implies_cuda(self) -> bool:
+        """A GPU accelerator type or GPU bundles: the engine runs on CUDA whatever the cluster shows yet."""
+        return self.accelerator_type is not None or (
+            self.placement_group_config is not None and self.placement_group_config.uses_gpus()
+        )
+
+    def router_engine_kwargs(self) -> dict[str, Any]:
+        """What ``KVAwareRouter`` takes from the engine: its block size and prefix hash."""
+        engine_args = EngineArgs.model_validate({"model": "-", **self.engine_kwargs})
+        return {"block_size": engine_args.block_size, "hash_algo": engine_args.prefix_caching_hash_algo}
 
     @property
     def model_id(self) -> str:
@@ -284,12 +270,19 @@ class LLMConfig(_StrictModel):
             engine_kwargs.update(self.lora_config.engine_kwargs())
         draft = engine_kwargs.get("speculative_config")
         if isinstance(draft, dict) and draft.get("model"):  # the draft checkpoint resolves like model_source
-            engine_kwargs["speculative_config"] = {**draft, "model": resolve_checkout_path(draft["model"])}
+            engine_kwargs["speculative_config"] = {**draft, "model": resolve_path(draft["model"], self._bases)}
+        if self.model_loading_config.tokenizer_source is not None:
+            engine_kwargs["tokenizer"] = self.model_loading_config.resolved_tokenizer()
+        if self.implies_cuda():
+            engine_kwargs["device"] = "cuda"
+        if self.placement_group_config is not None:
+            engine_kwargs["distributed_executor_backend"] = "ray"
         return EngineArgs(model=self.model_loading_config.resolved_source(), **engine_kwargs)
 
-    def server_deployment_name(self) -> str:
-        """``LLMServer:<model id>`` with characters Serve and URLs dislike replaced."""
-        return SERVER_NAME_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "--", self.model_id)
+    def server_deployment_name(self, prefix: str = SERVER_NAME_PREFIX) -> str:
+        """``deployment_config.name``, else ``<prefix><model id>`` with characters Serve and URLs dislike replaced."""
+        default = prefix + re.sub(r"[^A-Za-z0-9_.-]", "--", self.model_id)
+        return self.deployment_config.get("name") or default
 
 
 class LLMServingArgs(_StrictModel, ServerOptions):
@@ -298,7 +291,7 @@ class LLMServingArgs(_StrictModel, ServerOptions):
 
     llm_configs: list[LLMConfig | str] = Field(min_length=1, description="Configs, or paths to YAML files of one.")
     ingress_deployment_config: DeploymentConfig = Field(
-        default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1}),
+        default_factory=lambda: DeploymentConfig({"ray_actor_options": {"num_cpus": 0.1}}),
         description="The OpenAiIngress deployment's options (only with a separate ingress).",
     )
     migration_limit: int = Field(
@@ -345,6 +338,6 @@ class LLMServingArgs(_StrictModel, ServerOptions):
 
 
 def load_llm_config_file(path: str) -> LLMConfig:
-    resolved = Path(path) if Path(path).is_absolute() else SERVAL_ROOT / path
-    with open(resolved, encoding="utf-8") as f:
+    """An LLM config from a YAML file (Ray Serve LLM's standalone form); a relative path resolves as model paths do."""
+    with open(resolve_path(path), encoding="utf-8") as f:
         return LLMConfig.model_validate(yaml.safe_load(f))

@@ -12,18 +12,35 @@
 colocated app (the same keys), one per pool; both serve the same model id.
 The builder gives each pool's engine its KV role; ``kv_transfer_config`` holds
 what both share.
+
+Ray Serve LLM's form, each pool's ``engine_kwargs.kv_transfer_config`` naming a vLLM connector
+(``{kv_connector: NixlConnector, kv_role: kv_producer, engine_id: ...}``), is accepted when the roles fit
+the pools: Serval moves the KV blocks with its own connector (``object_store`` unless the app's
+``kv_transfer_config`` is given), and says so in the log.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+import yaml
+from pydantic import Field, model_validator
 
-from deployments.llm_config import DeploymentConfig, LLMConfig, _StrictModel, load_llm_config_file
+from deployments.deployment_options import DeploymentConfig
+from deployments.llm_config import LLMConfig, _StrictModel
+from deployments.model_paths import resolve_path
 from engine.entrypoints.openai.server_options import ServerOptions
 
+logger = logging.getLogger("ray.serve")
+
 PREFILL_NAME_PREFIX = "PrefillServer:"
+POOL_ROLES = {"prefill_config": ("kv_producer", "kv_both"), "decode_config": ("kv_consumer", "kv_both")}
+# vLLM connectors of Ray Serve LLM's P/D examples whose job (moving a prompt's KV to the decode pool) Serval's
+# own connectors do; others (LMCache's caching and offloading) have no Serval counterpart.
+STANDS_IN_FOR = frozenset({"NixlConnector"})
+POOL_TRANSFER_KEYS = frozenset({"kv_connector", "kv_role", "engine_id"})
 
 
 class PDTransferConfig(_StrictModel):
@@ -49,13 +66,36 @@ class PDServingArgs(PDOptions, ServerOptions):
     decode_config: LLMConfig
     kv_transfer_config: PDTransferConfig = Field(default_factory=PDTransferConfig)
     ingress_deployment_config: DeploymentConfig = Field(
-        default_factory=lambda: DeploymentConfig(ray_actor_options={"num_cpus": 0.1})
+        default_factory=lambda: DeploymentConfig({"ray_actor_options": {"num_cpus": 0.1}})
     )
 
-    @field_validator("prefill_config", "decode_config", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _load_path(cls, config: Any) -> Any:
-        return load_llm_config_file(config) if isinstance(config, str) else config
+    def _pools_in_ray_serve_llms_form(cls, data: Any) -> Any:
+        """Loads pools given as YAML paths, and takes each pool's own ``kv_transfer_config`` (Ray Serve LLM's
+        form) out of its engine_kwargs into the app's, checking it fits the pool."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        connectors = set()
+        for pool, roles in POOL_ROLES.items():
+            config = data.get(pool)
+            if isinstance(config, str):
+                with open(resolve_path(config), encoding="utf-8") as f:
+                    config = yaml.safe_load(f)
+            if isinstance(config, dict) and isinstance(
+                (config.get("engine_kwargs") or {}).get("kv_transfer_config"), dict
+            ):
+                config = copy.deepcopy(config)
+                connectors.add(_pool_connector(pool, roles, config["engine_kwargs"].pop("kv_transfer_config")))
+            data[pool] = config
+        if connectors:
+            if "kv_transfer_config" in data:
+                raise ValueError("Set kv_transfer_config either for the app or in each pool's engine_kwargs, not both.")
+            if len(connectors) > 1:
+                raise ValueError(f"The pools' kv_transfer_config name different connectors: {sorted(connectors)}.")
+            data["kv_transfer_config"] = {"kv_connector": connectors.pop()}
+        return data
 
     @model_validator(mode="after")
     def _one_model_no_own_roles(self) -> PDServingArgs:
@@ -79,6 +119,8 @@ class PDServingArgs(PDOptions, ServerOptions):
                     "pipeline_parallel_size=1 engines only."
                 )
         pools = (self.prefill_config, self.decode_config)
+        if self.prefill_deployment_name() == self.decode_config.server_deployment_name():
+            raise ValueError(f"Both pools' deployments are named {self.prefill_deployment_name()!r}.")
         block_sizes = {config.engine_kwargs.get("block_size", 16) for config in pools}
         if len(block_sizes) > 1:
             raise ValueError(f"Both pools must use the same block_size (KV moves block by block), got {block_sizes}.")
@@ -99,4 +141,26 @@ class PDServingArgs(PDOptions, ServerOptions):
         return config.model_copy(update={"engine_kwargs": engine_kwargs})
 
     def prefill_deployment_name(self) -> str:
-        return PREFILL_NAME_PREFIX + self.prefill_config.server_deployment_name().split(":", 1)[1]
+        """``prefill_config``'s ``deployment_config.name``, else ``PrefillServer:<model id>``."""
+        return self.prefill_config.server_deployment_name(PREFILL_NAME_PREFIX)
+
+
+def _pool_connector(pool: str, roles: tuple[str, ...], transfer: dict[str, Any]) -> str:
+    """The Serval connector for a pool's own ``kv_transfer_config`` (vLLM's keys); ValueError if it cannot fit."""
+    unknown = sorted(set(transfer) - POOL_TRANSFER_KEYS)
+    if unknown:
+        raise ValueError(f"{pool}.engine_kwargs.kv_transfer_config: {unknown} are vLLM connector options Serval lacks.")
+    if transfer.get("kv_role") not in roles:
+        raise ValueError(f"{pool}.engine_kwargs.kv_transfer_config.kv_role must be one of {roles} for this pool.")
+    connector = transfer.get("kv_connector", "object_store")
+    if connector in STANDS_IN_FOR:
+        logger.warning(
+            "%s: kv_connector %s; Serval moves the KV blocks with its object_store connector.", pool, connector
+        )
+        return "object_store"
+    if connector in PDTransferConfig.model_fields["kv_connector"].annotation.__args__:
+        return connector
+    raise ValueError(
+        f"{pool}.engine_kwargs.kv_transfer_config.kv_connector {connector!r}: Serval's connectors are object_store "
+        f"and ray_direct (NixlConnector is served by object_store); it has no cache offloading."
+    )

@@ -246,7 +246,10 @@ def test_the_policy_scales_llm_servers_not_the_ingress():
 
 
 def test_other_policies_options_are_theirs_to_check():
-    policy = {"policy_function": "my.module:Policy", "policy_kwargs": {"anything": 1}}
+    policy = {
+        "policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy",
+        "policy_kwargs": {"anything": 1},
+    }
     config = LLMConfig.model_validate(llm_config({"max_replicas": 2, "policy": policy}))
     assert config.deployment_config.ttft_policy_options() is None
     with pytest.raises(ValidationError, match="policy_functoin"):

@@ -19,8 +19,10 @@ def config(router: dict, **engine_kwargs) -> dict:
 
 
 def test_the_engines_block_size_and_hash_reach_the_router():
+    from deployments.app import server_options
+
     llm = LLMConfig.model_validate(config({**KV_ROUTER, "request_router_kwargs": {"load_weight": 1}}, block_size=32))
-    router = llm.deployment_config.to_options()["request_router_config"]
+    router = server_options(llm)["request_router_config"]
     assert router["request_router_kwargs"] == {"load_weight": 1, "block_size": 32, "hash_algo": "sha256"}
     assert router["request_routing_stats_period_s"] == 0.5 and llm.uses_kv_router()
 
@@ -41,7 +43,12 @@ def test_bad_router_settings_are_refused_with_their_name(kwargs, engine_kwargs, 
 
 def test_other_routers_options_are_theirs_to_check():
     llm = LLMConfig.model_validate(
-        config({"request_router_class": "my.module:Router", "request_router_kwargs": {"x": 1}})
+        config(
+            {
+                "request_router_class": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+                "request_router_kwargs": {"x": 1},
+            }
+        )
     )
     assert not llm.uses_kv_router()
 

@@ -49,7 +49,7 @@ def test_bad_values_and_duplicates_are_refused():
         LLMConfig.model_validate({**MINIMAL, "engine_kwargs": {"model": "x"}})
     with pytest.raises(ValidationError, match="Duplicate model_id"):
         LLMServingArgs.model_validate({"llm_configs": [MINIMAL, MINIMAL]})
-    with pytest.raises(ValidationError, match="not both"):
+    with pytest.raises(ValidationError, match="num_replicas is not allowed when autoscaling_config"):  # Serve's
         LLMConfig.model_validate(
             {
                 **MINIMAL,
@@ -130,8 +130,8 @@ def test_pd_yaml_validates_and_gives_each_pool_its_role():
         ({"decode_config": {**MINIMAL, "engine_kwargs": {"block_size": 32}}}, "same block_size"),
         ({"prefill_config": {**MINIMAL, "engine_kwargs": {"tensor_parallel_size": 2}}}, "tensor_parallel_size=1"),
         (
-            {"prefill_config": {**MINIMAL, "engine_kwargs": {"kv_transfer_config": {"kv_role": "kv_both"}}}},
-            "set by the PD builder",
+            {"prefill_config": {**MINIMAL, "engine_kwargs": {"kv_transfer_config": {"kv_role": "kv_consumer"}}}},
+            "kv_role must be one of",
         ),
         ({"kv_transfer_config": {"kv_connector": "nixl"}}, "kv_connector"),
         ({"prefill_timeout_s": 0}, "prefill_timeout_s"),
@@ -204,3 +204,135 @@ def test_what_only_the_separate_ingress_does_is_refused_without_it(args, message
     with pytest.raises(ValidationError, match=message):
         LLMServingArgs.model_validate({**args, "separate_ingress": False})
     assert LLMServingArgs.model_validate({"llm_configs": [MINIMAL], "migration_limit": 0, "separate_ingress": False})
+
+
+RAY_YAMLS = SERVAL_ROOT / "tests/serve/ray_serve_llm"  # Ray Serve LLM's documented examples, as published
+
+
+def ray_example_args(name: str) -> dict:
+    (app,) = yaml.safe_load((RAY_YAMLS / name).read_text())["applications"]
+    return app["args"]
+
+
+def test_rays_documented_examples_validate_unchanged():
+    """Ray's quickstart configuration and its P/D example need no edit but the import path; the LoRA example's
+    S3 adapters are refused with the reason (tests/serve/test_ray_serve_llm_yamls.py deploys all three)."""
+    from deployments.pd_config import PDServingArgs
+
+    quickstart = LLMServingArgs.model_validate(ray_example_args("quickstart.yaml"))
+    assert [c.accelerator_type for c in quickstart.llm_configs] == ["A10G", "A10G"]
+    pd = PDServingArgs.model_validate(ray_example_args("pd_nixl.yaml"))
+    assert pd.kv_transfer_config.kv_connector == "object_store"  # Serval's stand-in for NixlConnector
+    assert pd.with_role(pd.decode_config, "kv_consumer").engine_args().kv_transfer_config.kv_role == "kv_consumer"
+    with pytest.raises(ValidationError, match="dynamic_lora_loading_path 's3://my_dynamic_lora_path': Serval loads"):
+        LLMServingArgs.model_validate(ray_example_args("multi_lora.yaml"))
+    lora_args = ray_example_args("multi_lora.yaml")
+    lora_args["llm_configs"][0]["lora_config"]["dynamic_lora_loading_path"] = "models/tiny-llama-loras"
+    engine_args = LLMServingArgs.model_validate(lora_args).llm_configs[0].engine_args()  # enable_lora beside it
+    assert (engine_args.enable_lora, engine_args.max_loras, engine_args.max_cpu_loras) == (True, 16, 16)
+
+
+def test_a_gpu_accelerator_type_means_cuda_and_its_resource():
+    from deployments.app import server_options
+
+    one = LLMConfig.model_validate({**MINIMAL, "accelerator_type": "A10"})  # Ray Serve LLM's alias of A10G
+    assert one.engine_args().device == "cuda"
+    assert server_options(one)["ray_actor_options"] == {"num_gpus": 1, "accelerator_type": "A10G"}
+    tp = LLMConfig.model_validate({**MINIMAL, "accelerator_type": "H100", "engine_kwargs": {"tensor_parallel_size": 2}})
+    bundles = server_options(tp)["placement_group_bundles"]
+    assert bundles == [{"CPU": 2.0, "GPU": 1.0, "accelerator_type:H100": 0.001}, {"CPU": 1.0, "GPU": 1.0, **bundles[1]}]
+    assert server_options(tp)["ray_actor_options"] == {}  # the workers hold the GPUs
+    for bad, message in (
+        ({"accelerator_type": "TPU-V4"}, "NVIDIA GPUs"),
+        ({"accelerator_type": "X1"}, "Unknown accelerator_type"),
+        ({"accelerator_type": "L4", "engine_kwargs": {"device": "cpu"}}, "device is cpu"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            LLMConfig.model_validate({**MINIMAL, **bad})
+
+
+def test_placement_group_config_gives_the_bundles_and_strategy_checked_against_tp_x_pp():
+    from deployments.app import server_options
+
+    two_stages = {"pipeline_parallel_size": 2}
+    pg = {"bundles": [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], "strategy": "SPREAD"}
+    config = LLMConfig.model_validate({**MINIMAL, "engine_kwargs": two_stages, "placement_group_config": pg})
+    options = server_options(config)
+    assert options["placement_group_strategy"] == "SPREAD" and config.engine_args().device == "cuda"
+    assert options["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    one = LLMConfig.model_validate({**MINIMAL, "placement_group_config": {"bundle_per_worker": {"CPU": 1}}})
+    assert one.engine_args().distributed_executor_backend == "ray"  # the engine's worker runs in the bundle
+    for bad, message in (
+        ({"placement_group_config": pg}, "has 2 bundles; the engine has 1 workers"),
+        ({"placement_group_config": {"bundles": [{"CPU": 1}], "strategy": "TIGHT"}}, "strategy"),
+        ({"placement_group_config": {"bundles": [{"CPU": 1}], "bundle_per_worker": {"CPU": 1}}}, "either"),
+        ({"deployment_config": {"placement_group_bundles": [{"CPU": 1}]}}, "placement_group_config"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            LLMConfig.model_validate({**MINIMAL, **bad})
+
+
+def test_every_serve_deployment_option_is_accepted_and_checked_by_serve():
+    from deployments.app import build_openai_app, server_options
+
+    options = {
+        "name": "my-llm",
+        "logging_config": {"log_level": "DEBUG"},
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "max_queued_requests": 100,
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 3, "upscaling_factor": 2.0, "smoothing_factor": 1},
+    }
+    config = LLMConfig.model_validate({**MINIMAL, "deployment_config": options})
+    assert config.server_deployment_name() == "my-llm"
+    assert server_options(config)["autoscaling_config"]["upscaling_factor"] == 2.0
+    assert "max_queued_requests" not in LLMConfig.model_validate(MINIMAL).deployment_config.to_options()  # Serve's
+    for bad, message in (
+        ({"autoscaling_config": {"max_replica": 3}}, r"deployment_config.autoscaling_config.max_replica"),
+        ({"ray_actor_options": {"num_cpu": 1}}, "num_cpu"),
+        ({"logging_config": {"log_levle": "INFO"}}, "log_levle"),
+        ({"max_ongoing_requests": 0}, "max_ongoing_requests"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            LLMConfig.model_validate({**MINIMAL, "deployment_config": bad})
+    with pytest.raises(ValueError, match="reconfigure"):  # Serve would fail every replica's start on it
+        build_openai_app({"llm_configs": [{**MINIMAL, "deployment_config": {"user_config": {"a": 1}}}]})
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"llm_engine": "vLLM"}, "own engine"),
+        ({"model_loading_config": {"model_id": "m", "model_source": "s3://bucket/m"}}, "never downloads"),
+        ({"model_loading_config": {"model_id": "m", "model_source": {"bucket_uri": "gs://b/m"}}}, "never downloads"),
+        ({**MINIMAL, "engine_kwargs": {"enable_lora": False}, "lora_config": {}}, "contradicts lora_config"),
+        ({**MINIMAL, "engine_kwargs": {"enable_lora": True}}, "needs a lora_config"),
+        ({**MINIMAL, "engine_kwargs": {"tokenizer": "t"}}, "tokenizer_source"),
+    ],
+)
+def test_what_serval_cannot_honour_gets_a_targeted_message(bad, message):
+    with pytest.raises(ValidationError, match=message):
+        LLMConfig.model_validate(bad)
+
+
+def test_relative_paths_resolve_against_working_dir_then_the_cwd_then_the_checkout(tmp_path, monkeypatch):
+    (tmp_path / "wd" / "models" / "tiny-llama").mkdir(parents=True)
+    (tmp_path / "cwd" / "models" / "tiny-llama").mkdir(parents=True)
+    (tmp_path / "cwd" / "tok").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    loading = {"model_id": "m", "model_source": "models/tiny-llama", "tokenizer_source": "tok"}
+    in_wd = LLMConfig.model_validate({"model_loading_config": loading, "runtime_env": {"working_dir": "../wd"}})
+    assert in_wd.engine_args().model == str(tmp_path / "wd" / "models" / "tiny-llama")
+    assert in_wd.engine_args().tokenizer == str(tmp_path / "cwd" / "tok")
+    in_cwd = LLMConfig.model_validate({"model_loading_config": loading})
+    assert in_cwd.model_loading_config.resolved_source() == str(tmp_path / "cwd" / "models" / "tiny-llama")
+    monkeypatch.chdir(tmp_path)
+    spec = LLMConfig.model_validate({"model_loading_config": {**loading, "model_source": "configs/serve"}})
+    assert spec.model_loading_config.resolved_source() == str(SERVAL_ROOT / "configs/serve")
+
+
+def test_serval_serve_is_the_builders_module_under_servals_name():
+    import deployments.app
+    import serval.serve
+
+    assert serval.serve.build_openai_app is deployments.app.build_openai_app
+    assert serval.serve.build_pd_openai_app is deployments.app.build_pd_openai_app
