@@ -37,7 +37,6 @@ from serval.launcher.serve_client import deploy, serve_details  # noqa: F401 -- 
 
 POLL_S = 0.25  # how often the launcher asks Serve for its status
 HEARTBEAT_S = 10.0  # an unchanged status is printed again this often
-METRICS_WAIT_S = 20.0  # Ray exports metrics every few seconds: the longest wait for the start-up histograms
 LIVENESS_S = 5.0  # how often the foreground server checks that its apps still exist
 
 
@@ -98,7 +97,12 @@ def plan_cluster(address: str | None, dashboard_port: int, gcs_port: int, metric
 
 
 def wait_until_running(
-    dashboard: str, app_names: list[str], timeout_s: float, config_path="the config", fixed_cluster=False
+    dashboard: str,
+    app_names: list[str],
+    timeout_s: float,
+    config_path: str = "the config",
+    fixed_cluster: bool = False,
+    clock: timings.StartClock | None = None,
 ):
     """Polls Serve's status until every app is RUNNING, printing Serve's messages as they change; returns
     the last ``ServeInstanceDetails``.
@@ -111,6 +115,8 @@ def wait_until_running(
     nodes = serve_client.cluster_nodes(dashboard) if fixed_cluster else []
     while True:
         details = serve_client.instance_details(dashboard)
+        if clock is not None:
+            clock.observe(details, time.time())
         activities = status.replica_activities(details, app_names, status.kernel_build_state())
         text = "\n".join(status.progress_lines(details, app_names, activities))
         elapsed = time.monotonic() - start
@@ -145,7 +151,7 @@ def deploy_and_report(config: dict, config_path: str, cluster: Cluster, marks: d
     """Deploys ``config`` beside the cluster's other apps, waits until RUNNING, prints the start-up times,
     the endpoint and a self-check; 0, or 1 after printing why it is not RUNNING."""
     names = [app["name"] for app in config["applications"]]
-    baseline = timings.histogram_totals(timings.scrape(cluster.metrics_port), names)
+    clock = timings.StartClock(names)
     print(f"Deploying {config_path} ...", flush=True)
     marks["deploy"] = time.time()
     try:
@@ -153,7 +159,7 @@ def deploy_and_report(config: dict, config_path: str, cluster: Cluster, marks: d
         deploy(
             serve_client.with_running_apps(config, serve_client.instance_details(cluster.dashboard)), cluster.dashboard
         )
-        details = wait_until_running(cluster.dashboard, names, timeout_s, config_path, fixed_cluster=cluster.fixed)
+        wait_until_running(cluster.dashboard, names, timeout_s, config_path, cluster.fixed, clock)
     except (RuntimeError, TimeoutError) as error:
         print(error, file=sys.stderr, flush=True)
         return 1
@@ -162,20 +168,9 @@ def deploy_and_report(config: dict, config_path: str, cluster: Cluster, marks: d
         print(f"Note: {kernel_state}.", flush=True)
     report.print_usage(config, cluster.dashboard)
     print(report.self_check(config), flush=True)
-    print("\n".join(_start_up_lines(cluster, details, names, baseline, marks)), flush=True)
+    lines = timings.start_up_lines(cluster.session_dir(), marks, cluster.started, clock)
+    print("\n".join(lines), flush=True)
     return 0
-
-
-def _start_up_lines(cluster: Cluster, details, names: list[str], baseline, marks: dict) -> list[str]:
-    deployments = [d for name in names for d in details.applications[name].deployments.values()]
-    first_asked = min((r.start_time_s for d in deployments for r in d.replicas if r.start_time_s), default=None)
-    expected = sum(d.target_num_replicas for d in deployments)
-    deadline = time.monotonic() + METRICS_WAIT_S
-    while True:
-        starts = timings.replica_starts(timings.histogram_totals(timings.scrape(cluster.metrics_port), names), baseline)
-        if cluster.metrics_port is None or sum(s.replicas for s in starts) >= expected or time.monotonic() > deadline:
-            return timings.start_up_lines(cluster.session_dir(), marks, cluster.started, first_asked, starts)
-        time.sleep(1.0)
 
 
 def follow(cluster: Cluster, names: list[str]) -> int:

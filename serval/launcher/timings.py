@@ -1,17 +1,17 @@
-"""Where the start-up time went: one line per phase, from the launcher's clock, Serve's typed status and
-Serve's own start-up metrics.
+"""Where the start-up time went: one line per phase, from the launcher's clock and Serve's typed status.
 
 The launcher times what it waits for itself (the Ray head's start, the deploy request, the wait until
-RUNNING). Inside the deploy, Serve's status (``ReplicaDetails.start_time_s``) says when the first replica
-was asked for (before: the controller, the proxy, the app's import and build), and Serve's histograms
-``serve_replica_startup_latency_ms`` (asking for a replica to ready) and
-``serve_replica_initialization_latency_ms`` (its constructor, reconfigure and first health check), read
-from the node's Prometheus endpoint, split each deployment's replica start into process start and imports,
-and constructor. The head's start is split too, from the first line each process logged: ``ray start``
-starts the GCS, waits for the dashboard (all its modules), then starts the raylet and waits for its agents.
+RUNNING). Inside the deploy, Serve's status says when each replica's actor started
+(``ReplicaDetails.start_time_s``; before the first: the controller, the proxy, the app's import and build),
+and the launcher, polling it, sees when each replica turned RUNNING (``StartClock``). Serve's start-up
+histograms (``serve_replica_startup_latency_ms``, ``serve_replica_initialization_latency_ms``) are not
+used: Ray 2.60 exports a histogram's observations at its bucket midpoints, so their sums are bucket
+bounds, not measurements. The head's start is split too, from the first line each process logged:
+``ray start`` starts the GCS, waits for the dashboard (all its modules), then starts the raylet and waits
+for its agents.
 
-Pure functions over metrics text, log text and timestamps (seconds since the epoch), tested without a
-cluster; ``scrape`` is the one that reads an endpoint.
+Pure functions over Serve's status, log text and timestamps (seconds since the epoch), tested without a
+cluster.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ray.serve.schema import ReplicaState, ServeInstanceDetails
+
 _STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d{3})"
-STARTUP_METRIC = "ray_serve_replica_startup_latency_ms"
-INITIALIZATION_METRIC = "ray_serve_replica_initialization_latency_ms"
 # ``ray start``'s phases in order, each with the log whose first line ends it (None: ``ray start`` returning).
 _HEAD_PHASES = (("ray CLI", "gcs_server.out"), ("GCS and dashboard", "raylet.out"), ("raylet and agents", None))
 
@@ -35,70 +35,36 @@ def parse_time(stamp: str) -> float:
 
 @dataclass(frozen=True)
 class ReplicaStart:
-    """One deployment's replica starts as Serve's histograms count them: ``replicas`` of them, each
-    ``total_s`` on average from asking for it to ready, of which ``constructor_s`` ran its ``__init__``
-    (with reconfigure and the first health check; None where Serve did not say)."""
+    """One replica's start: ``total_s`` from its actor's start to RUNNING."""
 
     deployment: str
-    replicas: int
     total_s: float
-    constructor_s: float | None
 
 
-Totals = dict[tuple[str, str, str], tuple[float, float]]  # (metric, app, deployment) -> (sum in ms, count)
+class StartClock:
+    """When each replica of some apps was first seen RUNNING, from successive ``ServeInstanceDetails``
+    (accurate to the polling interval)."""
 
+    def __init__(self, app_names: list[str]):
+        self.app_names = app_names
+        self.ready: dict[tuple[str, str], tuple[float, float]] = {}  # (deployment, replica id) -> (started, ready)
 
-def histogram_totals(metrics_text: str, app_names: list[str]) -> Totals:
-    """The sums and counts of Serve's two replica start-up histograms for ``app_names``, from a
-    Prometheus text exposition (series that differ in other labels added up)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    def observe(self, details: ServeInstanceDetails, now: float) -> None:
+        for app_name in self.app_names:
+            app = details.applications.get(app_name)
+            for name, deployment in (app.deployments if app else {}).items():
+                for replica in deployment.replicas:
+                    key = (name, replica.replica_id)
+                    if replica.state == ReplicaState.RUNNING and key not in self.ready:
+                        self.ready[key] = (replica.start_time_s, now)
 
-    totals: dict[tuple[str, str, str], list[float]] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name not in (STARTUP_METRIC, INITIALIZATION_METRIC):
-            continue
-        for sample in family.samples:
-            app = sample.labels.get("application")
-            if app not in app_names or not sample.name.endswith(("_sum", "_count")):
-                continue
-            pair = totals.setdefault((family.name, app, sample.labels.get("deployment", "?")), [0.0, 0.0])
-            pair[sample.name.endswith("_count")] += sample.value
-    return {key: (pair[0], pair[1]) for key, pair in totals.items()}
+    def first_started(self) -> float | None:
+        return min((started for started, _ in self.ready.values()), default=None)
 
-
-def replica_starts(totals: Totals, baseline: Totals | None = None) -> list[ReplicaStart]:
-    """Each deployment's replica starts counted in ``totals`` and not yet in ``baseline`` (taken before
-    the deploy: a cluster that ran the app before has counted its earlier replicas), slowest first."""
-    baseline = baseline or {}
-
-    def new(metric: str, app: str, deployment: str) -> tuple[float, float]:
-        now, before = totals.get((metric, app, deployment), (0.0, 0.0)), baseline.get((metric, app, deployment))
-        return (now[0] - before[0], now[1] - before[1]) if before else now
-
-    starts = []
-    for metric, app, deployment in totals:
-        if metric != STARTUP_METRIC:
-            continue
-        (total_ms, count), (init_ms, init_count) = (
-            new(metric, app, deployment),
-            new(INITIALIZATION_METRIC, app, deployment),
-        )
-        if count > 0:
-            constructor = init_ms / init_count / 1000 if init_count > 0 else None
-            starts.append(ReplicaStart(deployment, int(count), total_ms / count / 1000, constructor))
-    return sorted(starts, key=lambda start: -start.total_s)
-
-
-def scrape(metrics_port: int | None, host: str = "127.0.0.1", timeout_s: float = 5.0) -> str:
-    """The Prometheus text of the node's metrics endpoint; "" when there is none or it does not answer."""
-    import httpx
-
-    if metrics_port is None:
-        return ""
-    try:
-        return httpx.get(f"http://{host}:{metrics_port}/metrics", timeout=timeout_s).text
-    except httpx.HTTPError:
-        return ""
+    def starts(self) -> list[ReplicaStart]:
+        """Each replica seen RUNNING, slowest first."""
+        starts = [ReplicaStart(name, ready - started) for (name, _), (started, ready) in self.ready.items()]
+        return sorted(starts, key=lambda start: -start.total_s)
 
 
 def first_logged(path: Path) -> float | None:
@@ -126,40 +92,31 @@ def head_breakdown(session_dir: Path | None, started: float, ready: float) -> st
     return ", ".join(f"{label} {end - start:.1f} s" for (label, _), start, end in zip(_HEAD_PHASES, bounds, bounds[1:]))
 
 
-def _replica_text(replica: ReplicaStart) -> str:
-    times = f" x {replica.replicas}" if replica.replicas > 1 else ""
-    if replica.constructor_s is None:
-        return f"{replica.deployment}{times} {replica.total_s:.1f} s"
-    process_s = max(0.0, replica.total_s - replica.constructor_s)
-    return (
-        f"{replica.deployment}{times} {replica.total_s:.1f} s"
-        f" (process and imports {process_s:.1f} s, constructor {replica.constructor_s:.1f} s)"
-    )
-
-
 def start_up_lines(
     session_dir: Path | None,
     marks: dict[str, float],
     head_started: bool,
-    first_replica_asked: float | None,
-    replicas: list[ReplicaStart],
+    clock: StartClock | None,
 ) -> list[str]:
     """The report printed once every app is RUNNING: the total, then one short line per phase.
 
     ``marks`` (epoch seconds): ``start`` (the launcher began), ``head`` (the Ray head answered),
     ``deploy`` (the config was sent), ``running``. ``head_started``: this launcher started the head
-    (else it used one already running and that phase is not shown). ``first_replica_asked``: the
-    earliest ``start_time_s`` of the apps' replicas (before it: Serve's controller, proxy, and the apps'
-    import and build). ``replicas``: ``replica_starts`` (each deployment's, split into process start and
-    imports, and constructor; an average where it started several).
+    (else it used one already running and that phase is not shown). ``clock``: what the wait saw of the
+    replicas (the earliest actor start: before it, Serve's controller, proxy, and the apps' import and
+    build; then each replica's start, slowest first).
     """
     lines = [f"Up in {marks['running'] - marks['start']:.1f} s:"]
     if head_started:
         split = head_breakdown(session_dir, marks["start"], marks["head"])
         lines.append(f"  Ray head: {marks['head'] - marks['start']:.1f} s" + (f" ({split})" if split else ""))
-    if first_replica_asked is not None and replicas:
-        lines.append(f"  Serve controller, proxy, app import and build: {first_replica_asked - marks['deploy']:.1f} s")
-        lines += [f"  replica {_replica_text(r)}" for r in replicas]
+    first = clock.first_started() if clock else None
+    if first is not None:
+        lines.append(f"  Serve controller, proxy, app import and build: {max(0.0, first - marks['deploy']):.1f} s")
+        lines += [
+            f"  replica {r.deployment}: {r.total_s:.1f} s (its process, imports and constructor)"
+            for r in clock.starts()
+        ]
     else:  # no metrics to read: the deploy as one phase
         lines.append(f"  deploy until RUNNING: {marks['running'] - marks['deploy']:.1f} s")
     return lines
