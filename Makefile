@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 MODELS := models
 # Ray keeps 127.0.0.1 as loopback (instead of this machine's network address) only with this set.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
-# Ray token authentication for the clusters make starts and the drivers that join them (see deployments/launcher.py).
+# Ray token authentication for the clusters make starts and the drivers that join them (see serval/launcher/).
 export RAY_AUTH_MODE ?= token
 
 .PHONY: venv lint test serve stop models clean bench-scheduler prometheus iproute2
@@ -91,15 +91,16 @@ $(SMOLLM2)/config.json: serval/fetch_model.py serval/gguf_to_hf.py engine/model/
 models: $(SMOLLM2)/config.json $(MODELS)/tiny-llama/serval_model_spec.json $(TRAINED)/serval-llama-10m/serval_model_spec.json \
   $(TRAINED)/serval-llama-draft/serval_model_spec.json $(LORAS)/lora-1/adapter_config.json
 
-# The main job: a local Ray head on loopback serving configs/serve/default.yaml; `make stop` ends it
-# (in-flight streams finish first; only this head's processes are stopped, never other Ray clusters here).
+# The main job: a local Ray head on loopback serving configs/serve/default.yaml, detached (`serval serve
+# --config ...` in the foreground is the one-command form); `make stop` (`serval stop`) ends it (in-flight
+# streams finish first; only this head's processes are stopped, never other Ray clusters here).
 SERVE_CONFIG ?= configs/serve/default.yaml
 serve: KERNELS_BUILD = background
 serve: venv models
-	$(PY) -m deployments.launcher up --config $(SERVE_CONFIG)
+	$(PY) -m serval serve --detach --config $(SERVE_CONFIG)
 
 stop: $(STAMP)
-	$(PY) -m deployments.launcher down
+	$(PY) -m serval stop
 
 bench-scheduler: venv
 	$(PY) benchmarks/bench_scheduler.py --num-running 256 1024

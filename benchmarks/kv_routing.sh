@@ -71,8 +71,9 @@ EOF
 
 for router in default kv; do
   yaml=$(config "$router")
-  launcher() { .venv/bin/python -m deployments.launcher "$1" --config "$yaml" --gcs-port "$GCS" \
-    --dashboard-port "$DASH" --http-port "$HTTP" --metrics-export-port "$METRICS" --num-cpus 2; }
+  launcher() { if [ "$1" = up ]; then .venv/bin/python -m serval serve --detach --config "$yaml" --gcs-port "$GCS" \
+    --dashboard-port "$DASH" --port "$HTTP" --metrics-export-port "$METRICS" --num-cpus 2;
+    else .venv/bin/python -m serval stop --dashboard-port "$DASH"; fi; }
   launcher up > "$OUT/$router-serve.log" 2>&1 || { tail -20 "$OUT/$router-serve.log"; exit 1; }
   trap 'launcher down >/dev/null 2>&1 || true' EXIT
   bench "$router-shared" --dataset-name prefix_repetition --num-prompts "$NUM_PROMPTS" \

@@ -146,7 +146,7 @@ def wait_http_ok(url: str, timeout_s: float) -> None:
 
 def run_serve(args, prompts, separate_ingress: bool) -> tuple[list[RequestResult], float]:
     """``separate_ingress``: through an OpenAiIngress deployment, else straight to the LLM replica."""
-    from deployments import launcher
+    from serval.launcher import lifecycle as launcher
 
     gcs_port, dashboard_port, http_port = launcher.free_port(), launcher.free_port(), launcher.free_port()
     launcher.start_ray_head(gcs_port, dashboard_port, num_cpus=None, object_store_bytes=256 << 20)

@@ -19,6 +19,8 @@ SUBCOMMANDS = {
     ("fetch-model",): "serval.fetch_model",
     ("gguf-to-hf",): "serval.gguf_to_hf",
     ("serve",): "serval.serve_cmd",
+    ("status",): "serval.status_cmd",
+    ("stop",): "serval.stop_cmd",
     ("render-rayservice",): "serval.render_rayservice",
     ("bench", "serve"): "serval.bench.serve",
     ("bench", "throughput"): "serval.bench.throughput",

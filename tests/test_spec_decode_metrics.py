@@ -123,7 +123,7 @@ def local_ray():
     """A fresh one-node Ray whose metrics agent serves Prometheus on ``metrics_port``, reporting every 0.2 s."""
     import ray
 
-    from deployments.launcher import free_port
+    from serval.launcher.head import free_port
     from tests.serve.cluster import LOOPBACK, OBJECT_STORE_BYTES
 
     port = free_port()

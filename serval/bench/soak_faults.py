@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from deployments import launcher
+from serval.launcher import lifecycle as launcher
 
 ACTIONS = ("kill-replica", "kill-worker", "scale", "redeploy")
 Settled = Callable[[list[dict]], bool]  # the deployment's replicas (Serve's status) -> has the app settled?
@@ -116,7 +116,7 @@ class ServeApp:
         return f"SIGKILL pid {actor['pid']} ({class_name}, actor {actor['actor_id'][:12]})", actor["pid"]
 
     def _put_changed(self, change) -> str:
-        status = launcher.http_json("GET", f"{self.dashboard_url}/api/serve/applications/")
+        status = launcher.serve_details(self.dashboard_url)
         config = deploy_config(status)
         app = next((app for app in config["applications"] if app["name"] == self.app_name), None)
         if app is None:
@@ -127,7 +127,7 @@ class ServeApp:
 
     def replicas(self) -> list[dict]:
         """The deployment's replicas per Serve's status (``replica_id``, ``state``, ``pid``, ...)."""
-        status = launcher.http_json("GET", f"{self.dashboard_url}/api/serve/applications/")
+        status = launcher.serve_details(self.dashboard_url)
         app = status.get("applications", {}).get(self.app_name, {})
         return app.get("deployments", {}).get(self.deployment, {}).get("replicas", [])
 

@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Sweeps, writes ``tune-*.json`` and ``tune-*-frontier.png``; 0 when some point met the SLO, else 1."""
-    from deployments import launcher
+    from serval.launcher import lifecycle as launcher
 
     if args.slo_percentile not in args.metric_percentiles:
         args.metric_percentiles = sorted({*args.metric_percentiles, args.slo_percentile})
@@ -125,7 +125,7 @@ def with_point(config: dict, model_id: str, point: TunePoint) -> dict:
 
 
 def deploy_and_wait(config: dict, args: argparse.Namespace) -> None:
-    from deployments import launcher
+    from serval.launcher import lifecycle as launcher
 
     launcher.deploy(config, args.address)
     launcher.wait_until_running(args.address, [app["name"] for app in config["applications"]], args.deploy_timeout_s)

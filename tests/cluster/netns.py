@@ -29,7 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments import launcher, ray_processes
+from serval.launcher import lifecycle as launcher
+from serval.launcher import processes as ray_processes
 
 SUBNET = "10.213.7.0/30"  # private (RFC 1918), used only between the two namespaces
 ADDRESSES = HEAD_ADDRESS, WORKER_ADDRESS = "10.213.7.1", "10.213.7.2"

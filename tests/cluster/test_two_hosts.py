@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments import ray_processes
+from serval.launcher import processes as ray_processes
 from tests.cluster import netns
 from tests.cluster.netns import HEAD_ADDRESS, HTTP_PORT, WORKER_ADDRESS
 from tests.cluster.two_host_driver import REQUEST_BOUND_S

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 
-from deployments import launcher
+from serval.launcher import lifecycle as launcher
 from tests.cluster.netns import DASHBOARD_PORT, GCS_PORT, HEAD_ADDRESS, HOST_LABEL, HTTP_PORT, RESULT_PREFIX
 
 MODEL_ID = "tiny"
@@ -161,7 +161,7 @@ def one_request(index: int, started: float) -> dict:
 
 def server_status() -> tuple[str, list[str]]:
     """Serve's status of the LLM-server deployment and its replicas' states (the dashboard's REST API)."""
-    status = launcher.http_json("GET", f"{launcher.dashboard_url(DASHBOARD_PORT)}/api/serve/applications/")
+    status = launcher.serve_details(launcher.dashboard_url(DASHBOARD_PORT))
     deployment = status["applications"]["llm"]["deployments"][SERVER_DEPLOYMENT]
     return deployment["status"], [replica.get("state", "?") for replica in deployment.get("replicas", [])]
 

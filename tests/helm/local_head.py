@@ -1,4 +1,4 @@
-"""A Ray head on loopback for one test module, started as `make serve` starts it (``deployments.launcher``),
+"""A Ray head on loopback for one test module, started as `make serve` starts it (``serval.launcher``),
 and stopped alone: ``ray stop`` would end every Ray cluster on the machine, other people's too.
 
 No driver joins it: the tests deploy through the dashboard's REST API and talk HTTP to Serve.
@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import time
 
-from deployments import launcher, ray_processes
-from deployments.launcher import free_port
+from serval.launcher import lifecycle as launcher
+from serval.launcher import processes as ray_processes
+from serval.launcher.head import free_port
 from tests.serve.cluster import OBJECT_STORE_BYTES, RayHead, listening_addresses
 
 DASHBOARD_START_TIMEOUT_S = 60.0
@@ -35,6 +36,6 @@ def start_head(num_cpus: int = 2) -> RayHead:
 
 
 def stop_head(head: RayHead) -> None:
-    """Ends the head's processes by id (``deployments.ray_processes``, what ``make stop`` uses): SIGTERM,
+    """Ends the head's processes by id (``serval.launcher.processes``, what ``make stop`` uses): SIGTERM,
     then SIGKILL for those left after ``STOP_GRACE_S``."""
     ray_processes.stop_head(head.gcs_port, grace_s=STOP_GRACE_S)

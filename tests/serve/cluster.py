@@ -1,7 +1,7 @@
 """Helpers for the serving tests: ports, listening sockets, Serve configs and their deployment.
 
 Deployments go through the dashboard's REST API, as ``serve deploy`` and
-``make serve`` (``deployments.launcher``) do.
+``make serve`` (``serval.launcher``) do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from deployments import launcher
+from serval.launcher import lifecycle as launcher
 from tests.serve.haproxy_log import HAProxyLog
 
 LOOPBACK = "127.0.0.1"
@@ -100,7 +100,7 @@ def deploy_and_wait(head: RayHead, config: dict, timeout_s: float = 300.0) -> No
 
 
 def app_status(head: RayHead, app_name: str = "llm") -> dict:
-    return launcher.http_json("GET", f"{head.dashboard_url}/api/serve/applications/")["applications"][app_name]
+    return launcher.serve_details(head.dashboard_url)["applications"][app_name]
 
 
 def serve_shutdown(head: RayHead) -> None:

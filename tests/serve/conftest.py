@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from deployments import launcher
-from deployments.launcher import free_port
+from serval.launcher import lifecycle as launcher
+from serval.launcher.head import free_port
 from tests.serve.cluster import LOOPBACK, OBJECT_STORE_BYTES, RayHead, listening_addresses
 from tests.serve.haproxy_log import HAProxyLog
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from deployments.launcher import free_port
+from serval.launcher.head import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_CONFIG = ROOT / "configs" / "prometheus" / "prometheus.yml"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments import launcher
 from serval.cli import main as serval_main
+from serval.launcher import lifecycle as launcher
 from tests.serve.cluster import app_status, deploy_and_wait, llm_config, serve_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,7 @@
 """The launcher's pieces without a cluster: what a config needs against what the cluster has, what it
-prints while Serve deploys and when it gives up, the kernel-build and HAProxy drain probes, and stopping
-one head's processes by id (never ``ray stop``)."""
+prints while Serve deploys (from Serve's typed status) and when it gives up, the start-up timings from
+Serve's histograms, the kernel-build and HAProxy drain probes, and stopping one head's processes by id
+(psutil; never ``ray stop``)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.serve.schema import ServeInstanceDetails
 
-from deployments import haproxy_admin, launcher, launcher_status, launcher_timings, ray_processes
+from serval.launcher import haproxy as haproxy_admin
+from serval.launcher import head as launcher
+from serval.launcher import processes as ray_processes
+from serval.launcher import status as launcher_status
+from serval.launcher import timings as launcher_timings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
 TWO_CPUS = [{"CPU": 2.0, "memory": 1e10}]
@@ -71,18 +77,30 @@ def test_a_replica_larger_than_any_node_never_fits_even_if_the_sum_does():
     assert launcher_status.unfit_reason(needs, [], "c.yaml") is None  # no nodes known: no verdict
 
 
-def deployment(status: str, message: str = "", states=("STARTING",), required=None, target=1) -> dict:
+def deployment(status: str, message: str = "", states=("STARTING",), required=None, target=1, started=5.0) -> dict:
+    """One deployment as the dashboard's JSON has it (what ``ServeInstanceDetails`` parses)."""
+    replica = {"actor_name": "r", "pid": 1, "start_time_s": started}
     return {
         "status": status,
+        "status_trigger": "CONFIG_UPDATE_STARTED",
         "message": message,
-        "replicas": [{"state": s, "pid": 1} for s in states],
+        "replicas": [{**replica, "replica_id": f"r{i}", "state": s} for i, s in enumerate(states)],
         "required_resources": required or {"CPU": 1},
         "target_num_replicas": target,
     }
 
 
-def app_status(app: str, message: str = "", **deployments) -> dict:
-    return {"applications": {"llm": {"status": app, "message": message, "deployments": deployments}}}
+def app_json(app: str, message: str = "", **deployments) -> dict:
+    named = {name: {"name": name, "deployment_config": {"name": name}, **d} for name, d in deployments.items()}
+    llm = {"name": "llm", "route_prefix": "/", "docs_path": None, "status": app, "message": message}
+    llm |= {"last_deployed_time_s": 0.0, "deployed_app_config": None, "source": "declarative"}
+    llm |= {"external_scaler_enabled": False, "deployments": named}
+    return {"controller_info": {}, "proxies": {}, "applications": {"llm": llm}}
+
+
+def app_status(app: str, message: str = "", **deployments) -> ServeInstanceDetails:
+    """Serve's typed status of one app ``llm`` with ``deployments``."""
+    return ServeInstanceDetails(**app_json(app, message, **deployments))
 
 
 UNSCHEDULABLE = (
@@ -123,21 +141,14 @@ def test_final_reasons_a_failed_deploy_and_resources_that_never_fit():
         **{"LLMServer:m": deployment("UPDATING", target=2), "OpenAiIngress": deployment("UPDATING", required={})},
     )
     assert "asks for 2 CPUs" not in (launcher_status.final_reason(unfit, ["llm"], TWO_CPUS, "c.yaml") or "")
-    unfit["applications"]["llm"]["deployments"]["OpenAiIngress"]["required_resources"] = {"CPU": 0.1}
+    unfit = app_status(
+        "DEPLOYING",
+        **{
+            "LLMServer:m": deployment("UPDATING", target=2),
+            "OpenAiIngress": deployment("UPDATING", required={"CPU": 0.1}),
+        },
+    )
     assert "2.1 CPUs" in launcher_status.final_reason(unfit, ["llm"], TWO_CPUS, "c.yaml")
-
-
-def test_up_refuses_a_config_that_can_never_fit_before_deploying(monkeypatch, tmp_path, capsys):
-    config = copy.deepcopy(load("pd.yaml"))
-    for deployment_config in pd_prefill_decode(config):
-        deployment_config["ray_actor_options"]["num_cpus"] = 1
-    path = tmp_path / "pd.yaml"
-    path.write_text(yaml.safe_dump(config))
-    monkeypatch.setattr(launcher, "is_dashboard_up", lambda port: True)
-    monkeypatch.setattr(launcher, "cluster_nodes", lambda dashboard: TWO_CPUS)
-    monkeypatch.setattr(launcher, "deploy", lambda *a, **k: pytest.fail("deployed a config that cannot fit"))
-    assert launcher.main(["up", "--config", str(path), "--dashboard-port", "1"]) == 1
-    assert "can never be scheduled" in capsys.readouterr().err
 
 
 def test_kernel_build_state_tells_a_running_build_from_a_stale_lock(tmp_path):
@@ -225,27 +236,10 @@ def test_stop_head_ends_that_heads_processes_and_their_children_only():
         other.wait()
 
 
-CONTROLLER_LOG = """\
-INFO 2026-12-01 14:46:02,482 controller 3720 -- Controller starting (version='2.60.0').
-INFO 2026-12-01 14:46:06,160 controller 3720 -- Importing and building app 'llm'.
-INFO 2026-12-01 14:46:12,544 controller 3720 -- Imported and built app 'llm' successfully.
-INFO 2026-12-01 14:46:12,677 controller 3720 -- Starting Replica(id='wenafzfx', deployment='LLMServer:m', app='llm').
-INFO 2026-12-01 14:46:26,663 controller 3720 -- Replica(id='k5hzwlnz', deployment='OpenAiIngress', app='llm') \
-started successfully on node 'f87' after 14.0s (PID: 3965). Replica constructor, reconfigure method, and initial \
-health check took 0.4s.
-INFO 2026-12-01 14:46:36,397 controller 3720 -- Replica(id='wenafzfx', deployment='LLMServer:m', app='llm') \
-started successfully on node 'f87' after 23.7s (PID: 3867). Replica constructor, reconfigure method, and initial \
-health check took 11.0s.
-INFO 2026-12-01 14:46:37,000 controller 3720 -- Replica(id='other', deployment='X', app='another') started \
-successfully on node 'f87' after 3.0s (PID: 1).
-"""
-
-
-def test_start_up_lines_split_the_deploy_by_serves_controller_log(tmp_path):
-    """Serve's own figures: the build window, each replica's process-and-import and constructor times."""
+def test_start_up_lines_split_the_deploy_by_what_serves_status_showed(tmp_path):
+    """Serve's typed status, polled: when each replica's actor started, when it was first seen RUNNING."""
     logs = tmp_path / "logs"
-    (logs / "serve").mkdir(parents=True)
-    (logs / "serve" / "controller_3720.log").write_text(CONTROLLER_LOG)
+    logs.mkdir()
     for name, stamp in (("gcs_server.out", "14:45:33,127"), ("raylet.out", "14:45:46,185")):
         (logs / name).write_text(f"[2026-12-01 {stamp} I 1 1] (x) main.cc:1: started\n")
     at = launcher_timings.parse_time
@@ -255,22 +249,26 @@ def test_start_up_lines_split_the_deploy_by_serves_controller_log(tmp_path):
         "deploy": at("2026-12-01 14:45:58,000"),
         "running": at("2026-12-01 14:46:36,500"),
     }
-    lines = launcher_timings.start_up_lines(tmp_path, ["llm"], marks, head_started=True)
+    clock, t0 = launcher_timings.StartClock(["llm"]), marks["deploy"]
+    starting, up = deployment("UPDATING", started=t0 + 5), deployment("HEALTHY", states=("RUNNING",), started=t0 + 5)
+    clock.observe(app_status("DEPLOYING", **{"LLMServer:m": starting, "OpenAiIngress": starting}), t0)
+    clock.observe(app_status("DEPLOYING", **{"LLMServer:m": starting, "OpenAiIngress": up}), t0 + 30)
+    clock.observe(app_status("RUNNING", **{"LLMServer:m": up, "OpenAiIngress": up}), t0 + 40)
+    clock.observe(app_status("RUNNING", **{"LLMServer:m": up, "OpenAiIngress": up}), t0 + 50)  # seen before: kept
+    lines = launcher_timings.start_up_lines(tmp_path, marks, True, clock)
     assert lines == [
         "Up in 68.2 s:",
         "  Ray head: 29.0 s (ray CLI 4.8 s, GCS and dashboard 13.1 s, raylet and agents 11.1 s)",
-        "  Serve controller and HTTP proxy: 8.2 s",
-        "  app 'llm' imported and built: 6.4 s",
-        "  replica LLMServer:m 23.7 s (process and imports 12.7 s, constructor 11.0 s)",
-        "  replica OpenAiIngress 14.0 s (process and imports 13.6 s, constructor 0.4 s)",
+        "  Serve controller, proxy, app import and build: 5.0 s",
+        "  replica LLMServer:m: 35.0 s (its process, imports and constructor)",
+        "  replica OpenAiIngress: 25.0 s (its process, imports and constructor)",
     ]
-    # A deploy onto a running head, after this log's events: only the total and the deploy as one phase.
-    later = {key: value + 3600 for key, value in marks.items()}
-    assert launcher_timings.start_up_lines(tmp_path, ["llm"], later, head_started=False) == [
+    # Nothing seen (a deploy that found its replicas already RUNNING): the deploy as one phase.
+    assert launcher_timings.start_up_lines(None, marks, False, launcher_timings.StartClock(["llm"])) == [
         "Up in 68.2 s:",
         "  deploy until RUNNING: 38.5 s",
     ]
-    assert launcher_timings.start_up_lines(None, ["llm"], marks, head_started=True)[1] == "  Ray head: 29.0 s"
+    assert launcher_timings.start_up_lines(None, marks, True, None)[1] == "  Ray head: 29.0 s"
 
 
 def test_a_failed_ray_start_is_cleaned_up_and_run_once_more_unless_another_head_has_the_port(tmp_path, capsys):

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from ray import serve
 
-from deployments import launcher
+from serval.launcher import lifecycle as launcher
 from tests.serve.cluster import RayHead, app_status, deploy_and_wait, llm_config, serve_config, sse_lines
 from tests.serve.haproxy_log import HAProxyLog
 

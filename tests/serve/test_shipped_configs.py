@@ -18,7 +18,9 @@ import httpx
 import pytest
 import yaml
 
-from deployments import launcher, launcher_status, ray_processes
+from serval.launcher import lifecycle as launcher
+from serval.launcher import processes as ray_processes
+from serval.launcher import status as launcher_status
 from tests.helm.local_head import start_head
 from tests.serve.cluster import sse_lines
 
@@ -106,7 +108,7 @@ def stream_completion(url: str, model: str, result: dict, first_chunk: threading
 
 def test_stop_lets_the_stream_in_flight_finish_and_ends_the_head(head):
     """Last in the module: the head is gone after it (the fixture's stop then finds nothing)."""
-    status = launcher.http_json("GET", f"{head.dashboard_url}/api/serve/applications/")
+    status = launcher.serve_details(head.dashboard_url)
     (app,) = [app["deployed_app_config"] for app in status["applications"].values()]
     result, first_chunk = {}, threading.Event()
     model = sorted(served_model_ids(app))[0]

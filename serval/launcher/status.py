@@ -1,7 +1,7 @@
 """What the launcher says while a Serve config deploys, and when it gives up early.
 
-Pure functions over plain data (the Serve config as loaded from YAML, the JSON of the dashboard's
-``GET /api/serve/applications/``, the nodes' total resources), so they can be tested without a cluster:
+Pure functions over plain data (the Serve config as loaded from YAML, Serve's typed status
+``ServeInstanceDetails``, the nodes' total resources), so they can be tested without a cluster:
 
 - ``config_needs``: a lower bound on what each deployment of a config takes (CPUs and GPUs per replica
   times its replicas, TP/PP worker bundles not counted), read from the YAML before deploying; once the
@@ -11,29 +11,32 @@ Pure functions over plain data (the Serve config as loaded from YAML, the JSON o
   with Serve's own message (unschedulable resources, a slow or failing constructor), tracebacks cut to
   their last lines.
 - ``final_reason``: a reason to stop waiting (a failed deploy, resources that can never fit), or None.
-
-Once the app is RUNNING: ``print_usage`` (the endpoint and examples) and ``self_check``, the one function
-here that talks to the server (one greedy streamed chat: its answer, time to first token and per token).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments import ray_processes
+from ray.serve.schema import (
+    ApplicationStatus,
+    DeploymentDetails,
+    DeploymentStatus,
+    ReplicaState,
+    ServeInstanceDetails,
+)
+
+from serval.launcher import processes as ray_processes
 
 INGRESS_NAME = "OpenAiIngress"  # deployments.app.INGRESS_DEPLOYMENT_NAME (not imported: it pulls in the engine)
-TERMINAL_FAILURES = ("DEPLOY_FAILED", "UNHEALTHY")
+TERMINAL_FAILURES = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
 MESSAGE_LINES = 6  # lines of a deployment's message shown while waiting (a traceback's last ones)
 FAILURE_LINES = 20  # lines of each message shown when the deploy failed
 KERNEL_BUILDERS = ("cc1plus", "/ninja ")  # processes of a torch C++ extension build
-CHECKOUT_CSRC = Path(__file__).resolve().parents[1] / "engine" / "kernels" / "csrc"  # this checkout's kernels
-KERNELS_LOG = Path(__file__).resolve().parents[1] / ".venv" / "kernels-build.log"  # make serve's background build
+CHECKOUT_CSRC = Path(__file__).resolve().parents[2] / "engine" / "kernels" / "csrc"  # this checkout's kernels
+KERNELS_LOG = Path(__file__).resolve().parents[2] / ".venv" / "kernels-build.log"  # make serve's background build
 
 
 @dataclass(frozen=True)
@@ -97,16 +100,15 @@ def config_needs(config: dict) -> list[Need]:
     return needs
 
 
-def status_needs(status: dict, app_names: list[str]) -> list[Need]:
+def status_needs(details: ServeInstanceDetails, app_names: list[str]) -> list[Need]:
     """The needs Serve itself reports once an app is built (``required_resources``, ``target_num_replicas``)."""
     needs = []
     for app_name in app_names:
-        for name, deployment in status.get("applications", {}).get(app_name, {}).get("deployments", {}).items():
-            required = deployment.get("required_resources") or {}
-            if not isinstance(required, dict):
-                continue
+        app = details.applications.get(app_name)
+        for name, deployment in (app.deployments if app else {}).items():
+            required = deployment.required_resources or {}
             cpus, gpus = float(required.get("CPU", 0)), float(required.get("GPU", 0))
-            needs.append(Need(app_name, name, cpus, gpus, int(deployment.get("target_num_replicas") or 0)))
+            needs.append(Need(app_name, name, cpus, gpus, deployment.target_num_replicas))
     return needs
 
 
@@ -151,51 +153,75 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
 
-def progress_lines(status: dict, app_names: list[str], activities: dict[str, str] | None = None) -> list[str]:
-    """Each app's status and message, then each of its deployments that is not HEALTHY with its
-    replicas' states, Serve's message and ``activities[deployment]`` (what its replicas are doing)."""
-    activities = activities or {}
-    apps = status.get("applications", {})
-    lines = []
-    for name in app_names:
-        app = apps.get(name, {})
-        lines.append(f"{name}: {app.get('status', 'NOT_STARTED')}")
-        if app.get("message"):
-            lines.append(_indent(summarize(app["message"]), "    "))
-        for deployment_name, deployment in app.get("deployments", {}).items():
-            if deployment.get("status") == "HEALTHY":
-                continue
-            states = [replica.get("state", "?") for replica in deployment.get("replicas", [])]
-            counts = ", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states)) or "no replicas yet"
-            lines.append(f"  {deployment_name}: {deployment.get('status', '?')} ({counts})")
-            if deployment.get("message"):
-                lines.append(_indent(summarize(deployment["message"]), "    "))
-            if deployment_name in activities:
-                lines.append(f"    {activities[deployment_name]}")
+def _deployment_lines(name: str, deployment: DeploymentDetails, activity: str | None) -> list[str]:
+    states = [replica.state.value for replica in deployment.replicas]
+    counts = ", ".join(f"{states.count(s)} {s}" for s in dict.fromkeys(states)) or "no replicas yet"
+    lines = [f"  {name}: {deployment.status.value} ({counts})"]
+    if deployment.message:
+        lines.append(_indent(summarize(deployment.message), "    "))
+    if activity:
+        lines.append(f"    {activity}")
     return lines
 
 
-def final_reason(status: dict, app_names: list[str], nodes: list[dict[str, float]], config_path: str) -> str | None:
+def progress_lines(
+    details: ServeInstanceDetails, app_names: list[str], activities: dict[str, str] | None = None
+) -> list[str]:
+    """Each app's status and message, then each of its deployments that is not HEALTHY with its
+    replicas' states, Serve's message and ``activities[deployment]`` (what its replicas are doing)."""
+    activities = activities or {}
+    lines = []
+    for name in app_names:
+        app = details.applications.get(name)
+        lines.append(f"{name}: {app.status.value if app else 'NOT_STARTED'}")
+        if app is None:
+            continue
+        if app.message:
+            lines.append(_indent(summarize(app.message), "    "))
+        for deployment_name, deployment in app.deployments.items():
+            if deployment.status != DeploymentStatus.HEALTHY:
+                lines += _deployment_lines(deployment_name, deployment, activities.get(deployment_name))
+    return lines
+
+
+def status_lines(details: ServeInstanceDetails) -> list[str]:
+    """Every app with its status, route and endpoint, then each of its deployments (replica states,
+    Serve's message when it has one: why it is stuck)."""
+    http = details.http_options
+    base = f"http://{http.host}:{http.port}" if http else ""
+    lines = []
+    for name, app in details.applications.items():
+        lines.append(f"{name}: {app.status.value}  {base}{app.route_prefix or ''}")
+        if app.message:
+            lines.append(_indent(summarize(app.message), "    "))
+        for deployment_name, deployment in app.deployments.items():
+            lines += _deployment_lines(deployment_name, deployment, None)
+    return lines
+
+
+def is_running(details: ServeInstanceDetails, app_names: list[str]) -> bool:
+    """Whether every app of ``app_names`` is RUNNING."""
+    apps = details.applications
+    return all(name in apps and apps[name].status == ApplicationStatus.RUNNING for name in app_names)
+
+
+def final_reason(
+    details: ServeInstanceDetails, app_names: list[str], nodes: list[dict[str, float]], config_path: str
+) -> str | None:
     """Why waiting longer cannot help: an app or deployment failed (its messages), or what Serve says it
     needs can never fit ``nodes``; None while it may still become RUNNING."""
-    apps = status.get("applications", {})
     failed = {}
     for name in app_names:
-        app = apps.get(name, {})
-        if app.get("status") in TERMINAL_FAILURES:
-            failed[name] = summarize(app.get("message", ""), FAILURE_LINES)
-            for deployment_name, deployment in app.get("deployments", {}).items():
-                if deployment.get("status") != "HEALTHY" and deployment.get("message"):
-                    failed[f"{name}/{deployment_name}"] = summarize(deployment["message"], FAILURE_LINES)
+        app = details.applications.get(name)
+        if app is None or app.status not in TERMINAL_FAILURES:
+            continue
+        failed[name] = summarize(app.message, FAILURE_LINES)
+        for deployment_name, deployment in app.deployments.items():
+            if deployment.status != DeploymentStatus.HEALTHY and deployment.message:
+                failed[f"{name}/{deployment_name}"] = summarize(deployment.message, FAILURE_LINES)
     if failed:
         return "Deployment failed:\n" + "\n".join(f"  {key}:\n{_indent(text, '    ')}" for key, text in failed.items())
-    return unfit_reason(status_needs(status, app_names), nodes, config_path)
-
-
-def nodes_total(nodes_response: dict) -> list[dict[str, float]]:
-    """Each ALIVE node's total resources, from the dashboard's ``GET /api/v0/nodes?detail=1``."""
-    result = nodes_response.get("data", {}).get("result", {}).get("result", [])
-    return [node.get("resources_total", {}) for node in result if node.get("state") == "ALIVE"]
+    return unfit_reason(status_needs(details, app_names), nodes, config_path)
 
 
 def _builds_of(lock: Path, csrc: Path) -> bool:
@@ -235,88 +261,16 @@ def kernel_build_state(
     )
 
 
-def replica_activities(status: dict, app_names: list[str], kernel_state: str | None = None) -> dict[str, str]:
+def replica_activities(
+    details: ServeInstanceDetails, app_names: list[str], kernel_state: str | None = None
+) -> dict[str, str]:
     """deployment -> what its starting replicas wait on that Serve does not say (``kernel_state``)."""
     if kernel_state is None:
         return {}
     return {
         name: kernel_state
         for app_name in app_names
-        for name, deployment in status.get("applications", {}).get(app_name, {}).get("deployments", {}).items()
-        if any(replica.get("state") == "STARTING" for replica in deployment.get("replicas", []))
+        if app_name in details.applications
+        for name, deployment in details.applications[app_name].deployments.items()
+        if any(replica.state == ReplicaState.STARTING for replica in deployment.replicas)
     }
-
-
-def self_check(config: dict, timeout_s: float = 120.0) -> str:
-    """One streamed greedy chat on the first model of a RUNNING ``config``: its answer, the time to its first
-    token and per output token, as a line to print (or why it could not be taken)."""
-    import httpx
-
-    model_ids = served_model_ids(config)
-    if not model_ids:
-        return "Self-check: no model to ask."
-    body = {
-        "model": model_ids[0],
-        "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 32,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start, times, text, tokens = time.monotonic(), [], [], 0
-    try:
-        with httpx.stream("POST", f"{endpoint(config)}/v1/chat/completions", json=body, timeout=timeout_s) as reply:
-            if reply.status_code != 200:
-                return f"Self-check: the chat request answered HTTP {reply.status_code}."
-            for line in reply.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-                if delta := ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content"):
-                    times.append(time.monotonic())
-                    text.append(delta)
-    except httpx.HTTPError as error:
-        return f"Self-check: the chat request failed ({error})."
-    if not times:
-        return "Self-check: the answer was empty."
-    per_token = (times[-1] - times[0]) / max(1, tokens - 1)  # the first chunk holds the first token alone
-    return (
-        f"Self-check: {''.join(text).strip()!r}: first token {1000 * (times[0] - start):.0f} ms, then "
-        f"{1000 * per_token:.0f} ms per token ({tokens} tokens, greedy, one request on its own)."
-    )
-
-
-def endpoint(config: dict) -> str:
-    http = config.get("http_options", {})
-    return f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
-
-
-def served_model_ids(config: dict) -> list[str]:
-    return [
-        c["model_loading_config"]["model_id"]
-        for app in config["applications"]
-        for c in [*(app.get("args") or {}).get("llm_configs", []), (app.get("args") or {}).get("decode_config")]
-        if isinstance(c, dict) and "model_loading_config" in c
-    ]
-
-
-def print_usage(config: dict, dashboard: str, serve_bin: str) -> None:
-    """The endpoint of a RUNNING ``config``, with ready-to-paste examples."""
-    base, model_ids = endpoint(config), served_model_ids(config)
-    model = model_ids[0] if model_ids else "<model id>"
-    print(
-        f"""
-Serval is serving {", ".join(model_ids) or "its models"} at {base}/v1
-
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
-
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
-r = c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Name three colors.'}}]); \\
-print(r.choices[0].message.content)"
-
-Status: RAY_AUTH_MODE=token {serve_bin} status   Dashboard: {dashboard}   Stop: make stop
-""",
-        flush=True,
-    )

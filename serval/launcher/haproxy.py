@@ -1,7 +1,7 @@
 """Serve's HAProxy ingress, seen through its admin socket: how many client streams are open, and a drain.
 
 Serve kills HAProxy (SIGKILL) as the first step of its shutdown, which cuts every stream in flight,
-so ``make stop`` drains here first: it stops HAProxy's client frontends from accepting connections and
+so the launcher drains here first: it stops HAProxy's client frontends from accepting connections and
 waits until no request is in flight to a Serve backend (a backend's current sessions; a frontend's also
 count idle keep-alive connections, which may stay open for 90 s).
 """
@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from deployments import ray_processes
+from serval.launcher import processes as ray_processes
 
 OWN_PROXIES = ("stats", "prometheus", "default_backend")  # HAProxy's own listeners and its 404 backend
 

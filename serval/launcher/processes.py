@@ -1,10 +1,10 @@
-"""The processes of one local Ray head, found and stopped by id (``make stop``, the test clusters).
+"""The processes of one local Ray head, found with psutil and stopped by id (``serval stop``, the test clusters).
 
 ``ray stop`` ends every Ray process on the machine, other people's clusters included, and waits up to
 16 s for processes that ignore SIGTERM (the GCS, the autoscaler monitor). Here the head is the one whose
 GCS listens on ``gcs_port``: its GCS, every process that names its session or GCS address, the
-HAProxy of ``launcher.haproxy_env``, and all their descendants (Serve's controller and replicas, their
-engine processes). Linux only (``/proc``).
+HAProxy of ``head.haproxy_env``, and all their descendants (Serve's controller and replicas, their
+engine processes).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 # Workers exit at once on SIGTERM once Serve has shut down; the GCS and the monitor linger: killed after this.
 STOP_GRACE_S = 1.0
 
@@ -23,15 +25,9 @@ STOP_GRACE_S = 1.0
 def command_lines() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, command line) of every process this user can read."""
     found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        found[int(entry.name)] = (parent, command)
+    for process in psutil.process_iter(["ppid", "cmdline"]):
+        if process.info["cmdline"]:  # None or []: not ours to read, a zombie or a kernel thread
+            found[process.pid] = (process.info["ppid"], " ".join(process.info["cmdline"]))
     return found
 
 
@@ -67,54 +63,57 @@ def head_processes(gcs_port: int) -> set[int]:
         for name in _flag_values(command, "--session-name")
     }
     markers = {f"127.0.0.1:{gcs_port} ", f"serval-haproxy-{gcs_port}/", *sessions}
-    members = {pid for pid, (_, command) in processes.items() if any(m in command + " " for m in markers)}
-    members -= {os.getpid(), os.getppid()}
-    grew = True
-    while grew:
-        children = {pid for pid, (parent, _) in processes.items() if parent in members} - members - {os.getpid()}
-        members |= children
-        grew = bool(children)
-    return members
+    roots = {pid for pid, (_, command) in processes.items() if any(m in command + " " for m in markers)}
+    members = set(roots)
+    for pid in roots:
+        try:
+            members |= {child.pid for child in psutil.Process(pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            members.discard(pid)
+    return members - {os.getpid(), os.getppid()}
 
 
 def descendants(pid: int) -> dict[int, str]:
     """pid -> command line of every descendant of ``pid``."""
-    processes = command_lines()
-    found: dict[int, str] = {}
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, (parent, _) in processes.items() if parent in frontier} - found.keys()
-        found.update({child: processes[child][1] for child in frontier})
+    found = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            found[child.pid] = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
     return found
 
 
 def is_running(pid: int) -> bool:
     """Alive and not a zombie waiting for its parent."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
 def stop_processes(pids: set[int], grace_s: float = STOP_GRACE_S) -> set[int]:
     """SIGTERM to each pid, SIGKILL to those still running after ``grace_s``; returns the pids killed."""
     _signal_all(pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(map(is_running, pids)):
-        time.sleep(0.05)
+    _wait_gone(pids, grace_s)
     lingering = {pid for pid in pids if is_running(pid)}
     _signal_all(lingering, signal.SIGKILL)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(map(is_running, lingering)):
-        time.sleep(0.05)
+    _wait_gone(lingering, grace_s)
     return lingering
+
+
+def _wait_gone(pids: set[int], timeout_s: float) -> None:
+    # Not psutil.wait_procs: a process that is not our child stays a zombie until its own parent reaps it.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(map(is_running, pids)):
+        time.sleep(0.05)
 
 
 def _signal_all(pids: set[int], sig: signal.Signals) -> None:
     for pid in pids:
         try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
+            psutil.Process(pid).send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
 
 
@@ -129,15 +128,17 @@ def stop_head(gcs_port: int, grace_s: float = STOP_GRACE_S) -> int:
 
 
 def start_head(command: list[str], env: dict[str, str], gcs_port: int) -> None:
-    """Runs ``command`` (a ``ray start --head`` on ``gcs_port``); if it fails where no head ran on that port
-    before, stops what it started (by id) and runs it once more; raises CalledProcessError if that fails too.
+    """Runs ``command`` (a ``ray start --head`` on ``gcs_port``) in a session of its own (a Ctrl-C in the
+    terminal reaches the launcher, which drains first, not the head); if it fails where no head ran on that
+    port before, stops what it started (by id) and runs it once more; raises CalledProcessError if that
+    fails too.
 
     Why: on a loaded 2-core machine ``ray start`` gives up when the raylet takes more than 30 s to
     register with the GCS (fixed in Ray), leaving the GCS and the dashboard running.
     """
     theirs = head_processes(gcs_port)  # a head already on the port: its failure to bind is not ours to clean up
     try:
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
         return
     except subprocess.CalledProcessError:
         if theirs:
@@ -145,7 +146,7 @@ def start_head(command: list[str], env: dict[str, str], gcs_port: int) -> None:
     print(
         f"  `ray start` failed (above); stopped the {stop_head(gcs_port)} processes it left; once more ...", flush=True
     )
-    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def private_metric_ports() -> dict[str, str]:

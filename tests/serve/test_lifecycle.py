@@ -1,0 +1,155 @@
+"""``serval serve``'s lifecycle, run as a user runs it (the real command in a subprocess, a real Ray head on
+127.0.0.1, real HTTP): in the foreground one request, then SIGINT, then nothing of what it started is left
+(no process of its head, no listener); ``--detach`` with ``serval status`` and ``serval stop``; a second
+``serval serve`` refused while the first runs; and a Hugging Face id resolved from the local cache only.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+from serval.launcher import processes
+from serval.launcher.head import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "models" / "tiny-llama"
+START_TIMEOUT_S = 900  # a replica's start on 2 shared cores takes minutes
+
+
+def serval(*args: str) -> list[str]:
+    return [sys.executable, "-m", "serval", *args]
+
+
+def env() -> dict[str, str]:
+    """The caller's environment with this checkout first and no cluster named (the command starts its own)."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    return {**environ, "PYTHONPATH": str(ROOT), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+class Ports:
+    def __init__(self) -> None:
+        self.gcs, self.dashboard, self.http, self.metrics = free_port(), free_port(), free_port(), free_port()
+
+    def flags(self) -> list[str]:
+        return ["--gcs-port", str(self.gcs), "--dashboard-port", str(self.dashboard), "--port", str(self.http)]
+
+    def head_flags(self) -> list[str]:
+        return [*self.flags(), "--metrics-export-port", str(self.metrics), "--num-cpus", "2"]
+
+    def listening(self) -> set[int]:
+        """Which of these ports something listens on."""
+        mine = {self.gcs, self.dashboard, self.http, self.metrics}
+        return {c.laddr.port for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port in mine}
+
+
+def tiny_flags() -> list[str]:
+    return [str(TINY), "--num-cpus-per-replica", "0.5", "--max-model-len", "256"]
+
+
+def wait_for_line(log: Path, text: str, process: subprocess.Popen, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        output = log.read_text(errors="replace")
+        if text in output:
+            return output
+        assert process.poll() is None, f"serval serve exited ({process.returncode}):\n{output[-4000:]}"
+        time.sleep(1.0)
+    raise AssertionError(f"no {text!r} after {timeout_s} s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def chat(ports: Ports, model: str, api_key: str = "none") -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{ports.http}/v1", api_key=api_key, timeout=120)
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    return reply.choices[0].message.content
+
+
+def test_foreground_serves_until_sigint_then_leaves_nothing_running(tmp_path):
+    ports, log = Ports(), tmp_path / "serve.log"
+    command = serval("serve", *tiny_flags(), "--served-model-name", "tiny", "--api-key", "k-1", *ports.head_flags())
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=tmp_path)
+    try:
+        output = wait_for_line(log, "Serving until Ctrl-C", server, START_TIMEOUT_S)
+        assert "Self-check: '" in output and "Up in " in output and "replica LLMServer:tiny" in output
+        started = processes.head_processes(ports.gcs)
+        assert started and ports.listening() == {ports.gcs, ports.dashboard, ports.http, ports.metrics}
+        assert isinstance(chat(ports, "tiny", api_key="k-1"), str)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=300) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+            processes.stop_head(ports.gcs)
+    output = log.read_text()
+    assert "Stopping ..." in output and "Stopped the Ray head" in output
+    assert not processes.head_processes(ports.gcs)
+    assert not any(map(processes.is_running, started))
+    assert not ports.listening()
+
+
+def test_detach_status_stop_and_a_second_serve_is_refused(tmp_path):
+    ports = Ports()
+    run = dict(env=env(), cwd=tmp_path, capture_output=True, text=True)
+    try:
+        up = subprocess.run(
+            serval("serve", *tiny_flags(), "--detach", *ports.head_flags()), timeout=START_TIMEOUT_S, **run
+        )
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        assert processes.head_processes(ports.gcs) and ports.http in ports.listening()
+        assert isinstance(chat(ports, "tiny-llama"), str)
+        status = subprocess.run(serval("status", "--dashboard-port", str(ports.dashboard)), timeout=120, **run)
+        assert status.returncode == 0 and "llm: RUNNING" in status.stdout, status.stdout + status.stderr
+        assert "LLMServer:tiny-llama: HEALTHY (1 RUNNING)" in status.stdout
+
+        second = subprocess.run(serval("serve", *tiny_flags(), *ports.flags()), timeout=300, **run)
+        assert second.returncode == 2 and "already runs" in second.stderr and "--replace" in second.stderr
+        # A config that can never fit this 2-CPU head is refused before anything is deployed, even with --replace.
+        unfit = yaml.safe_load((ROOT / "configs" / "serve" / "pd.yaml").read_text())
+        for pool in ("prefill_config", "decode_config"):
+            unfit["applications"][0]["args"][pool]["deployment_config"]["ray_actor_options"]["num_cpus"] = 1
+        (tmp_path / "unfit.yaml").write_text(yaml.safe_dump(copy.deepcopy(unfit)))
+        refused = subprocess.run(
+            serval("serve", "--config", "unfit.yaml", "--replace", *ports.flags()), timeout=300, **run
+        )
+        assert refused.returncode == 2 and "can never be scheduled" in refused.stderr, refused.stderr
+        assert isinstance(chat(ports, "tiny-llama"), str)  # the first app still serves, untouched
+
+        stop = subprocess.run(serval("stop", "--dashboard-port", str(ports.dashboard)), timeout=300, **run)
+        assert stop.returncode == 0 and "Stopped the Ray head" in stop.stdout, stop.stdout + stop.stderr
+    finally:
+        processes.stop_head(ports.gcs)
+    assert not processes.head_processes(ports.gcs) and not ports.listening()
+    after = subprocess.run(serval("status", "--dashboard-port", str(ports.dashboard)), timeout=120, **run)
+    assert after.returncode == 1 and "No Ray cluster answers" in after.stderr
+
+
+def test_a_hugging_face_id_is_served_from_the_local_cache_only(tmp_path):
+    """``org/name`` resolves offline to its snapshot in the cache (served under that id); one not cached
+    fails at once, saying how to get it."""
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for file in TINY.iterdir():
+        (snapshot / file.name).symlink_to(file)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    run = dict(env={**env(), "HF_HUB_CACHE": str(tmp_path / "hub")}, cwd=tmp_path, capture_output=True, text=True)
+    found = subprocess.run(serval("serve", "acme/tiny", "--print-config"), timeout=300, **run)
+    assert found.returncode == 0, found.stderr
+    llm_config = yaml.safe_load(found.stdout)["applications"][0]["args"]["llm_configs"][0]
+    assert llm_config["model_loading_config"] == {"model_id": "acme/tiny", "model_source": str(snapshot)}
+    missing = subprocess.run(serval("serve", "acme/absent", "--print-config"), timeout=300, **run)
+    assert missing.returncode == 1 and "not in the Hugging Face cache" in missing.stderr
+    assert "huggingface-cli download acme/absent" in missing.stderr and not missing.stdout
