@@ -31,12 +31,13 @@ from deployments.llm_config import LLMConfig
 from deployments.llm_server import LLMServer
 from deployments.metrics import RemotePrefillMetrics
 from deployments.pd_config import PDOptions
-from engine.async_llm import AsyncLLM, EngineStats
+from engine.async_llm import AsyncLLM
 from engine.config import ModelConfig
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ServiceUnavailableError
 from engine.frontend.processor import PromptType
 from engine.lora.request import LoRARequest
+from engine.metrics import EngineStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 

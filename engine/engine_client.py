@@ -28,10 +28,10 @@ from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: the engine modules import this one
-    from engine.async_llm import EngineStats
     from engine.config import ModelConfig
     from engine.frontend.processor import PromptType
     from engine.lora.request import LoRARequest
+    from engine.metrics import EngineStats
     from engine.request_output import RequestOutput
     from engine.sampling_params import SamplingParams
 
