@@ -38,9 +38,12 @@ from deployments.node_address import bind_replica_grpc_to_node_ip
 from deployments.routing_hints import PromptTokenizer, make_hint, session_id, session_middleware
 from engine.entrypoints.openai import api_server
 from engine.entrypoints.openai.api_server import LocalModelRouter
+from engine.entrypoints.openai.call_options import CallOptions
 from engine.entrypoints.openai.continuation import Continuation
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make_error
 from engine.entrypoints.openai.server_options import ServerOptions
+from engine.entrypoints.openai.serving import StreamItem
 from engine.model.source import load_tokenizer
 
 
@@ -81,8 +84,8 @@ class RayModelRouter:
             return None
         return PromptTokenizer(await asyncio.to_thread(load_tokenizer, info["tokenizer_path"]))
 
-    async def _routing_kwargs(self, model_id: str, method_name: str, request: BaseModel) -> dict[str, Any]:
-        if method_name not in ("chat", "completions"):
+    async def _routing_kwargs(self, model_id: str, endpoint: Endpoint, request: BaseModel) -> dict[str, Any]:
+        if not endpoint.generates:
             return {}
         tokenizer = await self._prompt_tokenizer(model_id)
         if tokenizer is None:
@@ -90,32 +93,31 @@ class RayModelRouter:
         # Off the event loop (a long prompt takes milliseconds), on one thread: a fast tokenizer used from
         # several threads at once can raise "Already borrowed".
         hint = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_thread, make_hint, tokenizer, method_name, request, session_id.get(), model_id
+            self._tokenize_thread, make_hint, tokenizer, endpoint, request, session_id.get(), model_id
         )
         return {"routing_hint": hint}
 
     def model_ids(self) -> list[str]:
         return list(self.servers)
 
-    async def call(self, model_id: str, method_name: str, request: BaseModel) -> AsyncGenerator[Any, None]:
+    async def call(self, model_id: str, endpoint: Endpoint, request: BaseModel) -> AsyncGenerator[StreamItem, None]:
         """The LLM server's items, moved to another replica if the one serving them dies (``MigratingCall``).
         Failing to reach one is one error item (503 when Serve sheds load); closing this generator cancels
         the call on the replica, which aborts its engine requests."""
-        routing_kwargs = await self._routing_kwargs(model_id, method_name, request)
+        routing_kwargs = await self._routing_kwargs(model_id, endpoint, request)
         stream = self.streams[model_id]
         if adapter := multiplexed_model_id(model_id, request):  # prefer replicas holding the LoRA adapter
             stream = stream.options(multiplexed_model_id=adapter)
 
         def open_call(continuation: Continuation | None, track: bool) -> Any:
-            if continuation is None and not track:
-                return stream.call.remote(method_name, request, **routing_kwargs)
-            return stream.call.remote(method_name, request, **routing_kwargs, continuation=continuation, track=track)
+            options = CallOptions(continuation=continuation, track=track)
+            return stream.call.remote(endpoint, request, options, **routing_kwargs)
 
         def on_migration(kind: str) -> None:
             if self.migration_metrics is not None:
                 self.migration_metrics.record(model_id, kind)
 
-        call = MigratingCall(method_name, request, open_call, self.migration_limit, on_migration)
+        call = MigratingCall(endpoint, request, open_call, self.migration_limit, on_migration)
         try:
             async with contextlib.aclosing(call.items()) as items:
                 async for item in items:

@@ -9,6 +9,7 @@ across the replicas.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections import deque
@@ -26,8 +27,10 @@ from deployments.metrics import LoRAMetrics, RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from deployments.routing_hints import precomputed_prompt
 from engine.async_llm import AsyncLLM
-from engine.entrypoints.openai.continuation import StreamProgress
-from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
+from engine.engine_client import EngineClient
+from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions
+from engine.entrypoints.openai.endpoints import Endpoint
+from engine.entrypoints.openai.serving import OpenAIServing, StreamItem
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,12 +76,17 @@ class LLMServer:
         self._hold_adapter = None
         if self.lora is not None:
             self._hold_adapter = hold_adapters(self.lora, llm_config.lora_config.max_num_adapters_per_replica)
-        self.serving = OpenAIServing(self.engine, self.model_id, lora=self.lora)
+        self.serving = OpenAIServing(self.engine_client(), self.model_id, lora=self.lora)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 
+    def engine_client(self) -> EngineClient:
+        """What the OpenAI endpoints run requests on: the replica's own engine (a subclass may put a client in
+        front of it, ``pd_servers.PDDecodeServer``). Called once, at the end of ``__init__``."""
+        return self.engine
+
     async def call(
-        self, method_name: str, request: Any, routing_hint: Any = None, continuation: Any = None, track: bool = False
-    ) -> AsyncIterator[Any]:
+        self, endpoint: Endpoint, request: Any, options: CallOptions = PLAIN_CALL, routing_hint: Any = None
+    ) -> AsyncIterator[StreamItem]:
         """Streams the items of one ``OpenAIServing`` endpoint (one item for non-streamed calls).
 
         The caller closing the stream (a client disconnect cancels the ingress
@@ -87,22 +95,15 @@ class LLMServer:
         deployment's request router (``deployments.routing``); the replica serves the prompt the ingress
         tokenized for it (``precomputed_prompt``), so chat templates and tokenizers run once per request.
         A call sent with a ``multiplexed_model_id`` holds that LoRA adapter (``deployments.lora``) first.
-        ``track`` (a chat / completions stream the ingress may migrate): each SSE item comes as a
-        ``continuation.StreamedItem``; ``continuation``: continue that stream (``deployments.migration``).
+        ``options``: ``CallOptions`` (a stream to continue, tracking for ``deployments.migration``).
         """
-        if method_name not in ENDPOINT_METHODS:
-            raise ValueError(f"Unknown serving method {method_name!r}.")
         await hold_multiplexed_adapter(self._hold_adapter)  # the adapter Serve routed this call by, if any
-        endpoint = getattr(self.serving, method_name)
-        precomputed = precomputed_prompt(method_name, routing_hint)
-        if not track and continuation is None:  # the other endpoints take the request alone
-            items = endpoint(request) if precomputed is None else endpoint(request, precomputed)
+        precomputed = precomputed_prompt(endpoint, routing_hint)
+        if precomputed is not None:
+            options = dataclasses.replace(options, precomputed=precomputed)
+        async with contextlib.aclosing(self.serving.call(endpoint, request, options)) as items:
             async for item in items:
                 yield item
-            return
-        progress = StreamProgress() if track else None
-        async for item in endpoint(request, precomputed, continuation, progress):
-            yield progress.take(item) if progress is not None and isinstance(item, str) else item
 
     async def model_card(self) -> Any:
         return self.serving.model_card()

@@ -5,8 +5,9 @@ as one of ``REPLICA_GONE`` raised by the handle's response. Then:
 
 * a chat / completions stream that can move (``continuation.can_continue``: one choice, no tools, no
   output constraint) is continued on another replica from the tokens already generated
-  (``continuation.Continuation``): the replica streams ``StreamedItem``\\ s (the SSE text plus the token ids
-  of each delta), the ingress keeps the ids and the characters sent, and the client's stream goes on
+  (``continuation.Continuation``): the replica streams tracked ``SSEChunk``\\ s (the SSE text plus its
+  ``StreamDelta``: the token ids of each delta), the ingress keeps the ids and the characters sent and passes
+  each chunk on as it came, and the client's stream goes on
   under the same id, without an error; usage stays exact;
 * any other request is sent again whole, if nothing of it was sent yet (non-streamed requests always);
 * otherwise, or after ``migration_limit`` migrations, or when no replica answers within
@@ -29,9 +30,11 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 
-from engine.entrypoints.openai.continuation import Continuation, StreamedItem, can_continue
+from engine.entrypoints.openai.continuation import Continuation, StreamDelta, can_continue
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import ErrorResponse, make_error
-from engine.entrypoints.openai.streaming import DONE_EVENT, sse_event
+from engine.entrypoints.openai.serving import StreamItem
+from engine.entrypoints.openai.streaming import DONE_EVENT, SSEChunk, sse_event
 
 logger = logging.getLogger("ray.serve")
 
@@ -57,16 +60,17 @@ class StreamState:
         self.num_sent_chars = 0
         self.is_finished = False
 
-    def advance(self, item: StreamedItem) -> str:
-        """Records ``item`` and returns its SSE text."""
+    def advance(self, item: StreamItem) -> None:
+        """Records that ``item`` went to the client, and what it carried if it is a tracked ``SSEChunk``."""
         self.is_started = True
-        self.request_id, self.created = item.request_id, item.created
-        if item.prompt_token_ids is not None and self.prompt_token_ids is None:
-            self.prompt_token_ids = item.prompt_token_ids
-        self.token_ids.extend(item.token_ids)
-        self.num_sent_chars += item.num_chars
-        self.is_finished = self.is_finished or item.is_finished
-        return item.item
+        match item:
+            case SSEChunk(delta=StreamDelta() as delta):
+                self.request_id, self.created = delta.request_id, delta.created
+                if delta.prompt_token_ids is not None and self.prompt_token_ids is None:
+                    self.prompt_token_ids = delta.prompt_token_ids
+                self.token_ids.extend(delta.token_ids)
+                self.num_sent_chars += delta.num_chars
+                self.is_finished = self.is_finished or delta.is_finished
 
     def continuation(self) -> Continuation | None:
         """Where the stream stands (None before its first item: the request is simply sent again)."""
@@ -97,7 +101,7 @@ class MigratingCall:
 
     def __init__(
         self,
-        method_name: str,
+        endpoint: Endpoint,
         request: Any,
         open_call: Callable[[Continuation | None, bool], Any],
         migration_limit: int,
@@ -106,10 +110,10 @@ class MigratingCall:
         self.open_call = open_call
         self.migration_limit = migration_limit
         self.on_migration = on_migration
-        self.state = StreamState(migration_limit > 0 and can_continue(method_name, request))
+        self.state = StreamState(migration_limit > 0 and can_continue(endpoint, request))
 
-    async def items(self) -> AsyncGenerator[Any, None]:
-        """The client's items: the replica's, SSE text unwrapped; an error item once the request cannot go on."""
+    async def items(self) -> AsyncGenerator[StreamItem, None]:
+        """The client's items: the replica's, as they came; an error item once the request cannot go on."""
         num_migrations = 0
         gone_since: float | None = None  # when the current migration began looking for a live replica
         while True:
@@ -118,11 +122,8 @@ class MigratingCall:
             try:
                 async for item in response:
                     received = True
-                    if isinstance(item, StreamedItem):
-                        yield self.state.advance(item)
-                    else:
-                        self.state.is_started = True
-                        yield item
+                    self.state.advance(item)
+                    yield item
                 return
             except REPLICA_GONE as exc:
                 failure = exc
@@ -152,9 +153,9 @@ class MigratingCall:
             return "this request cannot move once started (n > 1, several prompts, tools or an output constraint)"
         return None
 
-    def _error_item(self, exc: BaseException, reason: str) -> ErrorResponse | str:
+    def _error_item(self, exc: BaseException, reason: str) -> ErrorResponse | SSEChunk:
         error = replica_gone_error(exc, reason)
-        return sse_event(error.body()) + DONE_EVENT if self.state.is_started else error
+        return SSEChunk(sse_event(error.body()) + DONE_EVENT) if self.state.is_started else error
 
 
 def _backoff(elapsed_s: float) -> float:

@@ -35,8 +35,8 @@ from engine.async_llm import AsyncLLM
 from engine.config import ModelConfig
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ServiceUnavailableError
-from engine.entrypoints.openai.serving import OpenAIServing
 from engine.frontend.processor import PromptType
+from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -117,12 +117,17 @@ class RemotePrefillEngine(EngineClient):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """``AsyncLLM.generate`` after a remote prefill of ``prompt["prompt_token_ids"]``.
 
         Besides ``EngineClient.generate``'s errors: RemotePrefillError (503) when the prefill pool fails
-        or times out, unless ``fallback_to_local_prefill`` has the local engine prefill instead.
+        or times out, unless ``fallback_to_local_prefill`` has the local engine prefill instead; ValueError
+        for a ``lora_request`` (a PD app serves no adapters: ``pd_config`` refuses a ``lora_config``, and the
+        prefill pool would compute the base model's KV).
         """
+        if lora_request is not None:
+            raise ValueError("Disaggregated prefill/decode serves no LoRA adapters.")
         kv_transfer_params = await self._remote_prefill(prompt["prompt_token_ids"], request_id, cache_salt)
         async for output in self.engine.generate(
             prompt,
@@ -178,15 +183,17 @@ class PDDecodeServer(LLMServer):
     """One decode replica: the OpenAI endpoints, each request prefilled by the prefill pool first."""
 
     def __init__(self, llm_config: LLMConfig, prefill_server: DeploymentHandle, options: dict) -> None:
+        self.prefill_server = prefill_server
+        self.pd_options = PDOptions.model_validate(options)
         super().__init__(llm_config)
+
+    def engine_client(self) -> RemotePrefillEngine:
+        """The endpoints' engine: each request prefilled by the prefill pool, then decoded here."""
         replica_id = serve.get_replica_context().replica_id.unique_id
         self.client = RemotePrefillEngine(
-            self.engine,
-            prefill_server,
-            PDOptions.model_validate(options),
-            RemotePrefillMetrics(self.model_id, replica_id),
+            self.engine, self.prefill_server, self.pd_options, RemotePrefillMetrics(self.model_id, replica_id)
         )
-        self.serving = OpenAIServing(self.client, self.model_id)
+        return self.client
 
     async def check_health(self) -> None:
         await super().check_health()

@@ -2,7 +2,7 @@
 
 ``RoutingHints`` tokenizes the prompt as the LLM server will (the same
 tokenizer; chat requests through the same chat template,
-``ServingBase.render_chat``), once per request, in the ingress, so
+``chat_template.render_chat``), once per request, in the ingress, so
 ``KVAwareRouter`` can hash its blocks and the replica can serve the prompt
 without tokenizing it again (``precomputed_prompt``); ``session_middleware`` reads the
 ``x-session-id`` header into a context variable that the request's handle
@@ -16,8 +16,10 @@ import contextvars
 from typing import Any
 
 from deployments.kv_index import RoutingHint
+from engine.entrypoints.openai.call_options import PrecomputedPrompt
+from engine.entrypoints.openai.chat_template import render_chat
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.lora_models import adapter_name
-from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase
 
 SESSION_HEADER = b"x-session-id"
 session_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("serval_session_id", default=None)
@@ -39,19 +41,19 @@ def session_middleware(app):
     return with_session
 
 
-class PromptTokenizer(ServingBase):
-    """The servings' prompt rendering without an engine: only ``tokenizer`` is set."""
+class PromptTokenizer:
+    """The servings' prompt rendering and tokenizing without an engine (no context-length check)."""
 
-    def __init__(self, tokenizer: Any) -> None:  # noqa: D107 - no engine, no context-length check
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def prompt(self, method_name: str, request: Any) -> PrecomputedPrompt | None:
+    def prompt(self, endpoint: Endpoint, request: Any) -> PrecomputedPrompt | None:
         """The first prompt as the serving would render (chat: ``text``) and tokenize it; None for other
         endpoints."""
-        if method_name == "chat":
-            text, token_ids = self.render_chat(request)
+        if endpoint is Endpoint.CHAT:
+            text, token_ids = render_chat(self.tokenizer, request)
             return PrecomputedPrompt(token_ids, text)
-        if method_name == "completions":
+        if endpoint is Endpoint.COMPLETIONS:
             prompt = request.prompts()[0]
             if isinstance(prompt, str):
                 return PrecomputedPrompt(self.tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
@@ -60,14 +62,18 @@ class PromptTokenizer(ServingBase):
 
 
 def make_hint(
-    tokenizer: PromptTokenizer | None, method_name: str, request: Any, session: str | None, model_id: str | None = None
+    tokenizer: PromptTokenizer | None,
+    endpoint: Endpoint,
+    request: Any,
+    session: str | None,
+    model_id: str | None = None,
 ) -> RoutingHint | None:
     """The request's hint (None when it has neither a prompt to hash nor a ``session`` id). ``model_id``: the
     served model's id, whose LoRA adapter ``request.model`` may name (either form, as the replica resolves it)."""
     prompt = None
     if tokenizer is not None:
         try:
-            prompt = tokenizer.prompt(method_name, request)
+            prompt = tokenizer.prompt(endpoint, request)
         except Exception:  # noqa: BLE001 - a bad prompt: the replica reports it, routing falls back to load
             prompt = None
     if prompt is None and session is None:
@@ -78,14 +84,14 @@ def make_hint(
     return RoutingHint(token_ids, getattr(request, "cache_salt", None), session, text, lora_name)
 
 
-def precomputed_prompt(method_name: str, hint: Any) -> PrecomputedPrompt | None:
+def precomputed_prompt(endpoint: Endpoint, hint: Any) -> PrecomputedPrompt | None:
     """What the replica's serving may use of ``hint`` (a ``RoutingHint`` from ``make_hint``, or None) instead of
     rendering and tokenizing the prompt again: the token ids, and for chat the rendered text as well (a chat
     hint without it is not used)."""
     if not isinstance(hint, RoutingHint) or hint.prompt_token_ids is None:
         return None
-    if method_name == "chat":
+    if endpoint is Endpoint.CHAT:
         return None if hint.prompt_text is None else PrecomputedPrompt(hint.prompt_token_ids, hint.prompt_text)
-    if method_name == "completions":
+    if endpoint is Endpoint.COMPLETIONS:
         return PrecomputedPrompt(hint.prompt_token_ids)
     return None

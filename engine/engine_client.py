@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # annotations only: the engine modules import this one
     from engine.config import ModelConfig
     from engine.frontend.processor import PromptType
+    from engine.lora.request import LoRARequest
     from engine.metrics import EngineStats
     from engine.request_output import RequestOutput
     from engine.sampling_params import SamplingParams
@@ -75,8 +76,11 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs as ``sampling_params.output_kind`` says; the last has finished=True.
+        ``lora_request``: the LoRA adapter to run with (None: the base model); a client that cannot serve
+        adapters raises ValueError for one.
 
         Nothing runs until the first ``__anext__``, which raises ValueError (bad
         input, ``request_id`` in use), EngineOverloadedError or EngineDeadError

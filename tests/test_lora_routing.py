@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from deployments.kv_index import KVIndex, KVRouterOptions, adapter_tiers, choose, prompt_block_hashes, publication
 from deployments.routing_hints import PromptTokenizer, make_hint
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
@@ -70,7 +71,7 @@ def test_the_router_predicts_an_adapter_request_hits_only_that_adapters_blocks()
     index.publish("holds-base", publication([(1, events_base)], 0, 0))
     tokenizer = PromptTokenizer(None)  # token-id prompts need no tokenizer
     hints = {
-        model: make_hint(tokenizer, "completions", CompletionRequest(model=model, prompt=PROMPT), None, "m")
+        model: make_hint(tokenizer, Endpoint.COMPLETIONS, CompletionRequest(model=model, prompt=PROMPT), None, "m")
         for model in ("m:a", "a", "m", "m:b")
     }
     assert hints["m:a"].lora_name == hints["a"].lora_name == "a" and hints["m"].lora_name is None
@@ -98,7 +99,9 @@ def test_replicas_holding_the_adapter_come_first_then_the_prefix_score_ranks():
     index.publish("r3", publication([(1, events)], 0, 0))  # r3 too, but not the adapter
     for replica_id in ("r1", "r4"):
         index.publish(replica_id, publication([], 0, 0))
-    hint = make_hint(PromptTokenizer(None), "completions", CompletionRequest(model="m:a", prompt=PROMPT), None, "m")
+    hint = make_hint(
+        PromptTokenizer(None), Endpoint.COMPLETIONS, CompletionRequest(model="m:a", prompt=PROMPT), None, "m"
+    )
     choice = choose(OPTIONS, index, list(held), hint, tiers=adapter_tiers(list(held), held, "m:a"))
     assert choice.ranked == ["r2", "r1", "r4", "r3"] and choice.reason == "prefix"
     index.replica("r2").in_flight = 50  # loaded: within the holders, load now outweighs the prefix ...

@@ -13,11 +13,14 @@ from ray.exceptions import ActorDiedError
 
 from deployments import migration
 from deployments.migration import MigratingCall
-from engine.entrypoints.openai.continuation import StreamedItem
+from engine.entrypoints.openai.continuation import StreamDelta
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import ErrorResponse
 from engine.entrypoints.openai.protocol import CompletionRequest
+from engine.entrypoints.openai.streaming import SSEChunk
 
 STREAM = CompletionRequest(model="m", prompt="p", stream=True)
+DONE = SSEChunk("data: [DONE]\n\n")
 
 
 class ScriptedResponse:
@@ -39,8 +42,8 @@ class ScriptedResponse:
         self.cancelled = True
 
 
-def item(text: str, token_ids: list[int], first: bool = False) -> StreamedItem:
-    return StreamedItem(text, token_ids, len(text), False, "cmpl-1", 7, [1, 2] if first else None)
+def item(text: str, token_ids: list[int], first: bool = False) -> SSEChunk:
+    return SSEChunk(text, StreamDelta(token_ids, len(text), False, "cmpl-1", 7, [1, 2] if first else None))
 
 
 def run(request, script: list[tuple[list, bool]], limit: int = 3) -> tuple[list, list, list]:
@@ -52,15 +55,17 @@ def run(request, script: list[tuple[list, bool]], limit: int = 3) -> tuple[list,
         return ScriptedResponse(*script[len(calls) - 1])
 
     async def collect():
-        return [x async for x in MigratingCall("completions", request, open_call, limit, migrations.append).items()]
+        return [
+            x async for x in MigratingCall(Endpoint.COMPLETIONS, request, open_call, limit, migrations.append).items()
+        ]
 
     return asyncio.run(collect()), calls, migrations
 
 
 def test_a_stream_continues_from_what_it_sent():
     first = [item("ab", [10], first=True), item("c", [11, 12])]
-    items, calls, migrations = run(STREAM, [(first, True), ([item("d", [13]), "data: [DONE]\n\n"], False)])
-    assert items == ["ab", "c", "d", "data: [DONE]\n\n"]
+    items, calls, migrations = run(STREAM, [(first, True), ([item("d", [13]), DONE], False)])
+    assert [x.text for x in items] == ["ab", "c", "d", "data: [DONE]\n\n"]
     assert calls[0] == (None, True)
     continuation = calls[1][0]
     assert (continuation.prompt_token_ids, continuation.token_ids, continuation.num_sent_chars) == (
@@ -74,17 +79,17 @@ def test_a_stream_continues_from_what_it_sent():
 
 def test_a_dead_replica_still_routed_to_is_retried_without_counting(monkeypatch):
     monkeypatch.setattr(migration, "FIRST_BACKOFF_S", 0.0)
-    script = [([item("a", [5], first=True)], True), ([], True), ([], True), (["data: [DONE]\n\n"], False)]
+    script = [([item("a", [5], first=True)], True), ([], True), ([], True), ([DONE], False)]
     items, calls, migrations = run(STREAM, script, limit=1)
-    assert items == ["a", "data: [DONE]\n\n"] and len(calls) == 4
+    assert [x.text for x in items] == ["a", "data: [DONE]\n\n"] and len(calls) == 4
     assert migrations == ["continued"]  # one migration, three calls to find a live replica
 
 
 def test_the_limit_ends_the_stream_with_an_error_event():
     script = [([item("a", [5], first=True)], True), ([item("b", [6])], True)]
     items, calls, migrations = run(STREAM, script, limit=1)
-    assert items[:2] == ["a", "b"] and len(calls) == 2 and migrations == ["continued"]
-    error, done = items[2].split("\n\n")[:2]
+    assert [x.text for x in items[:2]] == ["a", "b"] and len(calls) == 2 and migrations == ["continued"]
+    error, done = items[2].text.split("\n\n")[:2]
     assert "migration_limit 1 reached" in json.loads(error[len("data: ") :])["error"]["message"]
     assert done == "data: [DONE]"
 
@@ -99,9 +104,9 @@ def test_off_before_the_first_item_is_an_error_response():
 
 def test_a_request_that_cannot_move_is_only_sent_again_before_its_first_item():
     several = CompletionRequest(model="m", prompt="p", stream=True, n=2)
-    items, calls, migrations = run(several, [([], True), (["data: x\n\n"], True)])
+    items, calls, migrations = run(several, [([], True), ([SSEChunk("data: x\n\n")], True)])
     assert calls == [(None, False), (None, False)] and migrations == ["resent"]
-    assert items[0] == "data: x\n\n" and "cannot move once started" in items[1]
+    assert items[0].text == "data: x\n\n" and "cannot move once started" in items[1].text
     plain = CompletionRequest(model="m", prompt="p")
     items, calls, migrations = run(plain, [([], True), (["response"], False)])
     assert items == ["response"] and migrations == ["resent"]

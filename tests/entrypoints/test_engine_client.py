@@ -3,7 +3,7 @@
 * ``AsyncLLM`` and the PD decode side's ``RemotePrefillEngine`` define every
   member themselves (declaring the protocol as a base must not hide a missing
   one behind the protocol's empty stub), and their ``generate`` accepts every
-  argument the protocol's does.
+  argument the protocol's does; ``RemotePrefillEngine`` refuses a LoRA adapter (400) before any prefill.
 * The OpenAI layer's modules never import a concrete engine.
 * A served request's prompt length is checked once by the engine.
 """
@@ -15,8 +15,13 @@ import asyncio
 import inspect
 from pathlib import Path
 
+import pytest
+
 from engine.engine_client import EngineClient
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import CompletionRequest
+from engine.lora.request import LoRARequest
+from engine.sampling_params import SamplingParams
 
 OPENAI_LAYER = Path(__file__).resolve().parents[2] / "engine" / "entrypoints" / "openai"
 # The protocol's members: its methods and properties, and its plain attributes (annotations).
@@ -87,6 +92,20 @@ def test_remote_prefill_engine_implements_engine_client_from_its_local_engine(en
     asyncio.run(client.check_health())
 
 
+def test_remote_prefill_engine_refuses_a_lora_request_before_any_prefill(engine):
+    from deployments.pd_config import PDOptions
+    from deployments.pd_servers import RemotePrefillEngine
+
+    # No prefill server: a prefill attempt would fail with AttributeError, not the ValueError (400) expected.
+    client = RemotePrefillEngine(engine, prefill_server=None, options=PDOptions(), metrics=_NoMetrics())
+    stream = client.generate(
+        {"prompt_token_ids": [5, 6]}, SamplingParams(), "r", lora_request=LoRARequest("a", 1, "/a")
+    )
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        asyncio.run(anext(stream))
+    assert client.num_waiting_prefills == 0
+
+
 def test_the_openai_layer_imports_no_concrete_engine():
     for path in sorted(OPENAI_LAYER.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -123,6 +142,7 @@ def test_a_served_request_checks_its_prompt_length_once(serving, monkeypatch):
     for name, module in list(sys.modules.items()):
         if name.split(".")[0] == "engine" and getattr(module, "check_prompt_fits", None) is original:
             monkeypatch.setattr(module, "check_prompt_fits", counting_check_prompt_fits)
-    [response] = asyncio.run(_items(serving.completions(CompletionRequest(prompt=[5, 6, 7], max_tokens=2))))
+    request = CompletionRequest(prompt=[5, 6, 7], max_tokens=2)
+    [response] = asyncio.run(_items(serving.call(Endpoint.COMPLETIONS, request)))
     assert response.usage.prompt_tokens == 3
     assert calls == [3]

@@ -301,12 +301,27 @@ def test_merger_batches_what_arrived_while_the_consumer_was_busy():
     assert len(batches) < 4
 
 
+class FixedStream:
+    """A ``streaming.ResponseStream`` formatting every batch as ``events``, untracked, with no closing events."""
+
+    progress = None
+
+    def __init__(self, events: str) -> None:
+        self.events = events
+
+    def format_batch(self, batch) -> str:
+        return self.events
+
+    def format_end(self) -> str:
+        return ""
+
+
 def test_merger_first_batch_waits_for_every_stream_and_a_start_error_comes_first():
     async def main():
         gate = asyncio.Event()
         good = EngineStream("good", ["x"] * 1000, delay_s=0.01)
         bad = EngineStream("bad", [], start_error=ValueError("prompt too long"), gate=gate)
-        items = stream_events(merge_streams([good.run(), bad.run()]), lambda batch: "event", lambda: "")
+        items = stream_events(merge_streams([good.run(), bad.run()]), FixedStream("event"))
         first = asyncio.ensure_future(anext(items))
         # A fixed wait on purpose: the check is that nothing is yielded yet, so there is no event to poll
         # for; 50 ms is five of "good"'s outputs, time enough for a wrong merger to yield one.
@@ -342,10 +357,10 @@ def test_an_error_mid_stream_becomes_a_final_error_event():
         raise EngineDeadError("the busy loop died")
 
     async def main():
-        items = stream_events(merge_streams([failing()]), lambda batch: "data: chunk\n\n", lambda: "")
+        items = stream_events(merge_streams([failing()]), FixedStream("data: chunk\n\n"))
         return [item async for item in items]
 
-    items = asyncio.run(main())
+    items = [item.text for item in asyncio.run(main())]
     assert items[0] == "data: chunk\n\n"
     assert items[1].startswith('data: {"error": {"message": "The engine is dead: the busy loop died"')
     assert items[1].endswith("data: [DONE]\n\n") and len(items) == 2

@@ -93,10 +93,12 @@ class FailingRouter:
     def model_ids(self) -> list[str]:
         return ["broken", "flaky"]
 
-    async def call(self, model_id, method_name, request):
+    async def call(self, model_id, endpoint, request):
+        from engine.entrypoints.openai.streaming import SSEChunk
+
         if model_id == "broken":
             raise ConnectionError("the replica is gone")
-        yield 'data: {"partial": true}\n\n'
+        yield SSEChunk('data: {"partial": true}\n\n')
         raise ConnectionError("the replica died mid-stream")
 
     async def model_card(self, model_id):

@@ -11,8 +11,9 @@ import pytest
 
 from deployments.kv_index import RoutingHint
 from deployments.routing_hints import PromptTokenizer, make_hint, precomputed_prompt
+from engine.entrypoints.openai.call_options import CallOptions, PrecomputedPrompt
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from engine.entrypoints.openai.serving_base import PrecomputedPrompt
 from engine.entrypoints.openai.serving_chat import ChatServing
 from engine.entrypoints.openai.serving_completion import CompletionServing
 from engine.model.source import load_tokenizer
@@ -73,11 +74,11 @@ def test_a_chat_prompt_from_the_ingress_is_not_rendered_or_tokenized_again(servi
     request = ChatCompletionRequest(
         model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
     )
-    hint = make_hint(ingress_tokenizer, "chat", request, None)
+    hint = make_hint(ingress_tokenizer, Endpoint.CHAT, request, None)
     plain = serve_once(chat.chat(request))
     assert tokenizer.calls["apply_chat_template"] == 1 and tokenizer.calls["encode"] == 1  # the counter counts
     tokenizer.calls.clear()
-    hinted = serve_once(chat.chat(request, precomputed_prompt("chat", hint)))
+    hinted = serve_once(chat.chat(request, CallOptions(precomputed=precomputed_prompt(Endpoint.CHAT, hint))))
     assert not +tokenizer.calls, tokenizer.calls
     assert_same_chat_choices(hinted.choices, plain.choices)
     assert hinted.usage == plain.usage and hinted.usage.prompt_tokens == len(hint.prompt_token_ids)
@@ -88,10 +89,12 @@ def test_completions_use_the_ingress_tokens_for_the_first_prompt_only(servings, 
     request = CompletionRequest(
         model=MODEL, prompt=["The colours are", "Counting: one, two"], max_tokens=8, temperature=0, logprobs=1
     )
-    hint = make_hint(ingress_tokenizer, "completions", request, "session-1")
+    hint = make_hint(ingress_tokenizer, Endpoint.COMPLETIONS, request, "session-1")
     plain = serve_once(completion.completions(request))
     tokenizer.calls.clear()
-    hinted = serve_once(completion.completions(request, precomputed_prompt("completions", hint)))
+    hinted = serve_once(
+        completion.completions(request, CallOptions(precomputed=precomputed_prompt(Endpoint.COMPLETIONS, hint)))
+    )
     assert tokenizer.calls == Counter(encode=1)  # the second prompt's: the hint covers the first
     assert_same_choices(hinted.choices, plain.choices)
     assert hinted.usage == plain.usage
@@ -131,10 +134,10 @@ def test_the_served_prompt_is_the_precomputed_one(servings, ingress_tokenizer):
     _, completion, tokenizer = servings
     other = CompletionRequest(model=MODEL, prompt="Counting: one, two", max_tokens=6, temperature=0)
     request = other.model_copy(update={"prompt": "The colours are"})
-    other_tokens = ingress_tokenizer.prompt("completions", other).token_ids
+    other_tokens = ingress_tokenizer.prompt(Endpoint.COMPLETIONS, other).token_ids
     expected = serve_once(completion.completions(other))
     tokenizer.calls.clear()
-    served = serve_once(completion.completions(request, PrecomputedPrompt(other_tokens)))
+    served = serve_once(completion.completions(request, CallOptions(precomputed=PrecomputedPrompt(other_tokens))))
     assert not +tokenizer.calls
     assert served.choices[0].text == expected.choices[0].text
     assert served.usage.prompt_tokens == len(other_tokens)
@@ -142,10 +145,10 @@ def test_the_served_prompt_is_the_precomputed_one(servings, ingress_tokenizer):
 
 def test_what_a_hint_lends_the_replica():
     tokens = [5, 6, 7]
-    chat_hint = make_hint(None, "chat", None, "session-1")  # no tokenizer: a session-only hint
-    assert chat_hint.prompt_token_ids is None and precomputed_prompt("chat", chat_hint) is None
-    assert precomputed_prompt("chat", RoutingHint(tokens)) is None  # chat needs the rendered text too
-    assert precomputed_prompt("chat", RoutingHint(tokens, prompt_text="t")) == PrecomputedPrompt(tokens, "t")
-    assert precomputed_prompt("completions", RoutingHint(tokens)) == PrecomputedPrompt(tokens)
-    assert precomputed_prompt("tokenize", RoutingHint(tokens)) is None
-    assert precomputed_prompt("completions", None) is None
+    chat_hint = make_hint(None, Endpoint.CHAT, None, "session-1")  # no tokenizer: a session-only hint
+    assert chat_hint.prompt_token_ids is None and precomputed_prompt(Endpoint.CHAT, chat_hint) is None
+    assert precomputed_prompt(Endpoint.CHAT, RoutingHint(tokens)) is None  # chat needs the rendered text too
+    assert precomputed_prompt(Endpoint.CHAT, RoutingHint(tokens, prompt_text="t")) == PrecomputedPrompt(tokens, "t")
+    assert precomputed_prompt(Endpoint.COMPLETIONS, RoutingHint(tokens)) == PrecomputedPrompt(tokens)
+    assert precomputed_prompt(Endpoint.TOKENIZE, RoutingHint(tokens)) is None
+    assert precomputed_prompt(Endpoint.COMPLETIONS, None) is None

@@ -11,10 +11,13 @@ import json
 import pytest
 
 from deployments.migration import StreamState
-from engine.entrypoints.openai.continuation import StreamedItem, StreamProgress, can_continue
+from engine.entrypoints.openai.call_options import CallOptions
+from engine.entrypoints.openai.continuation import can_continue
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.serving_chat import ChatServing
 from engine.entrypoints.openai.serving_completion import CompletionServing
+from engine.entrypoints.openai.streaming import SSEChunk
 from tests.entrypoints.conftest import MODEL, wait_until_idle
 
 USAGE = {"include_usage": True}
@@ -24,14 +27,16 @@ async def _collect(iterator) -> list:
     return [item async for item in iterator]
 
 
-def run_tracked(endpoint, request, continuation=None) -> list[StreamedItem]:
-    """The stream's items as ``LLMServer.call(track=True)`` yields them."""
-    progress = StreamProgress()
+def run_tracked(endpoint, request, continuation=None) -> list[SSEChunk]:
+    """The stream's items as ``LLMServer.call`` yields them for a tracked call (``CallOptions.track``)."""
+    options = CallOptions(continuation=continuation, track=True)
 
-    async def run() -> list[StreamedItem]:
-        return [progress.take(item) async for item in endpoint(request, None, continuation, progress)]
+    async def run() -> list[SSEChunk]:
+        return [item async for item in endpoint(request, options)]
 
-    return asyncio.run(run())
+    items = asyncio.run(run())
+    assert all(isinstance(item, SSEChunk) and item.delta is not None for item in items), items
+    return items
 
 
 def events(items: list[str]) -> list:
@@ -61,12 +66,16 @@ def summary(items: list[str], chat: bool) -> dict:
     return {"text": text, "tokens": tokens, "finish": finish, "usage": usage, "ids": ids}
 
 
-def cut_and_continue(endpoint, request, full: list[StreamedItem], cut: int) -> tuple[list[str], list[int]]:
+def cut_and_continue(endpoint, request, full: list[SSEChunk], cut: int) -> tuple[list[str], list[int]]:
     """The client's items when the stream dies after ``full[:cut]`` and a serving continues it."""
     state = StreamState(is_tracked=True)
-    sent = [state.advance(item) for item in full[:cut]]
-    rest = run_tracked(endpoint, request, state.continuation())
-    sent += [state.advance(item) for item in rest]
+    sent = []
+    for item in full[:cut]:
+        state.advance(item)
+        sent.append(item.text)
+    for item in run_tracked(endpoint, request, state.continuation()):
+        state.advance(item)
+        sent.append(item.text)
     return sent, state.token_ids
 
 
@@ -78,8 +87,8 @@ def servings(engine):
 
 def check_every_cut(endpoint, request, chat: bool) -> dict:
     full = run_tracked(endpoint, request)
-    expected = summary([item.item for item in full], chat)
-    expected_ids = [token for item in full for token in item.token_ids]
+    expected = summary([item.text for item in full], chat)
+    expected_ids = [token for item in full for token in item.delta.token_ids]
     assert expected["usage"]["completion_tokens"] == len(expected_ids) == len(expected["tokens"])
     for cut in range(1, len(full)):
         sent, token_ids = cut_and_continue(endpoint, request, full, cut)
@@ -108,7 +117,7 @@ def test_a_chat_stream_with_stop_strings_continues_with_its_held_back_text(servi
     chat, _ = servings
     base = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "temperature": 0, "stream": True}
     base |= {"max_tokens": 16, "ignore_eos": True, "stream_options": USAGE, "logprobs": True}
-    plain = summary([i.item for i in run_tracked(chat.chat, ChatCompletionRequest(**base))], chat=True)["text"]
+    plain = summary([i.text for i in run_tracked(chat.chat, ChatCompletionRequest(**base))], chat=True)["text"]
     assert len(plain) > 12, plain
     # A stop string never met: the last 5 characters are held back at every cut.
     check_every_cut(chat.chat, ChatCompletionRequest(**base, stop=["\x00never"]), chat=True)
@@ -119,11 +128,11 @@ def test_a_chat_stream_with_stop_strings_continues_with_its_held_back_text(servi
 
 def test_which_requests_can_continue():
     stream = {"model": MODEL, "stream": True}
-    assert can_continue("completions", CompletionRequest(prompt="a", **stream))
-    assert not can_continue("completions", CompletionRequest(prompt=["a", "b"], **stream))
-    assert not can_continue("completions", CompletionRequest(prompt="a", n=2, **stream))
-    assert not can_continue("completions", CompletionRequest(prompt="a", model=MODEL))  # not streamed
+    assert can_continue(Endpoint.COMPLETIONS, CompletionRequest(prompt="a", **stream))
+    assert not can_continue(Endpoint.COMPLETIONS, CompletionRequest(prompt=["a", "b"], **stream))
+    assert not can_continue(Endpoint.COMPLETIONS, CompletionRequest(prompt="a", n=2, **stream))
+    assert not can_continue(Endpoint.COMPLETIONS, CompletionRequest(prompt="a", model=MODEL))  # not streamed
     chat = {"messages": [{"role": "user", "content": "x"}], **stream}
-    assert can_continue("chat", ChatCompletionRequest(**chat))
-    assert not can_continue("chat", ChatCompletionRequest(**chat, response_format={"type": "json_object"}))
-    assert not can_continue("tokenize", CompletionRequest(prompt="a", **stream))
+    assert can_continue(Endpoint.CHAT, ChatCompletionRequest(**chat))
+    assert not can_continue(Endpoint.CHAT, ChatCompletionRequest(**chat, response_format={"type": "json_object"}))
+    assert not can_continue(Endpoint.TOKENIZE, CompletionRequest(prompt="a", **stream))

@@ -2,8 +2,8 @@
 the servers build it, behind ``build_app(LocalModelRouter(...))`` on uvicorn, called with the official
 ``openai`` client; transformers is the reference.
 
-* The engine's prompt ids of a chat request (as the engine reports them back through the serving's
-  ``StreamProgress``, the Ray ingress's tracking) are ``apply_chat_template``'s: default and given system
+* The engine's prompt ids of a chat request (as the engine reports them back through a tracked stream,
+  ``CallOptions.track``, the Ray ingress's tracking) are ``apply_chat_template``'s: default and given system
   prompts, several turns, ``add_generation_prompt`` false; ``/tokenize`` agrees.
 * Greedy tokens through the serving equal ``generate(do_sample=False)``; the streamed text is their
   decode; ``<|im_end|>`` ends the turn with ``finish_reason: "stop"`` and never shows in the content (not
@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.entrypoints.openai.continuation import StreamProgress
+from engine.entrypoints.openai.call_options import CallOptions
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.serving import OpenAIServing
 from tests.conftest import make_async_llm
@@ -96,19 +97,18 @@ def sse_events(items: list[str]) -> list[dict]:
 
 def tracked_chats(serving, requests: dict[str, dict]) -> dict[str, dict]:
     """Streams each request (at once, so the engine batches them) through ``serving.chat`` with a
-    ``StreamProgress``: name -> the engine's prompt ids and generated ids, the text, finish and usage."""
+    tracked ``CallOptions``: name -> the engine's prompt ids and generated ids, the text, finish and usage."""
 
     async def one(body: dict) -> dict:
         request = ChatCompletionRequest.model_validate(
             {"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, **body}
         )
-        progress = StreamProgress()
-        streamed = [progress.take(item) async for item in serving.chat(request, None, None, progress)]
-        events = sse_events([item.item for item in streamed])
+        streamed = [item async for item in serving.call(Endpoint.CHAT, request, CallOptions(track=True))]
+        events = sse_events([item.text for item in streamed])
         finishes = [choice["finish_reason"] for event in events for choice in event["choices"]]
         return {
-            "prompt_ids": streamed[0].prompt_token_ids,
-            "token_ids": [token_id for item in streamed for token_id in item.token_ids],
+            "prompt_ids": streamed[0].delta.prompt_token_ids,
+            "token_ids": [token_id for item in streamed for token_id in item.delta.token_ids],
             "text": "".join(choice["delta"].get("content") or "" for event in events for choice in event["choices"]),
             "finish_reason": [reason for reason in finishes if reason is not None],
             "usage": events[-1]["usage"],

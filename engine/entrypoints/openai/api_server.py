@@ -2,10 +2,11 @@
 
 The handlers parse and validate the body (malformed JSON or invalid fields
 -> 400 in OpenAI's error shape), pick the model (unknown -> 404; omitted ->
-the only one served), and turn the router's item stream into a response by
-its first item: an ``ErrorResponse`` -> that status; a ``str`` -> an SSE
-stream of it and the rest; anything else -> a JSON body. A client that
-disconnects closes the item stream, which aborts the engine requests.
+the only one served), call the router's ``Endpoint`` and turn its item stream
+(``serving.StreamItem``) into a response by the declared type of its first
+item: an ``SSEChunk`` -> an SSE stream of it and the rest; an
+``ErrorResponse`` -> that status; a response model -> a JSON body. A client
+that disconnects closes the item stream, which aborts the engine requests.
 
 They are free functions so the Ray ingress can register them on its own
 app with a router that calls Ray handles; ``build_app(LocalModelRouter(...))``
@@ -30,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, resolve_api_keys
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import (
     ErrorResponse,
     bad_request,
@@ -58,8 +60,8 @@ from engine.entrypoints.openai.protocol import (
 )
 from engine.entrypoints.openai.responses import ModelList
 from engine.entrypoints.openai.server_options import ServerOptions
-from engine.entrypoints.openai.serving import ENDPOINT_METHODS, OpenAIServing
-from engine.entrypoints.openai.streaming import DONE_EVENT, sse_event
+from engine.entrypoints.openai.serving import OpenAIServing, StreamItem
+from engine.entrypoints.openai.streaming import DONE_EVENT, SSEChunk, sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +75,8 @@ class ModelRouter(Protocol):
     def model_ids(self) -> list[str]:
         """The served model ids."""
 
-    def call(self, model_id: str, method_name: str, request: BaseModel) -> AsyncGenerator[Any, None]:
-        """The items of ``OpenAIServing.<method_name>(request)`` for that model.
+    def call(self, model_id: str, endpoint: Endpoint, request: BaseModel) -> AsyncGenerator[StreamItem, None]:
+        """The items of ``OpenAIServing.call(endpoint, request)`` for that model.
 
         ``aclose()`` on the returned generator must stop the call (and so abort
         its engine requests); a remote router wraps its response stream in an
@@ -100,10 +102,8 @@ class LocalModelRouter:
     def model_ids(self) -> list[str]:
         return list(self.servings)
 
-    def call(self, model_id: str, method_name: str, request: BaseModel) -> AsyncGenerator[Any, None]:
-        if method_name not in ENDPOINT_METHODS:
-            raise ValueError(f"Unknown serving method {method_name!r}.")
-        return getattr(self.servings[model_id], method_name)(request)
+    def call(self, model_id: str, endpoint: Endpoint, request: BaseModel) -> AsyncGenerator[StreamItem, None]:
+        return self.servings[model_id].call(endpoint, request)
 
     async def model_card(self, model_id: str) -> BaseModel:
         return self.servings[model_id].model_card()
@@ -119,19 +119,19 @@ class LocalModelRouter:
 
 
 async def handle_completions(router: ModelRouter, raw_request: Request) -> Response:
-    return await _handle_endpoint(router, raw_request, "completions", CompletionRequest.model_validate)
+    return await _handle_endpoint(router, raw_request, Endpoint.COMPLETIONS, CompletionRequest.model_validate)
 
 
 async def handle_chat(router: ModelRouter, raw_request: Request) -> Response:
-    return await _handle_endpoint(router, raw_request, "chat", ChatCompletionRequest.model_validate)
+    return await _handle_endpoint(router, raw_request, Endpoint.CHAT, ChatCompletionRequest.model_validate)
 
 
 async def handle_tokenize(router: ModelRouter, raw_request: Request) -> Response:
-    return await _handle_endpoint(router, raw_request, "tokenize", _parse_tokenize_request)
+    return await _handle_endpoint(router, raw_request, Endpoint.TOKENIZE, _parse_tokenize_request)
 
 
 async def handle_detokenize(router: ModelRouter, raw_request: Request) -> Response:
-    return await _handle_endpoint(router, raw_request, "detokenize", DetokenizeRequest.model_validate)
+    return await _handle_endpoint(router, raw_request, Endpoint.DETOKENIZE, DetokenizeRequest.model_validate)
 
 
 async def handle_models(router: ModelRouter, raw_request: Request) -> Response:
@@ -264,7 +264,7 @@ class EventStreamResponse(StreamingResponse):
 
 
 async def _handle_endpoint(
-    router: ModelRouter, raw_request: Request, method_name: str, parse: Callable[[dict], BaseModel]
+    router: ModelRouter, raw_request: Request, endpoint: Endpoint, parse: Callable[[dict], BaseModel]
 ) -> Response:
     try:
         request = parse(parse_json_object(await raw_request.body()))
@@ -275,7 +275,7 @@ async def _handle_endpoint(
     model_id = await resolve_model(router, getattr(request, "model", None))
     if isinstance(model_id, ErrorResponse):
         return error_response(model_id)
-    return await _respond(router.call(model_id, method_name, request), raw_request)
+    return await _respond(router.call(model_id, endpoint, request), raw_request)
 
 
 def _parse_tokenize_request(body: dict) -> BaseModel:
@@ -284,27 +284,30 @@ def _parse_tokenize_request(body: dict) -> BaseModel:
     return TokenizeCompletionRequest.model_validate(body)
 
 
-async def _respond(items: AsyncGenerator[Any, None], raw_request: Request) -> Response:
-    """The response the first item calls for (the stream is closed unless an SSE response takes it over)."""
+async def _respond(items: AsyncGenerator[StreamItem, None], raw_request: Request) -> Response:
+    """The response the first item's type calls for (the stream is closed unless an SSE response takes it over)."""
     try:
         first = await _first_item_unless_disconnected(items, raw_request)
     except StopAsyncIteration:
         first = make_error("The model server returned no response.", HTTPStatus.INTERNAL_SERVER_ERROR)
     except Exception as exc:  # noqa: BLE001 - e.g. a replica that died
         first = from_exception(exc)
-    if isinstance(first, str):
-        return EventStreamResponse(_continue_stream(first, items))
+    match first:
+        case SSEChunk():
+            return EventStreamResponse(_continue_stream(first, items))
+        case None:
+            response = Response(status_code=HTTP_CLIENT_CLOSED_REQUEST)
+        case ErrorResponse():
+            response = error_response(first)
+        case _:
+            response = json_response(first)
     await items.aclose()
-    if first is None:
-        return Response(status_code=HTTP_CLIENT_CLOSED_REQUEST)
-    if isinstance(first, ErrorResponse):
-        return error_response(first)
-    if isinstance(first, dict):
-        return Response(json.dumps(first), media_type="application/json")
-    return json_response(first)
+    return response
 
 
-async def _first_item_unless_disconnected(items: AsyncGenerator[Any, None], raw_request: Request) -> Any:
+async def _first_item_unless_disconnected(
+    items: AsyncGenerator[StreamItem, None], raw_request: Request
+) -> StreamItem | None:
     """The first item, or None if the client disconnected first (the pending call is then cancelled).
 
     A long non-streamed generation would otherwise run to the end for nobody.
@@ -328,14 +331,16 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
         pass
 
 
-async def _continue_stream(first: str, items: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None]:
+async def _continue_stream(first: SSEChunk, items: AsyncGenerator[StreamItem, None]) -> AsyncGenerator[str, None]:
     async with contextlib.aclosing(items):
-        yield first
+        yield first.text
         try:
             async for item in items:
-                if isinstance(item, ErrorResponse):  # a router may report a late failure as an item
-                    yield sse_event(item.body()) + DONE_EVENT
-                    return
-                yield item
+                match item:
+                    case SSEChunk():
+                        yield item.text
+                    case ErrorResponse():  # a router may report a late failure as an item
+                        yield sse_event(item.body()) + DONE_EVENT
+                        return
         except Exception as exc:  # noqa: BLE001 - e.g. a replica that died mid-stream
             yield sse_event(from_exception(exc).body()) + DONE_EVENT

@@ -1,8 +1,9 @@
 """Resuming a streamed completion on another server: what a stream reports as it goes, and how a
 new server continues it (request migration; the Ray ingress, ``deployments.migration``, drives it).
 
-A stream served with a :class:`StreamProgress` reports, with each SSE item, the token ids generated
-since the last item and the characters of text sent. A router that keeps them can ask another server
+A tracked stream (``CallOptions.track``) reports, with each ``SSEChunk``, a :class:`StreamDelta`: the
+token ids generated since the last chunk and the characters of text sent (a :class:`StreamProgress`
+collects them as the stream formats its batches). A router that keeps them can ask another server
 to continue the request with a :class:`Continuation`: the engine serves the original prompt plus the
 tokens generated so far as its prompt, with ``max_tokens`` and ``min_tokens`` reduced by their count,
 and the stream goes on under the same id, counting usage from where it was (``prompt_tokens`` the
@@ -24,18 +25,18 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.frontend.detokenizer import REPLACEMENT_CHAR, find_stop_string
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class StreamedItem:
-    """One SSE item of a tracked stream and what it carried: ``token_ids`` generated since the previous
-    item, ``num_chars`` of choice text sent in it, ``is_finished`` once the choice has its finish reason.
+class StreamDelta:
+    """What one SSE chunk of a tracked stream carried: ``token_ids`` generated since the previous chunk,
+    ``num_chars`` of choice text sent in it, ``is_finished`` once the choice has its finish reason.
     ``request_id``, ``created`` and ``prompt_token_ids`` identify the stream (the prompt only on the first)."""
 
-    item: str
     token_ids: list[int]
     num_chars: int
     is_finished: bool
@@ -47,7 +48,7 @@ class StreamedItem:
 @dataclass
 class StreamProgress:
     """Filled in by a streamed completion or chat (``format_batch``) as it formats each batch; ``take``
-    wraps the item just formatted with what was added since the last ``take``."""
+    returns what was added since the last ``take`` (the delta of the chunk just formatted)."""
 
     request_id: str = ""
     created: int = 0
@@ -64,9 +65,8 @@ class StreamProgress:
         self.num_new_chars += len(text)
         self.is_finished = self.is_finished or finish_reason is not None
 
-    def take(self, item: str) -> StreamedItem:
-        streamed = StreamedItem(
-            item,
+    def take(self) -> StreamDelta:
+        delta = StreamDelta(
             self.new_token_ids,
             self.num_new_chars,
             self.is_finished,
@@ -76,7 +76,7 @@ class StreamProgress:
         )
         self._prompt_sent = self._prompt_sent or self.prompt_token_ids is not None
         self.new_token_ids, self.num_new_chars = [], 0
-        return streamed
+        return delta
 
 
 @dataclass(frozen=True)
@@ -131,14 +131,14 @@ class ResumedRequest:
             progress.prompt_token_ids, progress._prompt_sent = self.continuation.prompt_token_ids, True
 
 
-def can_continue(method_name: str, request: Any) -> bool:
+def can_continue(endpoint: Endpoint, request: Any) -> bool:
     """Whether a stream of ``request`` can move to another server mid-way (one choice, one prompt, no tool
     parser, no output constraint); others are only retried whole before their first item."""
-    if method_name not in ("chat", "completions") or not getattr(request, "stream", False) or request.n != 1:
+    if not endpoint.generates or not getattr(request, "stream", False) or request.n != 1:
         return False
-    if method_name == "completions" and len(request.prompts()) != 1:
+    if endpoint is Endpoint.COMPLETIONS and len(request.prompts()) != 1:
         return False
-    if method_name == "chat" and getattr(request, "tools", None):
+    if endpoint is Endpoint.CHAT and getattr(request, "tools", None):
         return False
     try:
         return request.output_constraint() is None

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import ErrorResponse, bad_request, error_response, make_error
 from engine.entrypoints.openai.protocol import (
     MAX_LOGPROBS,
@@ -99,10 +100,10 @@ class LimitedRouter:
     def model_ids(self) -> list[str]:
         return self.router.model_ids()
 
-    def call(self, model_id: str, method_name: str, request: BaseModel) -> AsyncGenerator[Any, None]:
+    def call(self, model_id: str, endpoint: Endpoint, request: BaseModel) -> AsyncGenerator[Any, None]:
         refusal = self.limits.violation(request)
         if refusal is None:
-            return self.router.call(model_id, method_name, request)  # its own stream: no extra hop per item
+            return self.router.call(model_id, endpoint, request)  # its own stream: no extra hop per item
         return _one_item(refusal)
 
     async def model_card(self, model_id: str) -> BaseModel:

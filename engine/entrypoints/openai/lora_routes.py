@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import (
     ErrorResponse,
     bad_request,
@@ -70,15 +71,15 @@ async def model_cards(router: Any) -> list[ModelCard]:
 
 async def handle_load_lora_adapter(router: Any, raw_request: Request) -> Response:
     """vLLM's ``POST /v1/load_lora_adapter`` (``lora_name``, ``lora_path``): 200 with vLLM's text, or 400."""
-    return await _adapter_call(router, raw_request, "load_lora_adapter", LoadLoRAAdapterRequest)
+    return await _adapter_call(router, raw_request, Endpoint.LOAD_LORA_ADAPTER, LoadLoRAAdapterRequest)
 
 
 async def handle_unload_lora_adapter(router: Any, raw_request: Request) -> Response:
     """vLLM's ``POST /v1/unload_lora_adapter`` (``lora_name``): 200 with vLLM's text, or 404 / 400."""
-    return await _adapter_call(router, raw_request, "unload_lora_adapter", UnloadLoRAAdapterRequest)
+    return await _adapter_call(router, raw_request, Endpoint.UNLOAD_LORA_ADAPTER, UnloadLoRAAdapterRequest)
 
 
-async def _adapter_call(router: Any, raw_request: Request, method_name: str, model: type[BaseModel]) -> Response:
+async def _adapter_call(router: Any, raw_request: Request, endpoint: Endpoint, model: type[BaseModel]) -> Response:
     try:
         request = model.model_validate(parse_json_object(await raw_request.body()))
     except ValidationError as exc:
@@ -93,7 +94,7 @@ async def _adapter_call(router: Any, raw_request: Request, method_name: str, mod
             return error_response(bad_request(f"Name the `model`; this server serves {router.model_ids()}."))
         return error_response(model_not_found(model_id))
     try:
-        async with contextlib.aclosing(router.call(model_id, method_name, request)) as items:
+        async with contextlib.aclosing(router.call(model_id, endpoint, request)) as items:
             answer = await anext(items)
     except StopAsyncIteration:
         answer = make_error("The model server returned no response.", HTTPStatus.INTERNAL_SERVER_ERROR)

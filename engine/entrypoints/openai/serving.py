@@ -1,57 +1,47 @@
 """``OpenAIServing``: everything one served model answers, as picklable items.
 
-Each endpoint is ONE method taking the validated request model and returning
-an async iterator, so the same object serves in-process (``LocalModelRouter``)
-and behind a Ray Serve handle (an LLM-server replica streams the items to the
-ingress):
+``call(endpoint, request, options)`` is the one way in: the ``Endpoint`` names what to serve, the validated
+request model and a ``CallOptions`` say how, and it returns an async iterator of items, so the same object
+serves in-process (``LocalModelRouter``) and behind a Ray Serve handle (an LLM-server replica streams the
+items to the ingress). The items (``StreamItem``), each of a declared type:
 
 * not streamed: exactly one item, the response model or an ``ErrorResponse``;
-* streamed: one ``ErrorResponse`` (then nothing), or ``str`` items of SSE
-  events (``"data: ...\\n\\n"``, several joined when the engine is ahead of the
-  consumer), the last ending with ``"data: [DONE]\\n\\n"``.
+* streamed: one ``ErrorResponse`` (then nothing), or ``streaming.SSEChunk``\\ s of SSE events, the last
+  ending with ``"data: [DONE]\\n\\n"``.
 
 Nothing runs until the iterator is first advanced; closing it early aborts
 its engine requests. A request whose ``model`` names a LoRA adapter
 (``lora_models``) runs with it; an unknown adapter is one 404 item, a bad one
-a 400. ``load_lora_adapter`` / ``unload_lora_adapter`` yield one
+a 400. ``LOAD_LORA_ADAPTER`` / ``UNLOAD_LORA_ADAPTER`` yield one
 ``LoRAAdapterStatus`` (vLLM's plain-text answer) or one ``ErrorResponse``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
+from typing import Any
 
 from pydantic import BaseModel
 
 from engine.engine_client import EngineClient
-from engine.entrypoints.openai.continuation import Continuation, StreamProgress
+from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions
+from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception, make_error, model_not_found
 from engine.entrypoints.openai.lora_models import AdapterNotFoundError, LoRAModels
-from engine.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    LoadLoRAAdapterRequest,
-    TokenizeRequest,
-    UnloadLoRAAdapterRequest,
-)
-from engine.entrypoints.openai.responses import (
-    ChatCompletionResponse,
-    CompletionResponse,
-    DetokenizeResponse,
-    ModelCard,
-    TokenizeResponse,
-)
-from engine.entrypoints.openai.serving_base import PrecomputedPrompt
+from engine.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from engine.entrypoints.openai.responses import ModelCard
 from engine.entrypoints.openai.serving_chat import ChatServing
 from engine.entrypoints.openai.serving_completion import CompletionServing
 from engine.entrypoints.openai.serving_tokenize import TokenizationServing
-from engine.lora.request import LoRARequest
+from engine.entrypoints.openai.streaming import SSEChunk
 
-# The endpoint methods a router may call by name (api_server and the Ray ingress use these names).
-ENDPOINT_METHODS = ("completions", "chat", "tokenize", "detokenize", "load_lora_adapter", "unload_lora_adapter")
+# What an endpoint call yields (see the module docstring): a response model, an error or an SSE chunk.
+StreamItem = BaseModel | ErrorResponse | SSEChunk
+# One endpoint: the validated request and the call's options -> its items.
+EndpointMethod = Callable[[Any, CallOptions], AsyncIterator[StreamItem]]
 
 
 class LoRAAdapterStatus(BaseModel):
@@ -61,8 +51,8 @@ class LoRAAdapterStatus(BaseModel):
 
 
 class OpenAIServing:
-    """One model's OpenAI endpoints: ``completions``, ``chat``, ``tokenize``, ``detokenize``
-    (async iterators, see the module docstring), ``model_card()`` and ``check_health()``.
+    """One model's OpenAI endpoints (``call``, see the module docstring), ``model_card()``, ``adapter_cards()``
+    and ``check_health()``.
 
     It only routes: each endpoint's work is done by the serving it composes
     (completion, chat, tokenization), all over the same ``EngineClient``.
@@ -76,51 +66,29 @@ class OpenAIServing:
         self.lora = lora
         self.model_id = model_id
         self.model_root = model_root if model_root is not None else engine.model_config.model
-        self._completion = CompletionServing(engine, model_id)
-        self._chat = ChatServing(engine, model_id)
-        self._tokenization = TokenizationServing(engine, model_id)
+        completion = CompletionServing(engine, model_id)
+        chat = ChatServing(engine, model_id)
+        tokenization = TokenizationServing(engine, model_id)
+        self._endpoints: dict[Endpoint, EndpointMethod] = {
+            Endpoint.COMPLETIONS: completion.completions,
+            Endpoint.CHAT: chat.chat,
+            Endpoint.TOKENIZE: tokenization.tokenize,  # an adapter tokenizes as its base model
+            Endpoint.DETOKENIZE: tokenization.detokenize,
+            Endpoint.LOAD_LORA_ADAPTER: self._load_lora_adapter,
+            Endpoint.UNLOAD_LORA_ADAPTER: self._unload_lora_adapter,
+        }
 
-    def completions(
-        self,
-        request: CompletionRequest,
-        precomputed: PrecomputedPrompt | None = None,
-        continuation: Continuation | None = None,
-        progress: StreamProgress | None = None,
-    ) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
-        """``/v1/completions`` (see CompletionServing.completions)."""
+    def call(self, endpoint: Endpoint, request: Any, options: CallOptions = PLAIN_CALL) -> AsyncIterator[StreamItem]:
+        """The items of ``endpoint`` for ``request`` (its validated request model), served as ``options`` say;
+        a ``model`` naming an adapter resolves it first (``options.lora_request``; 404 unknown, 400 bad)."""
+        serve = self._endpoints[endpoint]
         if not self._names_adapter(request.model):
-            return self._completion.completions(request, precomputed, continuation, progress)
-        return self._with_adapter(
-            request.model, lambda lora: self._completion.completions(request, precomputed, continuation, progress, lora)
-        )
+            return serve(request, options)
+        return self._with_adapter(serve, request, options)
 
-    def chat(
-        self,
-        request: ChatCompletionRequest,
-        precomputed: PrecomputedPrompt | None = None,
-        continuation: Continuation | None = None,
-        progress: StreamProgress | None = None,
-    ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
-        """``/v1/chat/completions`` (see ChatServing.chat)."""
-        if not self._names_adapter(request.model):
-            return self._chat.chat(request, precomputed, continuation, progress)
-        return self._with_adapter(
-            request.model, lambda lora: self._chat.chat(request, precomputed, continuation, progress, lora)
-        )
-
-    def tokenize(self, request: TokenizeRequest) -> AsyncIterator[ErrorResponse | TokenizeResponse]:
-        """vLLM's ``/tokenize`` (see TokenizationServing.tokenize; an adapter tokenizes as its base model)."""
-        if not self._names_adapter(request.model):
-            return self._tokenization.tokenize(request)
-        return self._with_adapter(request.model, lambda _: self._tokenization.tokenize(request))
-
-    def detokenize(self, request: DetokenizeRequest) -> AsyncIterator[ErrorResponse | DetokenizeResponse]:
-        """vLLM's ``/detokenize`` (see TokenizationServing.detokenize)."""
-        if not self._names_adapter(request.model):
-            return self._tokenization.detokenize(request)
-        return self._with_adapter(request.model, lambda _: self._tokenization.detokenize(request))
-
-    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> AsyncIterator[ErrorResponse | BaseModel]:
+    async def _load_lora_adapter(
+        self, request: LoadLoRAAdapterRequest, options: CallOptions
+    ) -> AsyncIterator[ErrorResponse | BaseModel]:
         """vLLM's ``/v1/load_lora_adapter``: 400 when dynamic loading is off, the name is in use or the adapter is
         bad (``LoRAModels.load``)."""
         try:
@@ -130,7 +98,9 @@ class OpenAIServing:
         except ValueError as exc:
             yield from_exception(exc)
 
-    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> AsyncIterator[ErrorResponse | BaseModel]:
+    async def _unload_lora_adapter(
+        self, request: UnloadLoRAAdapterRequest, options: CallOptions
+    ) -> AsyncIterator[ErrorResponse | BaseModel]:
         """vLLM's ``/v1/unload_lora_adapter``: 404 for an adapter not held, 400 when dynamic loading is off."""
         if self.lora is None or not self.lora.dynamic_loading:
             yield from_exception(ValueError("Dynamic LoRA loading is off: set lora_config.dynamic_lora_loading_path."))
@@ -148,20 +118,22 @@ class OpenAIServing:
         return model is not None and model != self.model_id
 
     async def _with_adapter(
-        self, model: str, endpoint: Callable[[LoRARequest | None], AsyncIterator]
-    ) -> AsyncIterator[ErrorResponse | BaseModel | str]:
-        """``endpoint``'s items with the adapter ``model`` names, or one error item (404 unknown, 400 bad)."""
+        self, serve: EndpointMethod, request: Any, options: CallOptions
+    ) -> AsyncIterator[StreamItem]:
+        """``serve``'s items with the adapter ``request.model`` names, or one error item (404 unknown, 400 bad)."""
         try:
             if self.lora is None:
-                raise AdapterNotFoundError(model)
-            lora_request = await self.lora.resolve(model)
+                raise AdapterNotFoundError(request.model)
+            lora_request = await self.lora.resolve(request.model)
         except AdapterNotFoundError:
-            yield model_not_found(model)
+            yield model_not_found(request.model)
             return
         except ValueError as exc:
             yield from_exception(exc)
             return
-        async with contextlib.aclosing(endpoint(lora_request)) as items:
+        async with contextlib.aclosing(
+            serve(request, dataclasses.replace(options, lora_request=lora_request))
+        ) as items:
             async for item in items:
                 yield item
 

@@ -1,5 +1,6 @@
 """What the endpoint servings (completions, chat, tokenization) share: the
-engine client, the tokenizer, the context-length check and the chat template.
+engine client, the tokenizer, the context-length check, starting engine
+requests and turning their outputs into items.
 
 Everything here runs before a request reaches the engine and raises
 ValueError on bad input, which the endpoints turn into a 400 without
@@ -11,51 +12,22 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.continuation import ResumedRequest, resumed_outputs
 from engine.entrypoints.openai.errors import from_exception
-from engine.entrypoints.openai.protocol import ChatTemplateFields, SamplingRequest
-from engine.entrypoints.openai.streaming import collect_final_outputs, merge_streams, stream_events
+from engine.entrypoints.openai.protocol import SamplingRequest
+from engine.entrypoints.openai.streaming import ResponseStream, collect_final_outputs, merge_streams, stream_events
 from engine.lora.request import LoRARequest
 from engine.model.source import sampling_defaults
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.request import check_prompt_not_empty
 
-# Keyword arguments of apply_chat_template the serving sets itself; a request's chat_template_kwargs can't.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "tokenize",
-        "add_generation_prompt",
-        "continue_final_message",
-        "chat_template",
-        "tools",
-        "documents",
-    }
-)
-
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
-
-
-@dataclass(frozen=True)
-class PrecomputedPrompt:
-    """A request's prompt already rendered and tokenized by its caller with this model's tokenizer and the
-    servings' own rendering (``ServingBase.render_chat``; a router that tokenizes to route, such as the Ray
-    ingress): the serving uses it instead of rendering and tokenizing again.
-
-    Chat: ``text`` is the rendered conversation and ``token_ids`` its tokens. Completions: ``token_ids`` are the
-    tokens of the request's first prompt when that prompt is text (``text`` unused). The serving trusts it: a
-    caller must pass the prompt of this very request, or answer for a different prompt.
-    """
-
-    token_ids: list[int]
-    text: str | None = None
 
 
 class ServingBase:
@@ -98,40 +70,16 @@ class ServingBase:
                 "the completion). Please reduce the length of the messages or completion."
             )
 
-    def render_chat(self, request: ChatTemplateFields) -> tuple[str, list[int]]:
-        """The conversation (and its tools, when the request has any) rendered by the tokenizer's chat template,
-        and its token ids."""
-        template_kwargs = {
-            key: value
-            for key, value in (request.chat_template_kwargs or {}).items()
-            if key not in _RESERVED_TEMPLATE_KWARGS
-        }
-        tools = request.tool_dicts()
-        try:
-            text = self.tokenizer.apply_chat_template(
-                request.conversation(),
-                tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tools=tools,
-                **template_kwargs,
-            )
-        except Exception as exc:  # noqa: BLE001 - a template failing on this input (jinja raises its own types)
-            raise ValueError(f"The chat template failed on these messages: {exc}") from exc
-        return text, self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-
     def start_requests(
         self,
         request_id: str,
         prompts: Sequence[Mapping],
         params: SamplingParams,
         request: SamplingRequest,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         """One engine request per prompt, ids ``<request_id>-<i>``, each with ``lora_request`` (the adapter the
         request's ``model`` named; None: the base model); nothing runs until iterated."""
-        # Only an adapter request passes the keyword: not every EngineClient (a remote prefill) takes it.
-        adapter = {} if lora_request is None else {"lora_request": lora_request}
         return [
             self.engine.generate(
                 prompt,
@@ -139,7 +87,7 @@ class ServingBase:
                 f"{request_id}-{index}",
                 priority=request.priority,
                 cache_salt=request.cache_salt,
-                **adapter,
+                lora_request=lora_request,
             )
             for index, prompt in enumerate(prompts)
         ]
@@ -151,7 +99,7 @@ class ServingBase:
         params: SamplingParams,
         request: SamplingRequest,
         resumed: ResumedRequest | None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         """``start_requests``, or for a continued stream its one engine request (none once it had finished)."""
         if resumed is None:
@@ -168,10 +116,10 @@ class ServingBase:
         generators: list[AsyncGenerator[RequestOutput, None]],
         is_stream: bool,
         make_response: Callable[[list[RequestOutput]], Any],
-        make_stream: Callable[[], Any],
+        make_stream: Callable[[], ResponseStream],
     ) -> AsyncIterator[Any]:
         """The items of started engine requests: not streamed, one response built from the final outputs
-        (or one error); streamed, the SSE events of ``make_stream()``'s ``format_batch`` / ``format_end``."""
+        (or one error); streamed, the ``SSEChunk``\\ s of ``make_stream()`` (``streaming.stream_events``)."""
         if not is_stream:
             try:
                 outputs = await collect_final_outputs(generators)
@@ -180,9 +128,6 @@ class ServingBase:
                 return
             yield make_response(outputs)
             return
-        stream = make_stream()
-        async with contextlib.aclosing(
-            stream_events(merge_streams(generators), stream.format_batch, stream.format_end)
-        ) as items:
+        async with contextlib.aclosing(stream_events(merge_streams(generators), make_stream())) as items:
             async for item in items:
                 yield item

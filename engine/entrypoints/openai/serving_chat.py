@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.openai.continuation import Continuation, ResumedRequest, StreamProgress
+from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions
+from engine.entrypoints.openai.chat_template import render_chat
+from engine.entrypoints.openai.continuation import ResumedRequest, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import chat_logprobs
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
@@ -32,38 +34,30 @@ from engine.entrypoints.openai.responses import (
     UsageInfo,
     unix_time,
 )
-from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase, random_uuid
-from engine.entrypoints.openai.streaming import sse_event
+from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
+from engine.entrypoints.openai.streaming import SSEChunk, sse_event
 from engine.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser, make_tool_parser, parse_completion
-from engine.lora.request import LoRARequest
 from engine.request_output import CompletionOutput, RequestOutput
 
 
 class ChatServing(ServingBase):
     async def chat(
-        self,
-        request: ChatCompletionRequest,
-        precomputed: PrecomputedPrompt | None = None,
-        continuation: Continuation | None = None,
-        progress: StreamProgress | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | str]:
-        """Not streamed: one ChatCompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
+        self, request: ChatCompletionRequest, options: CallOptions = PLAIN_CALL
+    ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | SSEChunk]:
+        """Not streamed: one ChatCompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or
+        ``SSEChunk``\\ s.
 
-        ``precomputed`` (with its ``text``): the conversation as the caller rendered and tokenized it, used
-        instead of the chat template and the tokenizer. ``continuation``: continue that stream
-        (``continuation`` module; the conversation is not rendered again); ``progress``: filled in as each
-        streamed batch is formatted; ``lora_request``: the adapter to run with (None: the base model). Closing
-        the iterator aborts the engine request.
+        ``options.precomputed`` (with its ``text``) is used instead of the chat template and the tokenizer; a
+        ``continuation`` is not rendered again (``CallOptions``). Closing the iterator aborts the engine request.
         """
-        resumed = None
+        resumed, continuation, precomputed = None, options.continuation, options.precomputed
         try:
             if continuation is not None:
                 text, token_ids = None, continuation.prompt_token_ids
             elif precomputed is not None and precomputed.text is not None:
                 text, token_ids = precomputed.text, precomputed.token_ids
             else:
-                text, token_ids = self.render_chat(request)
+                text, token_ids = render_chat(self.tokenizer, request)
             self.check_context_length(len(token_ids), request.requested_max_tokens)
             params = self.sampling_params(request, request.requested_max_tokens, request.num_logprobs)
             if continuation is not None:
@@ -73,13 +67,13 @@ class ChatServing(ServingBase):
             return
         request_id = f"chatcmpl-{random_uuid()}"
         prompts = [{"prompt": text, "prompt_token_ids": token_ids}]
-        generators = self.start_or_resume(request_id, prompts, params, request, resumed, lora_request)
+        generators = self.start_or_resume(request_id, prompts, params, request, resumed, options.lora_request)
         async with contextlib.aclosing(
             self.respond(
                 generators,
                 request.stream,
                 lambda outputs: self._response(request, request_id, outputs[0]),
-                lambda: _ChatStream(self, request, request_id, len(token_ids), resumed, progress),
+                lambda: _ChatStream(self, request, request_id, len(token_ids), resumed, options.track),
             )
         ) as items:
             async for item in items:
@@ -132,7 +126,7 @@ class _ChatStream:
         request_id: str,
         num_prompt_tokens: int,
         resumed: ResumedRequest | None = None,
-        progress: StreamProgress | None = None,
+        track: bool = False,
     ) -> None:
         self.serving = serving
         self.request = request
@@ -142,13 +136,13 @@ class _ChatStream:
         self.num_completion_tokens = 0
         self.is_role_sent = False
         self.parsers: dict[int, ToolParser | None] = {}  # choice index -> its tool-call parser
-        self.progress = progress
-        if progress is not None:
-            progress.request_id, progress.created = request_id, self.created
+        self.progress = StreamProgress() if track else None  # a tracked stream: each chunk's StreamDelta
+        if self.progress is not None:
+            self.progress.request_id, self.progress.created = request_id, self.created
         if resumed is not None:  # continues a stream that had sent its role chunk
             self.request_id, self.created = resumed.continuation.request_id, resumed.continuation.created
             self.num_completion_tokens, self.is_role_sent = resumed.num_generated, True
-            resumed.progress(progress)
+            resumed.progress(self.progress)
 
     def format_batch(self, batch: list[tuple[int, RequestOutput]]) -> str:
         events = [] if self.is_role_sent else [self._role_event()]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.openai.continuation import Continuation, ResumedRequest, StreamProgress
+from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions, PrecomputedPrompt
+from engine.entrypoints.openai.continuation import ResumedRequest, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import completion_logprobs
 from engine.entrypoints.openai.protocol import CompletionRequest
@@ -21,33 +22,26 @@ from engine.entrypoints.openai.responses import (
     UsageInfo,
     unix_time,
 )
-from engine.entrypoints.openai.serving_base import PrecomputedPrompt, ServingBase, random_uuid
-from engine.entrypoints.openai.streaming import sse_event
-from engine.lora.request import LoRARequest
+from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
+from engine.entrypoints.openai.streaming import SSEChunk, sse_event
 from engine.request_output import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 class CompletionServing(ServingBase):
     async def completions(
-        self,
-        request: CompletionRequest,
-        precomputed: PrecomputedPrompt | None = None,
-        continuation: Continuation | None = None,
-        progress: StreamProgress | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[ErrorResponse | CompletionResponse | str]:
-        """Not streamed: one CompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or SSE strings.
+        self, request: CompletionRequest, options: CallOptions = PLAIN_CALL
+    ) -> AsyncIterator[ErrorResponse | CompletionResponse | SSEChunk]:
+        """Not streamed: one CompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or
+        ``SSEChunk``\\ s.
 
-        ``precomputed``: the first prompt's token ids as the caller tokenized them, used instead of the
-        tokenizer when that prompt is text. ``continuation``: continue that stream (``continuation``
-        module) instead of starting one; ``progress``: filled in as each streamed batch is formatted;
-        ``lora_request``: the adapter to run with (None: the base model).
-        Closing the iterator aborts the engine requests.
+        ``options.precomputed``: the first prompt's token ids as the caller tokenized them, used instead of the
+        tokenizer when that prompt is text (not for a ``continuation``; ``CallOptions``). Closing the iterator
+        aborts the engine requests.
         """
-        resumed = None
+        resumed, continuation = None, options.continuation
         try:
-            prompts = self._tokenize_prompts(request, precomputed if continuation is None else None)
+            prompts = self._tokenize_prompts(request, options.precomputed if continuation is None else None)
             params = self._sampling_params(request, prompts)
             if continuation is not None:
                 resumed = ResumedRequest.of(continuation, self.tokenizer, params)
@@ -55,13 +49,13 @@ class CompletionServing(ServingBase):
             yield from_exception(exc)
             return
         request_id = f"cmpl-{random_uuid()}"
-        generators = self.start_or_resume(request_id, prompts, params, request, resumed, lora_request)
+        generators = self.start_or_resume(request_id, prompts, params, request, resumed, options.lora_request)
         async with contextlib.aclosing(
             self.respond(
                 generators,
                 request.stream,
                 lambda outputs: self._response(request, request_id, prompts, outputs),
-                lambda: _CompletionStream(self, request, request_id, prompts, resumed, progress),
+                lambda: _CompletionStream(self, request, request_id, prompts, resumed, options.track),
             )
         ) as items:
             async for item in items:
@@ -155,7 +149,7 @@ class _CompletionStream:
         request_id: str,
         prompts: list[dict],
         resumed: ResumedRequest | None = None,
-        progress: StreamProgress | None = None,
+        track: bool = False,
     ) -> None:
         self.serving = serving
         self.request = request
@@ -164,15 +158,15 @@ class _CompletionStream:
         self.num_prompt_tokens = sum(len(prompt["prompt_token_ids"]) for prompt in prompts)
         self.num_completion_tokens = 0
         self.num_sent_chars: dict[int, int] = {}  # choice index -> characters of text streamed
-        self.progress = progress
-        if progress is not None:
-            progress.request_id, progress.created = request_id, self.created
+        self.progress = StreamProgress() if track else None  # a tracked stream: each chunk's StreamDelta
+        if self.progress is not None:
+            self.progress.request_id, self.progress.created = request_id, self.created
         if resumed is not None:  # one choice, its echo (if any) already sent
             self.request_id, self.created = resumed.continuation.request_id, resumed.continuation.created
             self.num_completion_tokens = resumed.num_generated
             echo_chars = len(serving.prompt_text_of(prompts[0])) if request.echo else 0
             self.num_sent_chars[0] = echo_chars + resumed.continuation.num_sent_chars
-            resumed.progress(progress)
+            resumed.progress(self.progress)
 
     def format_batch(self, batch: list[tuple[int, RequestOutput]]) -> str:
         events = []

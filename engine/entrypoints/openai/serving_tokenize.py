@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions
+from engine.entrypoints.openai.chat_template import render_chat
 from engine.entrypoints.openai.errors import ErrorResponse, bad_request
 from engine.entrypoints.openai.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from engine.entrypoints.openai.responses import DetokenizeResponse, TokenizeResponse
@@ -15,12 +17,14 @@ from engine.entrypoints.openai.serving_base import ServingBase
 
 
 class TokenizationServing(ServingBase):
-    async def tokenize(self, request: TokenizeRequest) -> AsyncIterator[ErrorResponse | TokenizeResponse]:
+    async def tokenize(
+        self, request: TokenizeRequest, options: CallOptions = PLAIN_CALL
+    ) -> AsyncIterator[ErrorResponse | TokenizeResponse]:
         """One TokenizeResponse (a prompt's token ids, or the chat template's for ``messages``), or one
-        ErrorResponse."""
+        ErrorResponse. ``options`` change nothing (no engine request)."""
         try:
             if isinstance(request, TokenizeChatRequest):
-                _, token_ids = self.render_chat(request)
+                _, token_ids = render_chat(self.tokenizer, request)
             else:
                 token_ids = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         except ValueError as exc:
@@ -31,8 +35,11 @@ class TokenizationServing(ServingBase):
             count=len(token_ids), max_model_len=self.max_model_len, tokens=token_ids, token_strs=token_strs
         )
 
-    async def detokenize(self, request: DetokenizeRequest) -> AsyncIterator[ErrorResponse | DetokenizeResponse]:
-        """One DetokenizeResponse (the text of the token ids, special tokens kept), or one ErrorResponse."""
+    async def detokenize(
+        self, request: DetokenizeRequest, options: CallOptions = PLAIN_CALL
+    ) -> AsyncIterator[ErrorResponse | DetokenizeResponse]:
+        """One DetokenizeResponse (the text of the token ids, special tokens kept), or one ErrorResponse.
+        ``options`` change nothing (no engine request)."""
         vocab_size = self.engine.vocab_size
         bad = [token_id for token_id in request.tokens if not 0 <= token_id < vocab_size]
         if bad:

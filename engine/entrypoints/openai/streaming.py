@@ -1,4 +1,4 @@
-"""Merging the engine's output streams of one HTTP request, and SSE framing.
+"""Merging the engine's output streams of one HTTP request, and SSE framing (``SSEChunk``).
 
 A batched completions request runs one engine request per prompt; its
 outputs arrive on several async generators. :func:`merge_streams` drains
@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from pydantic import BaseModel
 
+from engine.entrypoints.openai.continuation import StreamDelta, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.request_output import RequestOutput
 
@@ -23,6 +26,28 @@ DONE_EVENT = "data: [DONE]\n\n"
 
 # Put on the queue by a drain task whose generator finished.
 _EXHAUSTED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class SSEChunk:
+    """A streamed response's item: ``text``, one or more server-sent events (several joined when the engine
+    is ahead of the consumer), sent to the client as is; the last of a stream ends with ``DONE_EVENT``.
+    ``delta``: what the chunk carried, on a tracked stream only (``CallOptions.track``; request migration)."""
+
+    text: str
+    delta: StreamDelta | None = None
+
+
+class ResponseStream(Protocol):
+    """A streamed completion's or chat's per-request state, as ``stream_events`` drives it."""
+
+    progress: StreamProgress | None  # set on a tracked stream: filled in by format_batch
+
+    def format_batch(self, batch: list[tuple[int, RequestOutput]]) -> str:
+        """The events of one batch (maybe none)."""
+
+    def format_end(self) -> str:
+        """The closing events (the usage chunk), before ``[DONE]``."""
 
 
 def sse_event(payload: BaseModel | dict) -> str:
@@ -101,30 +126,32 @@ async def collect_final_outputs(generators: Sequence[AsyncGenerator[RequestOutpu
 
 
 async def stream_events(
-    batches: AsyncIterator[list[tuple[int, RequestOutput]]],
-    format_batch: Callable[[list[tuple[int, RequestOutput]]], str],
-    format_end: Callable[[], str],
-) -> AsyncIterator[ErrorResponse | str]:
-    """A streamed response's items: SSE strings, or one ErrorResponse if nothing was sent yet.
+    batches: AsyncIterator[list[tuple[int, RequestOutput]]], stream: ResponseStream
+) -> AsyncIterator[ErrorResponse | SSEChunk]:
+    """A streamed response's items: ``SSEChunk``\\ s, or one ErrorResponse if nothing was sent yet.
 
-    ``format_batch`` turns a batch into events (maybe none); ``format_end``
-    gives the closing events (the usage chunk) before ``[DONE]``. An error
-    after the first event goes out as a final ``data: {"error": ...}`` event.
+    ``stream.format_batch`` turns a batch into events (maybe none); ``stream.format_end`` gives the closing
+    events (the usage chunk) before ``[DONE]``. An error after the first event goes out as a final
+    ``data: {"error": ...}`` event. On a tracked stream each chunk carries ``stream.progress.take()``.
     """
+
+    def chunk(text: str) -> SSEChunk:
+        return SSEChunk(text, None if stream.progress is None else stream.progress.take())
+
     is_started = False
     async with contextlib.aclosing(batches):
         try:
             async for batch in batches:
-                events = format_batch(batch)
+                events = stream.format_batch(batch)
                 if events:
                     is_started = True
-                    yield events
-            closing = format_end()
+                    yield chunk(events)
+            closing = stream.format_end()
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
             error = from_exception(exc)
             if is_started:
-                yield sse_event(error.body()) + DONE_EVENT
+                yield chunk(sse_event(error.body()) + DONE_EVENT)
             else:
                 yield error
             return
-    yield closing + DONE_EVENT
+    yield chunk(closing + DONE_EVENT)
