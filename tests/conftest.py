@@ -44,6 +44,8 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest
 
+from engine.sampling_params import SamplingParams
+
 ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3")
 # Tokens 0..4 are the specials (BOS, EOS, <|im_start|>, <|im_end|>, pad); random prompts avoid them.
 FIRST_ORDINARY_TOKEN = 5
@@ -257,3 +259,34 @@ def smollm2_path() -> str:
     if missing:
         pytest.fail(f"{SMOLLM2_PATH} lacks {', '.join(missing)}: run `make models`", pytrace=False)
     return str(SMOLLM2_PATH)
+
+
+def greedy(max_tokens: int, **changes) -> SamplingParams:
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored), with ``changes`` on top."""
+    return SamplingParams(**{"temperature": 0.0, "ignore_eos": True, "max_tokens": max_tokens, **changes})
+
+
+def wait_until_idle(engine, timeout_s: float = 30.0) -> None:
+    """Waits until the engine runs and queues nothing and every KV block is free (no leak)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine.get_stats()
+        idle = (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)
+        if idle and stats.num_free_blocks == stats.num_total_blocks:
+            return
+        assert time.monotonic() < deadline, f"the engine did not become idle: {stats}"
+        time.sleep(0.02)
+
+
+# The session-scoped engines a module's tests may drive, directly or through a server.
+ENGINE_FIXTURES = ("engine", "structured_engine", "bench_engine")
+
+
+@pytest.fixture
+def engine_left_idle(request):
+    """After the test, every engine fixture it used has nothing running or queued and every KV block free:
+    no request or block leaked. Modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    yield
+    for name in ENGINE_FIXTURES:
+        if name in request.fixturenames:
+            wait_until_idle(request.getfixturevalue(name))

@@ -15,5 +15,5 @@ process (``python -m benchmarks.gpu_check PHASE``) under its own timeout:
 * ``report``: results.json, table.md and the table, printed last.
 
 ``--smoke`` runs the same phases on a CPU with a tiny model and Triton's interpreter, so that every
-code path except the CUDA specifics runs in CI (tests/test_gpu_check.py).
+code path except the CUDA specifics runs in CI (tests/serval/test_gpu_check.py).
 """

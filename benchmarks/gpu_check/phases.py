@@ -15,7 +15,7 @@ from pathlib import Path
 from benchmarks.gpu_check.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TEST_FILES = ("tests/test_triton_kernels.py", "tests/test_cuda_graphs.py")
+KERNEL_TEST_FILES = ("tests/engine/kernels/test_triton_kernels.py", "tests/engine/worker/test_cuda_graphs.py")
 FIRST_ORDINARY_TOKEN = 5  # ids 0..4 are the checkpoint tokenizer's special tokens
 BLOCK_SIZE = 16
 KV_CACHE_SLACK = 1.25  # the KV pool holds this much more than the longest batch needs

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 # Targets of the issue (what the table judges).
 DECODE_B1_MIN_ROOFLINE_RATIO = 0.70  # decode tokens/s at batch 1 over the bandwidth roofline
 CUDA_GRAPH_MIN_GAIN = 1.5  # graph tokens/s over eager tokens/s at batch 1
-KERNEL_BF16_REL_TOL = 1e-2  # the kernel tests' tolerance in bf16 (tests/test_triton_kernels.py)
+KERNEL_BF16_REL_TOL = 1e-2  # the kernel tests' tolerance in bf16 (tests/engine/kernels/test_triton_kernels.py)
 # Parity: a sequence may leave transformers' greedy path only where transformers' top-2 logits are
 # closer than this (a near-tie that float32 rounding may flip). Logits of the random checkpoints
 # have a standard deviation of about 4 (serval/tools/weights.py), their median top-2 gap is ~0.7.

@@ -29,7 +29,7 @@ Determinism: float32 on CPU with ``torch.set_num_threads(2)`` and
 ``torch.use_deterministic_algorithms``; weights initialised after
 ``torch.manual_seed(seed)``; the window order is a ``torch.randperm`` from
 its own seeded generator. Same Python install + same seed: same loss bits
-(tests/test_trained_models.py checks it on a tiny config).
+(tests/serval/test_trained_models.py checks it on a tiny config).
 
 Measured (this 2-core machine, shared; assets/trained/README.md): the target's 360
 steps 750 s of the original 957 s ``--train`` (950-1180 tokens/s at load ~3.1;

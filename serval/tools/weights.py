@@ -29,7 +29,7 @@ flaky.  Instead every tensor is scaled to keep activations at unit RMS:
   the residual stream.
 * biases (Qwen2 q/k/v): ``N(0, 0.1^2)``.
 
-Measured on random prompts (see tests/test_make_model.py): median top-1 vs
+Measured on random prompts (see tests/serval/test_make_model.py): median top-1 vs
 top-2 logit gap ~0.5-1.0 in float32, i.e. far above float32 noise.
 
 Every tensor uses its own ``torch.Generator`` seeded from ``(seed, name)``, so

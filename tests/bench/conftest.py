@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.conftest import make_async_llm, serve_models
+from tests.engine.entrypoints.conftest import make_async_llm, serve_models
 
 MODEL = "tiny-bench"
 

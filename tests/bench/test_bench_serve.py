@@ -15,7 +15,8 @@ import pytest
 from serval import cli
 from serval.bench import serve
 from tests.bench.conftest import MODEL
-from tests.entrypoints.conftest import wait_until_idle
+
+pytestmark = pytest.mark.usefixtures("engine_left_idle")
 
 NUM_PROMPTS = 12
 INPUT_LEN = 32
@@ -26,12 +27,6 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture
 def base_url(bench_url):
     return bench_url
-
-
-@pytest.fixture(autouse=True)
-def engine_left_idle(bench_engine):
-    yield
-    wait_until_idle(bench_engine)
 
 
 def bench_argv(base_url: str, model_path: str | None, result_dir, *extra: str) -> list[str]:

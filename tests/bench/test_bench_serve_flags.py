@@ -18,7 +18,8 @@ from serval.bench.datasets import SampleRequest
 from serval.bench.report import PER_REQUEST_KEYS
 from serval.bench.request_funcs import Backend
 from tests.bench.conftest import MODEL
-from tests.entrypoints.conftest import wait_until_idle
+
+pytestmark = pytest.mark.usefixtures("engine_left_idle")
 
 OUTPUT_LEN = 6
 # The summary keys of vLLM's result JSON (vllm/benchmarks/serve.py: main_async and benchmark) for the
@@ -46,12 +47,6 @@ VLLM_KEYS = {
     "max_concurrent_requests",
     *(f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p99") for name in ("ttft", "tpot", "itl", "e2el")),
 }
-
-
-@pytest.fixture(autouse=True)
-def engine_left_idle(bench_engine):
-    yield
-    wait_until_idle(bench_engine)
 
 
 def parse(*argv: str) -> argparse.Namespace:

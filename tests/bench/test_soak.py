@@ -12,7 +12,8 @@ from aiohttp import web
 from serval import cli
 from serval.bench.soak_client import RequestSpec, send
 from serval.bench.soak_faults import parse_fault
-from tests.entrypoints.conftest import make_async_llm, serve_models, wait_until_idle
+from tests.conftest import wait_until_idle
+from tests.engine.entrypoints.conftest import make_async_llm, serve_models
 
 MODEL = "tiny-soak"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

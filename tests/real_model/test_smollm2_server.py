@@ -30,7 +30,7 @@ from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.serving import OpenAIServing
 from tests.conftest import make_async_llm
-from tests.entrypoints.conftest import make_client, serve_models, wait_until_idle
+from tests.engine.entrypoints.conftest import make_client, serve_models
 from tests.real_model.smollm2 import (
     CAPITAL_ANSWER,
     CONVERSATIONS,
@@ -42,6 +42,8 @@ from tests.real_model.smollm2 import (
     hf_greedy,
     template_ids,
 )
+
+pytestmark = pytest.mark.usefixtures("engine_left_idle")
 
 MODEL = "smollm2"
 HTTP_NAMES = ("capital", "haiku", "cjk", "emoji")  # the short answer, one ended by <|im_end|>, two multi-byte
@@ -78,12 +80,6 @@ def client(serving):
 @pytest.fixture(scope="module")
 def base_url(client) -> str:
     return str(client.base_url).removesuffix("/").removesuffix("/v1")
-
-
-@pytest.fixture(autouse=True)
-def engine_left_idle(engine):
-    yield
-    wait_until_idle(engine)
 
 
 def sse_events(items: list[str]) -> list[dict]:

@@ -2,7 +2,7 @@
 shape). Requests sharing a long prefix land on the replica that holds it (its prefix-hit counters say so);
 without shared prefixes the load decides; routing never changes greedy tokens; a session stays on its
 replica; a killed replica leaves the index. (Bad router options are refused by the app builder, before any
-replica starts: tests/test_kv_router_config.py.)"""
+replica starts: tests/deployments/test_kv_router_config.py.)"""
 
 from __future__ import annotations
 

@@ -157,7 +157,8 @@ def has_finite_value(vector: list[dict]) -> bool:
 def test_every_dashboard_panel_query_returns_data(prometheus, bench_run):
     # The disaggregated-prefill row needs a PD app (tests/serve/test_pd_serve.py checks its series), the
     # KV-aware routing row a KV-routed deployment (tests/serve/test_kv_routing.py checks its series), the
-    # speculative decoding row an engine with speculative_config (tests/test_spec_decode_metrics.py checks
+    # speculative decoding row an engine with speculative_config
+    # (tests/engine/spec_decode/test_spec_decode_metrics.py checks
     # its series are the ones deployments/metrics.py exports). Request migrations need a replica killed
     # mid-request (tests/serve/test_migration.py reads serval_migrations off the app's /metrics); LoRA
     # adapters a lora_config (tests/serve/test_lora_serve.py reads serval_lora_requests off /metrics); the

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from deployments import launcher
+from serval.launcher import lifecycle as launcher
 from tests.helm.local_head import start_head
 from tests.serve.cluster import LOOPBACK
 
@@ -109,7 +109,7 @@ def test_the_prefill_decode_example_serves_through_both_pools(head, tiny_checkpo
     checkpoint = tiny_checkpoint("llama")
     config = localized("pd_nixl.yaml", head.http_port, checkpoint)
     deploy(head, config, "pd_nixl.yaml")
-    status = launcher.http_json("GET", f"{head.dashboard_url}/api/serve/applications/")
+    status = launcher.serve_details(head.dashboard_url)
     deployments = status["applications"]["pd-disaggregation-nixl"]["deployments"]
     running = {name: len(d["replicas"]) for name, d in deployments.items() if name != "OpenAiIngress"}
     assert sorted(running.values()) == [2, 6], running  # each pool at its min_replicas
