@@ -22,7 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from serval.launcher import lifecycle as launcher
+
+def _launcher():
+    """The launcher, imported on first use: it loads Ray, which must not load before the soak has kept Ray on
+    loopback (``serval.bench.soak.keep_ray_on_loopback``)."""
+    from serval.launcher import lifecycle
+
+    return lifecycle
+
 
 ACTIONS = ("kill-replica", "kill-worker", "scale", "redeploy")
 Settled = Callable[[list[dict]], bool]  # the deployment's replicas (Serve's status) -> has the app settled?
@@ -85,7 +92,7 @@ class ServeApp:
         self.deployment = f"LLMServer:{model}"
         self.rng = random.Random(seed)
         self._redeploys = 0
-        if launcher.ray_auth_token() is not None:
+        if _launcher().ray_auth_token() is not None:
             # Ray's state API presents the cluster's token only when the mode says so.
             os.environ.setdefault("RAY_AUTH_MODE", "token")
 
@@ -116,18 +123,18 @@ class ServeApp:
         return f"SIGKILL pid {actor['pid']} ({class_name}, actor {actor['actor_id'][:12]})", actor["pid"]
 
     def _put_changed(self, change) -> str:
-        status = launcher.serve_details(self.dashboard_url)
+        status = _launcher().serve_details(self.dashboard_url)
         config = deploy_config(status)
         app = next((app for app in config["applications"] if app["name"] == self.app_name), None)
         if app is None:
             raise RuntimeError(f"no app {self.app_name!r} in the running Serve config")
         detail = change(app)
-        launcher.deploy(config, self.dashboard_url, timeout_s=30.0)
+        _launcher().deploy(config, self.dashboard_url, timeout_s=30.0)
         return detail
 
     def replicas(self) -> list[dict]:
         """The deployment's replicas per Serve's status (``replica_id``, ``state``, ``pid``, ...)."""
-        status = launcher.serve_details(self.dashboard_url)
+        status = _launcher().serve_details(self.dashboard_url)
         app = status.get("applications", {}).get(self.app_name, {})
         return app.get("deployments", {}).get(self.deployment, {}).get("replicas", [])
 

@@ -91,7 +91,7 @@ def test_pipeline_keeps_two_micro_batches_in_flight(local_ray, tiny_checkpoint, 
         ray_compiled_graph=compiled_graph,
         **ENGINE_KWARGS,
     )
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.engine_core
     executor = core.executor
     num_in_flight_at_submit: list[int] = []
     start_step = executor.execute_model_async
