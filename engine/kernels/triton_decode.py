@@ -24,6 +24,94 @@ MAX_SPLITS = 64
 
 
 @triton.jit
+def _split_tile_range(seq_len, split, NUM_SPLITS: tl.constexpr, KV_TILE: tl.constexpr):
+    """The tiles [first, end) of ``split``'s share of a sequence of ``seq_len`` keys (empty past its tiles)."""
+    num_tiles = (seq_len + KV_TILE - 1) // KV_TILE
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    first_tile = split * tiles_per_split
+    return first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)
+
+
+@triton.jit
+def _load_query_group(
+    q_ptr,
+    seq,
+    kv_head,
+    q_strides,
+    QUERIES_PER_KV: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The query heads of one sequence that share ``kv_head``: their heads [GROUP_ROWS], which rows are
+    heads (the rest pad the group for ``tl.dot``), and the rows [GROUP_ROWS, HEAD_DIM] (zeros as padding)."""
+    group = tl.arange(0, GROUP_ROWS)
+    is_head = group < QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + group
+    dims = tl.arange(0, HEAD_DIM)
+    query = tl.load(
+        q_ptr + seq * q_strides[0] + heads[:, None] * q_strides[1] + dims[None, :], mask=is_head[:, None], other=0.0
+    )
+    if UPCAST:
+        query = query.to(tl.float32)
+    return heads, is_head, query
+
+
+@triton.jit
+def _attend_split(
+    query,
+    cache_ptr,
+    table_row_ptr,
+    seq_len,
+    kv_head,
+    split,
+    scale,
+    cache_strides,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Online softmax of ``query`` [rows, HEAD_DIM] over ``split``'s tiles of the sequence's keys: per row
+    (running max, sum of weights, unnormalized output); (-inf, 0, 0) for an empty split."""
+    first_tile, end_tile = _split_tile_range(seq_len, split, NUM_SPLITS, KV_TILE)
+    running_max = tl.full((query.shape[0],), float("-inf"), tl.float32)
+    running_sum = tl.zeros((query.shape[0],), tl.float32)
+    acc = tl.zeros((query.shape[0], query.shape[1]), tl.float32)
+    for tile in range(first_tile, end_tile):
+        keys, values, positions = load_kv_tile(
+            cache_ptr,
+            table_row_ptr,
+            tile * KV_TILE,
+            seq_len,
+            kv_head,
+            cache_strides[0],
+            cache_strides[1],
+            cache_strides[2],
+            cache_strides[3],
+            BLOCK_SIZE,
+            KV_TILE,
+            query.shape[1],
+            UPCAST,
+        )
+        # The tile's first position is a key (a split's tiles end at the sequence's last), so every row's max is finite.
+        running_max, running_sum, acc = online_softmax_step(
+            query, keys, values, (positions < seq_len)[None, :], scale, running_max, running_sum, acc, PRECISION
+        )
+    return running_max, running_sum, acc
+
+
+@triton.jit
+def _store_partials(part_out_ptr, part_stats_ptr, part, is_head, acc, running_max, running_sum):
+    """Partials of (seq, head, split) at index ``part``: out [HEAD_DIM] unnormalized; stats = (max, sum)."""
+    dims = tl.arange(0, acc.shape[1])
+    tl.store(part_out_ptr + part[:, None] * acc.shape[1] + dims[None, :], acc, mask=is_head[:, None])
+    tl.store(part_stats_ptr + part * 2, running_max, mask=is_head)
+    tl.store(part_stats_ptr + part * 2 + 1, running_sum, mask=is_head)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     cache_ptr,
@@ -32,12 +120,8 @@ def _decode_split_kernel(
     part_out_ptr,
     part_stats_ptr,
     scale,
-    stride_q_seq,
-    stride_q_head,
-    stride_kv,
-    stride_block,
-    stride_slot,
-    stride_head,
+    q_strides,  # (sequence, head)
+    cache_strides,  # (kv, block, slot, head)
     stride_table,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -49,52 +133,28 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = (seq_len + KV_TILE - 1) // KV_TILE
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    first_tile = split * tiles_per_split
-    end_tile = tl.minimum(first_tile + tiles_per_split, num_tiles)
-
-    group = tl.arange(0, GROUP_ROWS)
-    is_head = group < QUERIES_PER_KV
-    heads = kv_head * QUERIES_PER_KV + group
-    dims = tl.arange(0, HEAD_DIM)
-    query = tl.load(
-        q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=is_head[:, None], other=0.0
-    )  # [GROUP_ROWS, HEAD_DIM]
-    if UPCAST:
-        query = query.to(tl.float32)
-    running_max = tl.full((GROUP_ROWS,), float("-inf"), tl.float32)
-    running_sum = tl.zeros((GROUP_ROWS,), tl.float32)
-    acc = tl.zeros((GROUP_ROWS, HEAD_DIM), tl.float32)
-    for tile in range(first_tile, end_tile):
-        keys, values, positions = load_kv_tile(
-            cache_ptr,
-            block_table_ptr + seq * stride_table,
-            tile * KV_TILE,
-            seq_len,
-            kv_head,
-            stride_kv,
-            stride_block,
-            stride_slot,
-            stride_head,
-            BLOCK_SIZE,
-            KV_TILE,
-            HEAD_DIM,
-            UPCAST,
-        )
-        # The tile's first position is a key (tile < num_tiles), so every row's max is finite.
-        running_max, running_sum, acc = online_softmax_step(
-            query, keys, values, (positions < seq_len)[None, :], scale, running_max, running_sum, acc, PRECISION
-        )
-    # Partials of (seq, head, split): out [HEAD_DIM] unnormalized; stats = (max, sum).
+    heads, is_head, query = _load_query_group(
+        q_ptr, seq, kv_head, q_strides, QUERIES_PER_KV, GROUP_ROWS, HEAD_DIM, UPCAST
+    )
+    running_max, running_sum, acc = _attend_split(
+        query,
+        cache_ptr,
+        block_table_ptr + seq * stride_table,
+        seq_len,
+        kv_head,
+        split,
+        scale,
+        cache_strides,
+        NUM_SPLITS,
+        BLOCK_SIZE,
+        KV_TILE,
+        PRECISION,
+        UPCAST,
+    )
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_ROWS]
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=is_head[:, None])
-    tl.store(part_stats_ptr + part * 2, running_max, mask=is_head)
-    tl.store(part_stats_ptr + part * 2 + 1, running_sum, mask=is_head)
+    _store_partials(part_out_ptr, part_stats_ptr, part, is_head, acc, running_max, running_sum)
 
 
 @triton.jit
@@ -149,13 +209,30 @@ def paged_decode_attention(
     0 gives a zero row); ``head_dim`` and ``block_size`` powers of two, at least 16.
     """
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    queries_per_kv = num_heads // num_kv_heads
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     part_stats = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
+    _launch_splits(query, kv_cache, block_tables, seq_lens, scale, part_out, part_stats)
+    _launch_merge(part_out, part_stats, out)
+    return out
+
+
+def _launch_splits(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    part_out: torch.Tensor,
+    part_stats: torch.Tensor,
+) -> None:
+    """Every split's partials into ``part_out`` [N, Hq, splits, D] and ``part_stats`` [N, Hq, splits, 2]."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_splits = part_out.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    queries_per_kv = num_heads // num_kv_heads
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         kv_cache,
@@ -164,12 +241,8 @@ def paged_decode_attention(
         part_out,
         part_stats,
         scale,
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
+        query.stride()[:2],
+        kv_cache.stride()[:4],
         block_tables.stride(0),
         NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits,
@@ -180,6 +253,11 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         **dot_options(query.dtype),
     )
+
+
+def _launch_merge(part_out: torch.Tensor, part_stats: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` [N, Hq, D] from the splits' partials."""
+    num_seqs, num_heads, num_splits, head_dim = part_out.shape
     _merge_splits_kernel[(num_seqs, num_heads)](
         part_out,
         part_stats,
@@ -191,7 +269,6 @@ def paged_decode_attention(
         SPLITS_POW2=max(2, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim,
     )
-    return out
 
 
 def paged_decode_attention_reference(

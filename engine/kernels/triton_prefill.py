@@ -50,6 +50,91 @@ def plan_prefill_tiles(query_lens: list[int], queries_per_kv: int, device: torch
 
 
 @triton.jit
+def _program_rows(
+    tile_req_ptr,
+    tile_query_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    QUERIES_PER_KV: tl.constexpr,
+    QUERIES_PER_TILE: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+):
+    """What this program computes: its tile's request, KV head and sequence length, its rows' (token in the
+    batch, query head, whether the row is a query, absolute position), and the tile's last query position."""
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    first_query = tl.load(tile_query_ptr + tile)
+    query_start = tl.load(query_start_ptr + req)
+    query_len = tl.load(query_start_ptr + req + 1) - query_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - query_len
+    rows = tl.arange(0, TILE_ROWS)
+    query_index = first_query + rows // QUERIES_PER_KV  # within the request's new tokens
+    is_query = (rows < QUERIES_PER_TILE * QUERIES_PER_KV) & (query_index < query_len)
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    query_position = context_len + query_index  # absolute: it sees keys 0..query_position
+    last_query = tl.minimum(first_query + QUERIES_PER_TILE, query_len) - 1
+    return req, kv_head, seq_len, query_start + query_index, heads, is_query, query_position, context_len + last_query
+
+
+@triton.jit
+def _load_query_rows(q_ptr, tokens, heads, is_query, q_strides, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """The rows' offsets into the query (the output shares them) and the rows [TILE_ROWS, HEAD_DIM]."""
+    dims = tl.arange(0, HEAD_DIM)
+    q_offsets = tokens[:, None] * q_strides[0] + heads[:, None] * q_strides[1] + dims[None, :]
+    query = tl.load(q_ptr + q_offsets, mask=is_query[:, None], other=0.0)
+    if UPCAST:
+        query = query.to(tl.float32)
+    return q_offsets, query
+
+
+@triton.jit
+def _attend_causal(
+    query,
+    query_position,
+    last_position,
+    cache_ptr,
+    table_row_ptr,
+    seq_len,
+    kv_head,
+    scale,
+    cache_strides,
+    BLOCK_SIZE: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Each row's attention over the request's keys 0..``query_position`` (tiles up to ``last_position``)."""
+    running_max = tl.full((query.shape[0],), float("-inf"), tl.float32)
+    running_sum = tl.zeros((query.shape[0],), tl.float32)
+    acc = tl.zeros((query.shape[0], query.shape[1]), tl.float32)
+    num_tiles = (last_position + KV_TILE) // KV_TILE  # tiles up to the last causal key
+    for tile in range(0, num_tiles):
+        keys, values, key_position = load_kv_tile(
+            cache_ptr,
+            table_row_ptr,
+            tile * KV_TILE,
+            seq_len,
+            kv_head,
+            cache_strides[0],
+            cache_strides[1],
+            cache_strides[2],
+            cache_strides[3],
+            BLOCK_SIZE,
+            KV_TILE,
+            query.shape[1],
+            UPCAST,
+        )
+        # Causal. Every row sees key 0 in the first tile (rows past the request's end too: their
+        # positions only grow), as online_softmax_step requires.
+        is_visible = key_position[None, :] <= query_position[:, None]
+        running_max, running_sum, acc = online_softmax_step(
+            query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION
+        )
+    return acc / running_sum[:, None]
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
@@ -60,12 +145,8 @@ def _prefill_kernel(
     tile_query_ptr,
     out_ptr,
     scale,
-    stride_q_token,
-    stride_q_head,
-    stride_kv,
-    stride_block,
-    stride_slot,
-    stride_head,
+    q_strides,  # (token, head)
+    cache_strides,  # (kv, block, slot, head)
     stride_table,
     QUERIES_PER_KV: tl.constexpr,
     QUERIES_PER_TILE: tl.constexpr,
@@ -76,53 +157,25 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    req = tl.load(tile_req_ptr + tile)
-    first_query = tl.load(tile_query_ptr + tile)
-    query_start = tl.load(query_start_ptr + req)
-    query_len = tl.load(query_start_ptr + req + 1) - query_start
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - query_len
-
-    rows = tl.arange(0, TILE_ROWS)
-    query_index = first_query + rows // QUERIES_PER_KV  # within the request's new tokens
-    is_query = (rows < QUERIES_PER_TILE * QUERIES_PER_KV) & (query_index < query_len)
-    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
-    query_position = context_len + query_index  # absolute: it sees keys 0..query_position
-    dims = tl.arange(0, HEAD_DIM)
-    q_offsets = (query_start + query_index)[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
-    query = tl.load(q_ptr + q_offsets, mask=is_query[:, None], other=0.0)  # [TILE_ROWS, HEAD_DIM]
-    if UPCAST:
-        query = query.to(tl.float32)
-    running_max = tl.full((TILE_ROWS,), float("-inf"), tl.float32)
-    running_sum = tl.zeros((TILE_ROWS,), tl.float32)
-    acc = tl.zeros((TILE_ROWS, HEAD_DIM), tl.float32)
-    last_query = tl.minimum(first_query + QUERIES_PER_TILE, query_len) - 1
-    num_tiles = (context_len + last_query + KV_TILE) // KV_TILE  # tiles up to the last causal key
-    for tile in range(0, num_tiles):
-        keys, values, key_position = load_kv_tile(
-            cache_ptr,
-            block_table_ptr + req * stride_table,
-            tile * KV_TILE,
-            seq_len,
-            kv_head,
-            stride_kv,
-            stride_block,
-            stride_slot,
-            stride_head,
-            BLOCK_SIZE,
-            KV_TILE,
-            HEAD_DIM,
-            UPCAST,
-        )
-        # Causal. Every row sees key 0 in the first tile (rows past the request's end too: their
-        # positions only grow), as online_softmax_step requires.
-        is_visible = key_position[None, :] <= query_position[:, None]
-        running_max, running_sum, acc = online_softmax_step(
-            query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION
-        )
-    out = acc / running_sum[:, None]
+    req, kv_head, seq_len, tokens, heads, is_query, query_position, last_position = _program_rows(
+        tile_req_ptr, tile_query_ptr, query_start_ptr, seq_lens_ptr, QUERIES_PER_KV, QUERIES_PER_TILE, TILE_ROWS
+    )
+    q_offsets, query = _load_query_rows(q_ptr, tokens, heads, is_query, q_strides, HEAD_DIM, UPCAST)
+    out = _attend_causal(
+        query,
+        query_position,
+        last_position,
+        cache_ptr,
+        block_table_ptr + req * stride_table,
+        seq_len,
+        kv_head,
+        scale,
+        cache_strides,
+        BLOCK_SIZE,
+        KV_TILE,
+        PRECISION,
+        UPCAST,
+    )
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])
 
 
@@ -142,13 +195,25 @@ def paged_prefill_attention(
     ``tiles`` from ``plan_prefill_tiles``; ``head_dim`` and ``block_size`` powers of two, at least 16.
     """
     query = query.contiguous()
+    out = torch.empty_like(query)  # contiguous as query: the kernel stores through query's offsets
+    if tiles.req.shape[0] > 0:
+        _launch_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, tiles, scale, out)
+    return out
+
+
+def _launch_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tiles: PrefillTiles,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    out = torch.empty_like(query)  # contiguous as query: the kernel stores through query's offsets
-    num_tiles = tiles.req.shape[0]
-    if num_tiles == 0:
-        return out
-    _prefill_kernel[(num_tiles, num_kv_heads)](
+    _prefill_kernel[(tiles.req.shape[0], num_kv_heads)](
         query,
         kv_cache,
         block_tables,
@@ -158,12 +223,8 @@ def paged_prefill_attention(
         tiles.first_query,
         out,
         scale,
-        query.stride(0),
-        query.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
+        query.stride()[:2],
+        kv_cache.stride()[:4],
         block_tables.stride(0),
         QUERIES_PER_KV=num_heads // num_kv_heads,
         QUERIES_PER_TILE=tiles.queries_per_tile,
@@ -173,7 +234,6 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         **dot_options(query.dtype),
     )
-    return out
 
 
 def paged_prefill_attention_reference(
