@@ -8,7 +8,7 @@ reaches the LLM servers through Serve handles, whose router balances across
 each model's replicas; an ``IngressLLMServer`` replica serves its own engine
 (``LocalModelRouter``), and Serve's proxy balances HTTP across the replicas.
 The second saves a hop per streamed chunk (a pickled item over gRPC to
-another replica's event loop, on the 2-core machine a process competing for
+another replica's event loop, on a small node a process competing for
 the cores), which is why one-model apps use it.
 """
 

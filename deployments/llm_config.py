@@ -305,7 +305,7 @@ class LLMServingArgs(_StrictModel, ServerOptions):
         True,
         description="True: an OpenAiIngress deployment routes to the LLM servers (needed for several models). "
         "False (one model): its LLM-server replicas serve HTTP themselves, a hop less per streamed chunk "
-        "(+33 % output tok/s on a loaded 2-core machine), but nothing stands in front of a replica to move its "
+        "(more output tokens/s under load), but nothing stands in front of a replica to move its "
         "requests when it dies (no migration_limit): its streams are cut. Scaling them reloads Serve's HAProxy "
         "(measured without a cut: docs/benchmarks.md, soak).",
     )

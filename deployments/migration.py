@@ -14,8 +14,9 @@ as one of ``REPLICA_GONE`` raised by the handle's response. Then:
   ``RETRY_WINDOW_S``, the client gets an OpenAI error: the response's status before anything was sent, a
   final ``data: {"error": ...}`` event after.
 
-Serve keeps routing to a dead replica for about half a second: a call that fails before its first item
-is tried again with a short backoff, within ``RETRY_WINDOW_S``, without counting as a migration.
+Serve keeps routing to a dead replica for a short while (until it learns of the death): a call that fails
+before its first item is tried again with a short backoff, within ``RETRY_WINDOW_S``, without counting as a
+migration.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ logger = logging.getLogger("ray.serve")
 
 # What a Serve handle's response raises when the replica serving it died (ActorDiedError is a RayActorError).
 REPLICA_GONE = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
-# How long one migration may look for a live replica; Serve drops a dead one from routing within ~0.5 s.
+# How long one migration may look for a live replica; Serve drops a dead one from routing soon after it dies.
 RETRY_WINDOW_S = 10.0
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
@@ -159,5 +160,5 @@ class MigratingCall:
 
 
 def _backoff(elapsed_s: float) -> float:
-    """Short first (a dead replica leaves Serve's routing within ~0.5 s), longer while none answers."""
+    """Short first (a dead replica soon leaves Serve's routing), longer while none answers."""
     return min(MAX_BACKOFF_S, FIRST_BACKOFF_S + elapsed_s / 4)

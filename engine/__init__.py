@@ -3,6 +3,23 @@
 ``from engine import LLM, SamplingParams`` is the offline API. Heavy modules
 (torch, transformers) load on first use, so ``engine.sched`` stays importable
 without them.
+
+The root's modules, the entry points and the types their callers import:
+
+- ``llm``: ``LLM``, the offline API (vLLM's shape).
+- ``async_llm``: ``AsyncLLM``, the asyncio front end for serving (an ``EngineClient``).
+- ``llm_engine``: ``LLMEngine``, the synchronous front end: processor, core client, output processor.
+- ``engine_client``: ``EngineClient``, what a server may call on an engine; ``EngineDeadError``,
+  ``EngineOverloadedError``.
+- ``config``: the frozen, validated configs, one per concern, bundled in ``EngineConfig``.
+- ``engine_args``: ``EngineArgs``, the flat vLLM-style keyword arguments, turned into an ``EngineConfig``.
+- ``sampling_params``: ``SamplingParams``, ``StructuredOutputsParams``, ``RequestOutputKind``.
+- ``request_output``: ``RequestOutput``, ``CompletionOutput``, ``Logprob``: what users get back.
+
+Packages: ``frontend`` (text around the core), ``core`` (the engine core and its clients), ``sched`` (the
+scheduler, pure Python), ``executor``, ``worker``, ``model``, ``attention``, ``kernels``, ``sample``,
+``spec_decode``, ``structured_output``, ``lora``, ``kv_transfer``, ``distributed``, ``metrics``,
+``entrypoints`` (the OpenAI API).
 """
 
 from engine.sampling_params import RequestOutputKind, SamplingParams

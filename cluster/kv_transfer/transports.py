@@ -44,7 +44,7 @@ class ObjectStoreKV:
 
 class ObjectStoreTransport(KVTransport):
     def save(self, kv_id: str, blocks: list[torch.Tensor]) -> ObjectStoreKV:
-        # Consecutive blocks share an object up to CHUNK_TARGET_BYTES: a put costs about a millisecond
+        # Consecutive blocks share an object up to CHUNK_TARGET_BYTES: a put has a fixed cost
         # whatever its size, and a prompt has hundreds of small blocks (32 KiB each for the tiny model).
         block_bytes = blocks[0].numel() * blocks[0].element_size()
         per_chunk = max(1, CHUNK_TARGET_BYTES // block_bytes)

@@ -1,8 +1,9 @@
-"""Paged attention.
+"""Paged attention: the backend interface, a step's metadata, and the backends.
 
-Modules: ``metadata`` (a step's ``AttentionMetadata``), ``backend`` (the ``AttentionBackend`` interface and
-``ATTENTION_BACKEND_IMPORT_PATHS``, the backends by name), ``torch_paged`` (plain torch, any device; the CPU
-backend), ``triton_paged`` (Triton kernels, CUDA).
+- ``backend``: the ``AttentionBackend`` interface and ``ATTENTION_BACKEND_IMPORT_PATHS`` (the backends by name).
+- ``metadata``: ``AttentionMetadata``, one step's flattened-batch layout shared by every layer; ``PAD_SLOT_ID``.
+- ``torch_paged``: paged attention in plain torch, any device (the CPU backend; decodes on the native kernel).
+- ``triton_paged``: the Triton backend (CUDA): decode-only steps on the split-K kernel, others on the mixed one.
 """
 
 from engine.attention.backend import (

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 # ``slot_mapping`` entry meaning "no slot": the token's K/V are not written (padded rows of a CUDA-graph
-# batch; vLLM's ``PAD_SLOT_ID``). Defined here, not in the Triton kernel's module: importing Triton takes
-# 1-2 s, which every engine start paid (cuda_graphs imported it for this constant), also on a CPU.
+# batch; vLLM's ``PAD_SLOT_ID``). Defined here, not in the Triton kernel's module: importing Triton is slow,
+# and every engine start paid for it (cuda_graphs imported it for this constant), also on a CPU.
 PAD_SLOT_ID = -1
 
 

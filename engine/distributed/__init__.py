@@ -1,4 +1,9 @@
-"""Tensor and pipeline parallelism: process groups, the parallel state, and collectives (torch only)."""
+"""Tensor and pipeline parallelism: process groups, the parallel state, and collectives (torch only).
+
+- ``parallel_state``: ``init_distributed`` (one group per TP rank set and PP stage), ``ParallelState``, TP
+  all-reduce / all-gather, stage send / recv (re-exported here).
+- ``interfaces``: the local network interface that reaches the rendezvous host, for gloo / NCCL to bind to.
+"""
 
 from engine.distributed.parallel_state import (
     ParallelState,

@@ -179,8 +179,8 @@ def use_cpu_kernels(enabled: bool):
 def has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX, through oneDNN).
 
-    Without it (AVX2), oneDNN emulates bf16 products at about 15 GFLOP/s against 90-180 in float32
-    (``benchmarks/bench_matmul.py`` on cpu-2c-avx2), so bf16 models compute their products in float32.
+    Without it (AVX2), oneDNN emulates bf16 products, far slower than float32 ones
+    (``benchmarks/bench_matmul.py``), so bf16 models compute their products in float32.
     """
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 

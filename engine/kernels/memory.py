@@ -1,8 +1,8 @@
 """Transparent huge pages for big, long-lived CPU tensors (the KV cache).
 
 Decode attention reads each request's blocks wherever the block pool put them; with 4 KiB pages
-nearly every 16-token block is a TLB miss. Backing the cache with 2 MiB pages made W2's decode
-attention 1.7x faster (benchmarks/bench_kernels.py). Linux only, where THP is ``madvise`` or
+nearly every 16-token block is a TLB miss. Backing the cache with 2 MiB pages removes most of
+those misses (benchmarks/bench_kernels.py). Linux only, where THP is ``madvise`` or
 ``always``; elsewhere a no-op.
 """
 

@@ -3,10 +3,13 @@
 Entry point: ``get_model(model_path, dtype, device="cpu")`` (a directory or a .gguf file); see ``LlamaForCausalLM``
 for the forward / ``compute_logits`` interface the model runner uses.
 
-Modules: ``registry`` (architecture name -> model class, and the factory ``get_model``), ``llama`` and
-``qwen`` (the decoder), ``layers`` (its building blocks), ``architecture`` (the shapes and flags read from a
-config), ``source`` (a Hugging Face directory or a GGUF file, read tensor by tensor), ``gguf_file`` (the GGUF
-reader), ``loader`` (checkpoint tensors into the model's parameters).
+- ``registry``: architecture name -> model class, and the factory ``get_model``.
+- ``llama``: the Llama-family decoder (Llama, Mistral; Qwen by flags); ``qwen``: Qwen2 and Qwen3.
+- ``layers``: its building blocks (a package).
+- ``architecture``: ``Architecture``, the shapes and flags read once from a config.
+- ``source``: ``open_model_source``, a Hugging Face directory or a GGUF file read tensor by tensor.
+- ``gguf_file``: ``GGUFFile``, the GGUF reader.
+- ``loader``: checkpoint tensors into the model's parameters (per-rank slices, the engine's dtype).
 """
 
 from engine.model.architecture import Architecture, parse_dtype

@@ -102,12 +102,12 @@ CDF_BLOCK = 128  # tokens per block of sample_inverse_cdf's two-level search
 def sample_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row of non-negative ``weights`` (``[rows, vocab]``, any positive sum) the token where its
     cumulative weight first exceeds ``uniforms[row]`` times the row's total: exactly a draw from the
-    normalised row, some 100x cheaper on CPU than an exponential race (``argmax(p / E)``), whose
-    vocabulary-wide Exponential noise was a fifth of a decode step of the 10M model at 64 sequences.
+    normalised row, far cheaper on CPU than an exponential race (``argmax(p / E)``), whose
+    vocabulary-wide Exponential noise is a large share of a small model's decode step.
 
-    Two levels, since a cumulative sum over the whole vocabulary is slow on CPU (0.55 ms for 64 x 8192
-    on one thread, against 0.09 ms for this): the block whose cumulative sum passes the target, then
-    the token within that block.
+    Two levels, since a dense cumulative sum over the whole vocabulary is slow on CPU (a sequential scan
+    of every token; the block sums and one block's scan are far less work): the block whose cumulative sum
+    passes the target, then the token within that block.
     """
     rows, vocab = weights.shape
     pad = -vocab % CDF_BLOCK

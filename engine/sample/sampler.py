@@ -26,8 +26,8 @@ from engine.sched.step_outputs import LogprobsLists
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax of [n, V] logits (first maximal index; NaN counts as the maximum, as in torch).
 
-    On CPU the native op: torch's CPU argmax runs at about 1 GB/s, a noticeable slice of a small
-    model's decode step.
+    On CPU the native op: torch's CPU argmax is slow enough to be a noticeable slice of a small model's
+    decode step.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
         kernels = load_cpu_kernels()

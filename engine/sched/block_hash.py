@@ -46,8 +46,8 @@ _TOKEN_BYTES = struct.calcsize("@q")
 
 
 def _encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """The token ids as native int64s: a fixed-width, unambiguous encoding (struct packs a list about twice as
-    fast as array does)."""
+    """The token ids as native int64s: a fixed-width, unambiguous encoding (struct packs a list faster than
+    array does)."""
     return struct.pack(f"@{len(token_ids)}q", *token_ids)
 
 
@@ -74,7 +74,7 @@ def extend_block_hashes(
     first block only, the salt.
 
     One pass: the unhashed tokens are encoded once and each block hashes a slice of that (encoding block by
-    block made hashing a 4k-token prompt about twice as slow); decoding hashes only the blocks it filled.
+    block, one call per block, is slower on a long prompt); decoding hashes only the blocks it filled.
     ``lora_key`` (multi-LoRA: ``lora_hash_key`` / ``LoRAHashKeys``; None: the base model) joins the first
     block's extra keys like the salt, so requests of different adapters never share a block (their KV differs).
     """

@@ -1,5 +1,9 @@
-"""Structured outputs (guided decoding) through xgrammar: the backend (a constraint checked in the front end,
-compiled against the vocabulary in the core), each request's matcher, and the engine core's manager
-(compiles off the step's path, builds each step's token bitmask). The worker applies the bitmask in
+"""Structured outputs (guided decoding) through xgrammar. The worker applies the bitmask in
 ``engine.sample.grammar_bitmask``.
+
+- ``backend``: ``check_constraint`` (the front end, no tokenizer) and ``XgrammarBackend`` (compiles against
+  the vocabulary in the core, makes matchers).
+- ``manager``: ``StructuredOutputManager``, the core's side: compiles off the step's path, holds requests
+  until ready, builds each step's token bitmask.
+- ``request_grammar``: ``RequestGrammar``, one request's matcher.
 """

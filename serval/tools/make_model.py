@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--train",
         action="store_true",
         help="instead: train the Llama target on the stdlib into PATH/serval-llama-10m, then distil the draft "
-        "PATH/serval-llama-draft from it (about 14 minutes on 2 cores; --seed applies, --arch/--size/--dtype do not)",
+        "PATH/serval-llama-draft from it (minutes of CPU training; --seed applies, --arch/--size/--dtype do not)",
     )
     parser.add_argument(
         "--draft-only",

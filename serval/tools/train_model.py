@@ -31,15 +31,9 @@ Determinism: float32 on CPU with ``torch.set_num_threads(2)`` and
 its own seeded generator. Same Python install + same seed: same loss bits
 (tests/serval/test_trained_models.py checks it on a tiny config).
 
-Measured (this 2-core machine, shared; assets/trained/README.md): the target's 360
-steps 750 s of the original 957 s ``--train`` (950-1180 tokens/s at load ~3.1;
-unloaded 1450-1850); the distilled draft's 360 steps 312 s (``--draft-only``: 342 s
-wall, load ~1.6), so about 14 minutes in all unloaded. Held-out (saved bfloat16
-weights, in float32): target perplexity 187.4; draft 194.2 (175.1 when trained on
-the corpus: it imitates the target now), greedy next token equal to the target's at
-72.2% of positions (53.5% before), Serval acceptance 59.7% (34.6% before). Both are
-undertrained, so greedy text is repetitive Python-shaped words. Worse: the target
-with 640 steps of 4 windows at lr 3e-3 (perplexity 202.7); a 240-step draft (60.9%).
+Both models are undertrained, so greedy text is repetitive Python-shaped words; the distilled draft
+matches the target's greedy next token far more often than one trained on the corpus. Run times,
+held-out perplexities and acceptance rates: docs/design-measurements.md and assets/trained/README.md.
 """
 
 from __future__ import annotations
@@ -53,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Passive OpenMP waits: on a shared machine a spinning torch thread starves its descheduled partner, and
-# 2-thread training ran at 190-440 tokens/s instead of 1100 (measured, another job on one core). libgomp
+# 2-thread training slows down by several times while another job holds one core. libgomp
 # reads this when torch loads, so it only takes effect when torch is not imported yet (as in ``serval``).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -110,8 +104,8 @@ def keep_freed_memory() -> None:
     """Have glibc keep freed large blocks for reuse instead of unmapping them (process-wide; results unchanged).
 
     Why: a distillation step allocates and frees about 0.9 GB in 64 MB logit tensors; by default glibc
-    serves each from a fresh mmap, and every page faults in again: 1.31 s per step instead of 0.77
-    (measured, unloaded). A no-op where the C library is not glibc.
+    serves each from a fresh mmap, and every page faults in again, a large share of each
+    step's time. A no-op where the C library is not glibc.
     """
     import ctypes
     import ctypes.util

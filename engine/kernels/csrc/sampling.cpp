@@ -7,7 +7,7 @@
 #include <limits>
 
 // Row-wise argmax of float32 logits [n, V] -> int64 [n]; the first maximal index wins, as torch's.
-// torch's CPU argmax runs at about 1 GB/s; here a vectorized max pass and an early-exit search.
+// torch's CPU argmax is slow; here a vectorized max pass and an early-exit search.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "logits must be float32 [n, V]");
   logits = logits.contiguous();

@@ -2,8 +2,8 @@
 // decode batch. float32 x [M, K] with 2 <= M <= kMaxRows, w [N, K] (rows contiguous), bias [N] or none
 // -> y [M, N].
 //
-// Why: on AVX2, MKL's sgemm at 2-8 rows takes 3-5x the time of its one-row GEMV (one 256 x 8192 matrix:
-// 0.34 ms at 1 row, 1.6 ms at 5), so verifying 4 drafts cost several decode steps. Here each weight row
+// Why: on AVX2, MKL's sgemm at 2-8 rows takes several times the time of its one-row GEMV, so verifying
+// 4 drafts cost several decode steps. Here each weight row
 // is read once for all M rows, so the cost stays that of a GEMV (memory-bound on w). Output columns are
 // split across threads. Accumulation order differs from MKL's: results agree to float32 rounding.
 #include <torch/extension.h>

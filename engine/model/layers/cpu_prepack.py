@@ -2,26 +2,27 @@
 
 * float32: the layer also keeps its weight packed into oneDNN's layout (``mkldnn._linear_pointwise``), which
   products of ``PACKED_MIN_ROWS`` rows or more take: against MKL's sgemm on the unpacked weight, at decode
-  sizes (4-32 rows) a 30-layer stack of SmolLM2-135M's products runs 1.1-1.8x faster and at prefill sizes about
-  even (docs/benchmarks.md), and each row's result does not depend on how many rows the call has (a
-  prefix-cache hit's last rows equal the full prompt's bit for bit), which MKL's does not at a few rows. One
-  or two rows keep the unpacked weight: MKL's GEMV (as transformers computes a decode step) or, inside
-  ``skinny_products()``, the native ``skinny_linear``, both faster than the packed call there. The copy doubles
-  the weights' memory; the KV cache is sized after it.
+  sizes (4-32 rows) the packed products are faster and at prefill sizes about even (docs/benchmarks.md), and
+  each row's result does not depend on how many rows the call has (a prefix-cache hit's last rows equal the
+  full prompt's bit for bit), which MKL's does not at a few rows. One or two rows keep the unpacked weight:
+  MKL's GEMV (as transformers computes a decode step) or, inside ``skinny_products()``, the native
+  ``skinny_linear``, both faster than the packed call there. The copy doubles the weights' memory; the KV
+  cache is sized after it.
 * bf16 on a CPU with bf16 matrix instructions (AVX-512 BF16, AMX): a bf16 ``F.linear`` re-lays out the
-  weight for oneDNN on every call; at decode batch sizes (tens of rows) that costs up to a third of
-  the matmul, and with one row far more. The weight is packed once into oneDNN's layout.
-* bf16 on a CPU without them (AVX2): oneDNN emulates bf16 products at about 15 GFLOP/s against 90-180 in
-  float32 (``benchmarks/bench_matmul.py`` on cpu-2c-avx2): the layer keeps a float32 copy of its bf16
+  weight for oneDNN on every call; at decode batch sizes (tens of rows) that re-layout is a large part
+  of the matmul's time, and with one row a larger part still. The weight is packed once into oneDNN's
+  layout.
+* bf16 on a CPU without them (AVX2): oneDNN emulates bf16 products, far slower than float32 ones
+  (``benchmarks/bench_matmul.py``): the layer keeps a float32 copy of its bf16
   weight, packed once into oneDNN's layout, and computes in float32, rounding the output back to bf16
   (the model's dtype stays bf16: activations, KV cache; the products are more exact, not less). Packed,
-  the float32 products run 2-3x faster at decode sizes (tens of rows) than ``F.linear``'s MKL path
-  (896 x 9728 at 32 rows: 71 against 30 GFLOP/s) and about even at prefill sizes.
+  the float32 products are faster at decode sizes (tens of rows) than ``F.linear``'s MKL path and about
+  even at prefill sizes.
 
 Inside ``skinny_products()`` (the model runner's speculative steps, the draft model's forwards, a decode-only
 step's LM head), float32 products of the enabled row counts below ``PACKED_MIN_ROWS`` go to the native
-``skinny_linear``, which reads each weight row once for all rows (MKL's sgemm at a few rows takes 3-5x its
-one-row time on AVX2). Everything else (GPUs) keeps ``F.linear``.
+``skinny_linear``, which reads each weight row once for all rows (on AVX2, MKL's sgemm at a few rows takes
+several times its one-row time). Everything else (GPUs) keeps ``F.linear``.
 """
 
 from __future__ import annotations
