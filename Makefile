@@ -4,7 +4,10 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The serving install (Serval editable with its core dependencies: what `make serve` needs) and the test
+# install on top of it (the test extra: every extra and the test tools, what `make test` needs).
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 MODELS := models
 # Ray keeps 127.0.0.1 as loopback (instead of this machine's network address) only with this set.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
@@ -13,13 +16,22 @@ export RAY_AUTH_MODE ?= token
 
 .PHONY: venv lint test serve stop models clean bench-scheduler prometheus iproute2
 
+# pip prints what it collects and downloads (no -q): a fresh set-up takes minutes, and each step says so first.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: 2.13.0 is the CPU wheel on these machines; a looser request could pull a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	@test -x $(PY) || { echo "Creating the virtualenv $(VENV) ..."; $(PYTHON) -m venv $(VENV); }
+	@echo "Upgrading pip in $(VENV) (seconds) ..."
+	$(PY) -m pip install --upgrade pip
+	@# torch first and pinned: 2.13.0 is the CPU wheel on these machines; a looser request could pull a CUDA build.
+	@echo "Installing torch 2.13.0, the CPU wheel (about a minute on a fresh machine) ..."
+	$(PY) -m pip install torch==2.13.0
+	@echo "Installing Serval (editable) and what serving needs: Ray Serve, transformers, xgrammar, ... (about 2 minutes) ..."
+	$(PY) -m pip install -e .
+	@touch $@
+
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	@echo "Installing the test extra: pytest, hypothesis, schemathesis, peft, ruff, matplotlib, helm-python-sdk, ... (about a minute) ..."
+	$(PY) -m pip install -e '.[test]'
+	@touch $@
 
 # Serval's native CPU kernels (engine/kernels/), compiled here rather than in the first replica's constructor,
 # and again whenever their sources change; cached under ~/.cache/torch_extensions. Without a compiler Serval
@@ -56,11 +68,11 @@ iproute2:
 	  echo "No iproute2: tests/cluster/test_two_hosts.py will be skipped."; }
 
 # ruff first (seconds): a formatting or lint error fails before the 20-minute suite starts.
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-test: venv models prometheus iproute2 lint
+test: venv $(TEST_STAMP) models prometheus iproute2 lint
 	$(PY) -m pytest -q
 
 # The tests' embedded model: a deterministic random-weight checkpoint made locally (no downloads); remade

@@ -14,8 +14,10 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 # A relative path (model_source, tokenizer_source, adapters, a draft) resolves against the first of these
 # holding it: the LLM config's runtime_env.working_dir, the directory the app was built in, the Serval
-# checkout (the directory holding deployments/); none holding it, against the first.
+# checkout (the directory holding deployments/), the files an installed Serval ships (serval/_data: its
+# configs/ and assets/; symlinks to the checkout's in a checkout); none holding it, against the first.
 SERVAL_ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_DATA = SERVAL_ROOT / "serval" / "_data"
 CLOUD_SCHEMES = ("s3://", "gs://", "abfss://", "azure://", "http://", "https://")
 
 
@@ -31,7 +33,7 @@ def refuse_cloud_uri(value: Any, key: str) -> Any:
 
 def search_bases(working_dir: Any = None) -> tuple[str, ...]:
     """Where relative paths resolve, in order (``SERVAL_ROOT``'s comment); ``working_dir`` counts if local."""
-    bases = [os.getcwd(), str(SERVAL_ROOT)]
+    bases = [os.getcwd(), str(SERVAL_ROOT), str(SHIPPED_DATA)]
     if isinstance(working_dir, str) and "://" not in working_dir:
         bases.insert(0, os.path.abspath(os.path.expanduser(working_dir)))
     return tuple(dict.fromkeys(bases))

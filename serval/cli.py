@@ -12,6 +12,9 @@ import argparse
 import importlib
 import sys
 
+from serval import __version__
+from serval.extras import missing_extra
+
 # Command path -> module. A two-word path ("bench serve") is a subcommand of a group.
 SUBCOMMANDS = {
     ("make-model",): "serval.tools.make_model",
@@ -45,6 +48,7 @@ def _add_subcommand(subparsers, name: str, module_name: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level ``serval`` argument parser with all subcommands."""
     parser = argparse.ArgumentParser(prog="serval", description="Serval LLM serving on Ray")
+    parser.add_argument("--version", action="version", version=f"serval {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups = {}
     for path, module_name in SUBCOMMANDS.items():
@@ -62,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand."""
     args = build_parser().parse_args(argv)
+    message = missing_extra(args.command)
+    if message:
+        print(message, file=sys.stderr)
+        return 1
     return args.handler(args)
 
 

@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from serval.shipped import CHART_DIR
+
 SUMMARY = "print the KubeRay RayService (Serval's Helm chart) that serves a Serve config on Kubernetes"
 
-# The chart in the Serval checkout (an editable install, as `make venv` and the image make).
-CHART_DIR = Path(__file__).resolve().parent.parent / "helm" / "serval"
 RAYSERVICE_TEMPLATE = "templates/rayservice.yaml"
 
 
@@ -49,15 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import helm_python
-    except ImportError:
-        print(
-            "serval render-rayservice: needs the helm-python-sdk package "
-            "(pip install -e '.[kubernetes]', or pip install helm-python-sdk)",
-            file=sys.stderr,
-        )
-        return 1
+    import helm_python  # the kubernetes extra (serval.extras: the command line checks it is installed)
+
     try:
         with open(args.config, encoding="utf-8") as f:
             config_text = f.read()

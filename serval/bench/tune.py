@@ -27,6 +27,7 @@ from pathlib import Path
 
 from serval.bench import serve
 from serval.bench.report import percentile_label
+from serval.shipped import DEFAULT_SERVE_CONFIG
 
 SUMMARY = "sweep max_num_seqs x max_num_batched_tokens (x replicas) on a live app; best config under an SLO"
 DEFAULT_SLO_PERCENTILE = 99.0
@@ -53,7 +54,7 @@ class TunePoint:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_arguments(parser)
     tune = parser.add_argument_group("tune")
-    tune.add_argument("--config", default="configs/serve/default.yaml", help="The Serve config YAML to vary.")
+    tune.add_argument("--config", default=str(DEFAULT_SERVE_CONFIG), help="The Serve config YAML to vary.")
     tune.add_argument("--address", default="http://127.0.0.1:8265", help="The Ray dashboard (Serve REST API).")
     tune.add_argument("--max-num-seqs", type=int, nargs="+", required=True)
     tune.add_argument("--max-num-batched-tokens", type=int, nargs="+", required=True)
