@@ -60,7 +60,8 @@ def test_the_cpu_examples_serve_config_deploys_and_answers_a_completion(head, ch
 
 
 def test_serval_serve_deploys_its_config_the_way_make_serve_does(head, tiny_checkpoint, tmp_path):
-    """`serval serve <model dir>` finds the running head (as `make serve` does), deploys and waits."""
+    """`serval serve <model dir> --detach` finds the running head (as `make serve` does), replaces the app of the
+    same name there, deploys and waits."""
     from serval.cli import main
 
     config_path = tmp_path / "served.yaml"
@@ -85,6 +86,8 @@ def test_serval_serve_deploys_its_config_the_way_make_serve_does(head, tiny_chec
                 "300",
                 "--output",
                 str(config_path),
+                "--detach",  # return once RUNNING (a joined cluster: the app stays when this returns)
+                "--replace",  # the previous test's app `llm` runs on this head
             ]
         )
         == 0

@@ -88,7 +88,12 @@ def test_foreground_serves_until_sigint_then_leaves_nothing_running(tmp_path):
         assert started and ports.listening() == {ports.gcs, ports.dashboard, ports.http, ports.metrics}
         assert isinstance(chat(ports, "tiny", api_key="k-1"), str)
         server.send_signal(signal.SIGINT)
-        assert server.wait(timeout=300) == 0
+        try:
+            assert server.wait(timeout=300) == 0
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"still running 300 s after SIGINT:\n{log.read_text(errors='replace')[-4000:]}"
+            ) from None
     finally:
         if server.poll() is None:
             server.kill()
