@@ -28,7 +28,8 @@ from tests.serve.haproxy_log import HAProxyLog
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
 STREAM_TOKENS = 250
-LONG_STREAM_TOKENS = 1900  # seconds of streaming (max_model_len 2048): past the drain window, inside graceful_shutdown_timeout_s
+# Seconds of streaming (max_model_len is 2048): past the drain window, inside graceful_shutdown_timeout_s.
+LONG_STREAM_TOKENS = 1900
 
 
 def replica_states(head) -> tuple[str, list[str]]:
