@@ -228,7 +228,9 @@ def serve(
     ``object_store_bytes`` of a head it starts. Returns the exit status."""
     marks = {"start": time.time()}
     names = [app["name"] for app in config["applications"]]
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGINT too, explicitly: a process started in the background of a non-interactive shell inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler of its own.
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
         _start_or_join(cluster, head_options, marks)
@@ -244,7 +246,8 @@ def serve(
         print(f"serval serve: {error}", file=sys.stderr, flush=True)
         code = 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if not detach:
             teardown(cluster, names, drain_timeout_s)
         elif code == 1:
