@@ -1,0 +1,96 @@
+"""GGUF's block formats, as Serval keeps them in memory: a weight [N, K] is a uint8 tensor [N, row_bytes(K)].
+
+Each row is K / 32 blocks back to back, exactly as llama.cpp's file stores them (ggml-common.h), so a
+tensor-parallel shard of rows or of whole blocks is a plain ``narrow`` of the bytes:
+
+* Q8_0 (34 bytes): fp16 scale d, then 32 int8 q;            w = d * q
+* Q4_0 (18 bytes): fp16 d, then 16 bytes of 4-bit q;         w = d * (q - 8)
+* Q4_1 (20 bytes): fp16 d, fp16 min m, then 16 bytes;        w = d * q + m
+
+In the 4-bit formats byte j of the 16 holds element j in its low nibble and element j + 16 in its high one.
+``dequantize`` is the reference every kernel is checked against: each weight is computed in float32 as the
+formula reads (one rounding per operation, no fused multiply-add), from the fp16 scales widened to float32.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import torch
+
+BLOCK = 32  # weights per block, in every format here
+
+
+class QuantType(enum.Enum):
+    """A block format; its value is the name GGUF (``GGMLQuantizationType``) gives it."""
+
+    Q8_0 = "Q8_0"
+    Q4_0 = "Q4_0"
+    Q4_1 = "Q4_1"
+
+    @property
+    def block_bytes(self) -> int:
+        return {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[self.value]
+
+    @property
+    def header_bytes(self) -> int:
+        """Bytes of fp16 scale (and min) before a block's quants."""
+        return 4 if self is QuantType.Q4_1 else 2
+
+    @property
+    def kernel_id(self) -> int:
+        """The number the native and Triton kernels know this format by."""
+        return {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}[self.value]
+
+    def row_bytes(self, k: int) -> int:
+        """Bytes of one row of ``k`` weights (``k`` a multiple of 32)."""
+        if k % BLOCK:
+            raise ValueError(f"{self.value} needs rows of a multiple of {BLOCK} weights, got {k}")
+        return k // BLOCK * self.block_bytes
+
+    def row_weights(self, row_bytes: int) -> int:
+        """Weights in a row of ``row_bytes`` bytes."""
+        return row_bytes // self.block_bytes * BLOCK
+
+    @classmethod
+    def of_gguf(cls, gguf_type_name: str) -> QuantType | None:
+        """The format of a GGUF tensor type kept quantized here; None for any other (it is dequantized)."""
+        return cls.__members__.get(gguf_type_name)
+
+    @classmethod
+    def parse(cls, name: str) -> QuantType:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown block format {name!r}; known: {', '.join(cls.__members__)}") from None
+
+
+def dequantize(raw: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """uint8 [N, row_bytes] -> float32 [N, K] (module docstring); any device."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, qtype.block_bytes)
+    d = _fp16(blocks, 0)
+    body = blocks[..., qtype.header_bytes :]
+    if qtype is QuantType.Q8_0:
+        w = d * body.view(torch.int8).float()
+    else:
+        q = torch.cat([body & 0x0F, body >> 4], dim=-1).float()
+        w = d * (q - 8.0) if qtype is QuantType.Q4_0 else d * q + _fp16(blocks, 2)
+    return w.reshape(n, -1)
+
+
+def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte ``offset`` of every block, as float32 [N, blocks, 1]."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def quantize(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """float [N, K] -> uint8 [N, row_bytes] with gguf's quantizer (bit-identical to llama.cpp's); CPU."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    qtype.row_bytes(weight.shape[-1])  # checks K
+    values = weight.detach().to(torch.float32).cpu().numpy()
+    raw = gguf_quantize(np.ascontiguousarray(values), GGMLQuantizationType[qtype.value])
+    return torch.from_numpy(np.ascontiguousarray(raw))
