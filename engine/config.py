@@ -93,6 +93,13 @@ class ModelConfig(_FrozenConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations; auto: the checkpoint's dtype (float32 if it records none)."
     )
+    quantization: Literal["gguf", "int8", "none"] | None = Field(
+        None,
+        description="How linear weights are stored and multiplied: gguf: as the .gguf file's Q8_0/Q4_0/Q4_1 "
+        "blocks; int8: a float checkpoint's linears quantized to Q8_0 blocks as they load (weight-only, "
+        "vLLM's W8A16 idea); none: every weight dequantized to dtype; None: gguf for a .gguf file storing "
+        "such blocks, else none.",
+    )
     seed: int = Field(0, description="Seed of the sampler's random draws.")
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: triton on CUDA devices, torch (the reference) elsewhere."

@@ -12,18 +12,22 @@ parameter's ``weight_loader`` to the engine's dtype.
   dimensions, Hugging Face's pairs the two halves); ``_unpermute`` undoes it, as transformers does.
 * Types: those the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
   and others it lists); any other raises ``ValueError`` naming the tensor and its type before anything loads.
+  Tensors stored as Q8_0, Q4_0 or Q4_1 can also be read as their block bytes (``stored_formats``,
+  ``iter_weights(blocks=...)``), which the quantized layers keep as they are.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
+
+from engine.model.quantization.blocks import QuantType, quantize
 
 # llama.cpp's architecture name -> the Hugging Face class the engine builds for it.
 ARCHITECTURES = {
@@ -148,25 +152,49 @@ class GGUFFile:
         directory, name = os.path.split(os.path.abspath(self.path))
         return AutoTokenizer.from_pretrained(directory, gguf_file=name)
 
-    def iter_weights(self, name_filter: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 CPU tensor), one tensor dequantized at a time, in the file's order."""
+    def stored_formats(self) -> dict[str, QuantType | None]:
+        """Hugging Face name -> the block format Serval multiplies that the tensor is stored in, or None."""
+        return {
+            hf_tensor_name(t.name): QuantType.of_gguf(t.tensor_type.name)
+            for t in self._reader.tensors
+            if t.name not in _SKIPPED
+        }
+
+    def iter_weights(
+        self, name_filter: Callable[[str], bool] | None = None, blocks: Mapping[str, QuantType] = {}
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, CPU tensor), one tensor at a time, in the file's order: float32 values, or
+        block bytes for the names in ``blocks`` (as stored, or quantized from the dequantized values).
+
+        The tensors are read through a reader of their own, dropped at the end, so the file's pages stay
+        mapped only while the weights load."""
+        import gguf
+        from tqdm import tqdm
+
         permuted = self.gguf_architecture in _PERMUTED_QK
         heads = {
             "q_proj": self.hf_config["num_attention_heads"],
             "k_proj": self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"],
         }
-        from tqdm import tqdm
-
-        tensors = tqdm(self._reader.tensors, desc=f"Dequantizing {os.path.basename(self.path)}", unit="tensor")
+        reader = gguf.GGUFReader(self.path)
+        tensors = tqdm(reader.tensors, desc=f"Reading {os.path.basename(self.path)}", unit="tensor")
         for tensor in tensors:
             name = hf_tensor_name(tensor.name)
             if tensor.name in _SKIPPED or (name_filter is not None and not name_filter(name)):
                 continue
-            values = self._dequantize(tensor)
+            values = self._read(tensor, blocks.get(name))
             projection = name.split(".")[-2]
             if permuted and projection in heads:
-                values = _unpermute(values, heads[projection])
+                values = _unpermute(values, heads[projection])  # rows: of values or of blocks alike
             yield name, torch.from_numpy(np.ascontiguousarray(values))
+
+    @classmethod
+    def _read(cls, tensor, qtype: QuantType | None) -> np.ndarray:
+        """The tensor as float32 values, or as ``qtype``'s block bytes [rows, row_bytes] when asked."""
+        if qtype is not None and QuantType.of_gguf(tensor.tensor_type.name) is qtype:
+            return np.array(tensor.data).reshape(int(tensor.shape[-1]), -1)  # a copy: the file is read-only
+        values = cls._dequantize(tensor)
+        return values if qtype is None else quantize(torch.from_numpy(values), qtype).numpy()
 
     @staticmethod
     def _dequantize(tensor) -> np.ndarray:

@@ -234,9 +234,10 @@ class LlamaForCausalLM(nn.Module):
 
         Pairs ``wants_weight`` refuses are skipped, so the full checkpoint may be passed.
         """
-        load_named_weights(self, self._stage_weights(weights), PACKED_MODULES, skip_suffixes=["rotary_emb.inv_freq"])
+        load_named_weights(self, self.stage_weights(weights), PACKED_MODULES, skip_suffixes=["rotary_emb.inv_freq"])
 
-    def _stage_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def stage_weights(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        """The (name, tensor) pairs of this stage, under the names its parameters load them by."""
         head_copies_embedding = self.arch_config.tie_word_embeddings and self.model.embed_tokens is None
         for name, tensor in weights:
             if not self.wants_weight(name):

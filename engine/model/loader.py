@@ -21,7 +21,7 @@ class WeightLoadingError(RuntimeError):
     """The checkpoint does not match the model's parameters."""
 
 
-def _map_name(name: str, packed: list[tuple[str, str, object]]) -> tuple[str, object]:
+def map_checkpoint_name(name: str, packed: list[tuple[str, str, object]]) -> tuple[str, object]:
     """Checkpoint name -> (model parameter name, shard id or None)."""
     for packed_part, ckpt_part, shard_id in packed:
         if f".{ckpt_part}." in name:
@@ -57,7 +57,7 @@ def load_named_weights(
     for ckpt_name, tensor in weights:
         if skip and ckpt_name.endswith(skip):
             continue
-        target, shard_id = _map_name(ckpt_name, packed)
+        target, shard_id = map_checkpoint_name(ckpt_name, packed)
         param = params.get(target)
         if param is None:
             unexpected.append(ckpt_name)

@@ -9,7 +9,8 @@ from torch import nn
 
 from engine.attention.backend import get_attention_backend
 from engine.model.architecture import Architecture, parse_dtype
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import PACKED_MODULES, LlamaForCausalLM
+from engine.model.quantization.plan import plan_quantization
 from engine.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.model.source import open_model_source
 
@@ -51,13 +52,15 @@ def get_model(
     tp_size: int = 1,
     pp_rank: int = 0,
     pp_size: int = 1,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build this rank's part of the model at ``model_path``, load its weights cast to ``dtype``; eval mode.
 
     The part is pipeline stage ``pp_rank`` of ``pp_size``, tensor-parallel slice
     ``tp_rank`` of ``tp_size`` (defaults: the whole model). ``dtype`` defaults to
-    the checkpoint's (float32 if unrecorded). The result follows the interface
-    documented on ``LlamaForCausalLM``.
+    the checkpoint's (float32 if unrecorded). ``quantization`` is ``ModelConfig.quantization``: which
+    layers keep block-format weights (``engine.model.quantization.plan``). The result follows the
+    interface documented on ``LlamaForCausalLM``.
     """
     source = open_model_source(model_path)
     model_cls = get_model_class((source.hf_config.get("architectures") or ["<none>"])[0])
@@ -72,5 +75,7 @@ def get_model(
             pp_rank=pp_rank,
             pp_size=pp_size,
         )
-    model.load_weights(source.iter_weights(model.wants_weight))
+        plan = plan_quantization(model, source.stored_formats(), PACKED_MODULES, quantization)
+        plan.apply(model, dtype)
+    model.load_weights(source.iter_weights(model.wants_weight, blocks=plan.checkpoint))
     return model.eval()

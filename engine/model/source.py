@@ -21,12 +21,14 @@ import functools
 import glob
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.model.quantization.blocks import QuantType
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,8 +50,16 @@ class ModelSource(Protocol):
     def load_tokenizer(self):
         """A transformers tokenizer (with the model's chat template when it has one)."""
 
-    def iter_weights(self, name_filter: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face tensor name, CPU tensor), one at a time; names ``name_filter`` refuses are never read."""
+    def stored_formats(self) -> dict[str, QuantType | None]:
+        """Every weight's Hugging Face name -> the block format it is stored in (None: float values)."""
+
+    def iter_weights(
+        self, name_filter: Callable[[str], bool] | None = None, blocks: Mapping[str, QuantType] = {}
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face tensor name, CPU tensor), one at a time; names ``name_filter`` refuses are never read.
+
+        A tensor named in ``blocks`` comes as uint8 block bytes of that format (``engine.model.quantization
+        .blocks``): as stored when it is stored so, else quantized from its values."""
 
 
 class HFDirectory:
@@ -86,15 +96,29 @@ class HFDirectory:
             raise FileNotFoundError(f"no safetensors weights in {self.path!r}")
         return files
 
-    def iter_weights(self, name_filter: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def stored_formats(self) -> dict[str, QuantType | None]:
+        from safetensors import safe_open
+
+        names: dict[str, QuantType | None] = {}
+        for path in self.safetensors_files():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                names.update((name, None) for name in f.keys())
+        return names
+
+    def iter_weights(
+        self, name_filter: Callable[[str], bool] | None = None, blocks: Mapping[str, QuantType] = {}
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Read lazily with ``safe_open``: never a whole file at once."""
         from safetensors import safe_open
+
+        from engine.model.quantization.blocks import quantize
 
         for path in self.safetensors_files():
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if name_filter is None or name_filter(name):
-                        yield name, f.get_tensor(name)
+                        tensor = f.get_tensor(name)
+                        yield name, tensor if name not in blocks else quantize(tensor, blocks[name])
 
 
 def is_gguf_path(path: str) -> bool:

@@ -18,7 +18,8 @@ import torch
 from engine.attention.backend import resolve_backend_name
 from engine.config import EngineConfig
 from engine.model import get_model
-from engine.model.layers.cpu_prepack import prepack_linears, skinny_products
+from engine.model.layers.cpu_prepack import skinny_products
+from engine.model.layers.linear_method import process_weights_after_loading
 from engine.sample.sampler import argmax
 from engine.spec_decode.proposer import ProposerInputs
 from engine.worker.input_batch import InputBatch
@@ -67,7 +68,7 @@ class DraftModelProposer:
         """The whole draft (no tensor parallelism: it runs on the output rank alone)."""
         backend = resolve_backend_name(self.config.model_config.attention_backend, device)
         self.model = get_model(self.config.speculative_config.model, dtype=dtype, device=device, attn_backend=backend)
-        prepack_linears(self.model)
+        process_weights_after_loading(self.model)
         self.dtype = dtype
 
     def kv_cache_block_bytes(self) -> int:

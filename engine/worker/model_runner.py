@@ -28,7 +28,8 @@ from engine.kv_transfer import KVConnectorWorker
 from engine.lora.manager import LoRAManager
 from engine.model import get_model
 from engine.model.layers.cpu_decode import CPUDecodeStack
-from engine.model.layers.cpu_prepack import prepack_linears, skinny_products
+from engine.model.layers.cpu_prepack import skinny_products
+from engine.model.layers.linear_method import process_weights_after_loading
 from engine.sample import Sampler
 from engine.sample.grammar_bitmask import apply_grammar_bitmask_rows, grammar_rows
 from engine.sample.prompt_logprobs import PromptLogprobs
@@ -101,8 +102,9 @@ class ModelRunner:
             tp_size=parallel.tp_size,
             pp_rank=parallel.pp_rank,
             pp_size=parallel.pp_size,
+            quantization=self.config.model_config.quantization,
         )
-        prepack_linears(self.model)  # bf16 on CPU: oneDNN layouts once, not per call
+        process_weights_after_loading(self.model)  # oneDNN layouts once, not per call
         if self.config.lora_config.enable_lora:
             self.lora = LoRAManager(self.model, self.config.lora_config, self.dtype, self.device)
         else:  # LoRA's deltas are Python-side: adapters keep the layers' path

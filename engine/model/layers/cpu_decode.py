@@ -11,7 +11,7 @@ read once for all rows, whoever the CPU's vendor); larger ones the weight's oneD
 It takes a step only when every token is a decode of a generated token (``can_run``): a prompt's last
 tokens after a prefix-cache hit keep the layers' path, so they still equal the full prompt's bit for bit.
 Only the models it was written for are taken (``build``): float32 on CPU, one rank, the Llama layer with
-at most a qkv bias, no LoRA, the torch paged backend with its CPU kernel; anything else keeps the layers.
+at most a qkv bias, no LoRA, float weights, the torch paged backend with its CPU kernel; anything else keeps the layers.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def _is_plain_layer(layer: nn.Module, eps: float) -> bool:
     if not isinstance(backend, TorchPagedAttention) or not backend.use_cpu_kernel:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(linear.lora is not None for linear in linears):
+    if any(linear.lora is not None or linear.quant_method.is_quantized for linear in linears):
         return False
     if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return False

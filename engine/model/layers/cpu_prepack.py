@@ -31,7 +31,6 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from engine.kernels.cpu import has_bf16_matmul, load_cpu_kernels, product_dtype
 
@@ -93,20 +92,3 @@ def linear(
 
 def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.float()
-
-
-def prepack_linears(model: nn.Module) -> int:
-    """Prepares the weight of every module that has a ``packed_weight`` slot (a oneDNN layout, or a
-    float32 copy: see the module docstring); returns how many."""
-    num_packed = 0
-    for module in model.modules():
-        if not hasattr(module, "packed_weight"):
-            continue
-        if can_prepack(module.weight):
-            module.packed_weight = pack_weight(module.weight)
-        elif computes_in_fp32(module.weight):
-            module.packed_weight = pack_weight(module.weight.float())
-        else:
-            continue
-        num_packed += 1
-    return num_packed

@@ -21,15 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import tp_all_gather, tp_all_reduce
-from engine.model.layers.cpu_prepack import linear
+from engine.model.layers.linear_method import UNQUANTIZED, LinearMethod
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    """Copy a whole tensor; shapes must match exactly."""
+    """Copy a whole tensor; shapes must match exactly, and block bytes (uint8) go only into block bytes."""
+    if (param.dtype == torch.uint8) != (loaded.dtype == torch.uint8):
+        raise ValueError(f"a {loaded.dtype} tensor cannot load into a {param.dtype} parameter (block bytes)")
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
     param.data.copy_(loaded)
@@ -45,24 +46,31 @@ class LinearBase(nn.Module):
     """y = x @ W.T + b with W of shape [out_local, in_local].
 
     ``lora``: multi-LoRA (``engine.lora.layers.LinearLoRA``) adds each token's adapter delta to y;
-    None (LoRA off) costs one attribute test per call.
+    None (LoRA off) costs one attribute test per call. ``quant_method`` stores W and computes the product
+    (``engine.model.layers.linear_method``); ``quantize_as`` gives the layer another before loading.
     """
 
     lora = None
+    quant_method: LinearMethod = UNQUANTIZED
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.in_features, self.out_features = in_local, out_local
-        self.weight = _param((out_local, in_local), self.weight_loader)
+        self.weight = self.quant_method.create_weight(out_local, in_local, self.weight_loader)
         self.bias = _param((out_local,), self.weight_loader) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack.prepack_linears
+        self.packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
+
+    def quantize_as(self, method: LinearMethod) -> None:
+        """Store the weight as ``method`` does (before the checkpoint loads)."""
+        self.quant_method = method
+        self.weight = method.create_weight(self.out_features, self.in_features, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.packed_weight)
+        y = self.quant_method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora.apply(x, y)
 
 
@@ -161,16 +169,18 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            y = linear(x, self.weight, self.bias, self.packed_weight)
+            y = self.quant_method.apply(self, x, self.bias)
             return y if self.lora is None else self.lora.apply(x, y)
-        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
+        y = tp_all_reduce(self.quant_method.apply(self, x, None))
         if self.lora is not None:  # after the reduction: the LoRA delta reduces its own shrink
             y = self.lora.apply(x, y)
         return y if self.bias is None else y + self.bias
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding, vocab split across ranks (rows [r*V/tp, (r+1)*V/tp))."""
+    """Token embedding, vocab split across ranks (rows [r*V/tp, (r+1)*V/tp)); ``quant_method`` as LinearBase's."""
+
+    quant_method: LinearMethod = UNQUANTIZED
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
@@ -178,24 +188,30 @@ class VocabEmbedding(nn.Module):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.vocab_size, self.local_vocab = vocab_size, vocab_size // tp_size
         self.vocab_start = tp_rank * self.local_vocab
-        self.weight = _param((self.local_vocab, hidden_size), self.weight_loader)
+        self.hidden_size = hidden_size
+        self.weight = self.quant_method.create_weight(self.local_vocab, hidden_size, self.weight_loader)
+
+    def quantize_as(self, method: LinearMethod) -> None:
+        self.quant_method = method
+        self.weight = method.create_weight(self.local_vocab, self.hidden_size, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded.narrow(0, self.vocab_start, self.local_vocab))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.quant_method.embed(self, input_ids)
         local = input_ids - self.vocab_start
         mine = (local >= 0) & (local < self.local_vocab)
-        out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight) * mine.unsqueeze(-1)
+        out = self.quant_method.embed(self, local.clamp(0, self.local_vocab - 1)) * mine.unsqueeze(-1)
         return tp_all_reduce(out)  # each token's row comes from the one rank holding it
 
 
 class LMHead(nn.Module):
     """Vocab-parallel output projection; the ranks' logit shards are concatenated along vocab.
 
-    With tied embeddings it reuses ``embedding.weight`` (the same Parameter).
+    With tied embeddings it reuses ``embedding.weight`` (the same Parameter) and the embedding's
+    ``quant_method``.
     """
 
     def __init__(
@@ -208,13 +224,22 @@ class LMHead(nn.Module):
     ):
         super().__init__()
         self.tp_size = tp_size
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            emb = VocabEmbedding(vocab_size, hidden_size, tp_rank, tp_size)
-            self.weight = emb.weight  # keeps emb's vocab-sharding weight_loader
-        self.packed_weight: torch.Tensor | None = None  # set by cpu_prepack.prepack_linears
+        self.is_tied = tied_to is not None
+        # Untied: an embedding of its own holds the vocab-sharding weight_loader (not a submodule).
+        self._rows = [tied_to or VocabEmbedding(vocab_size, hidden_size, tp_rank, tp_size)]
+        self.weight = self._rows[0].weight
+        self.packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
+
+    @property
+    def quant_method(self) -> LinearMethod:
+        return self._rows[0].quant_method
+
+    def quantize_as(self, method: LinearMethod) -> None:
+        """Tied: follows the embedding (quantized first); untied: quantizes its own rows."""
+        if not self.is_tied:
+            self._rows[0].quantize_as(method)
+        self.weight = self._rows[0].weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed_weight)
+        logits = self.quant_method.apply(self, hidden, None)
         return logits if self.tp_size == 1 else tp_all_gather(logits)  # [T, V/tp] -> [T, V]

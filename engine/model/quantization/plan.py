@@ -1,0 +1,98 @@
+"""Which layers of a model keep their weights in block formats, decided before the checkpoint loads.
+
+``plan_quantization(model, source, quantization)`` returns a ``QuantizationPlan``: module name -> format
+(the layers to ``quantize_as``) and checkpoint tensor name -> format (what the source must yield as block
+bytes: ``ModelSource.iter_weights(..., blocks=...)``). ``quantization`` is ``ModelConfig.quantization``:
+
+* ``"gguf"``: every linear, embedding and LM head whose checkpoint tensors are stored in one format Serval
+  multiplies (Q8_0, Q4_0, Q4_1) keeps it. A packed layer (qkv, gate_up) whose parts are stored in different
+  formats, or in others (the K-quants), is dequantized to the model's dtype, as is every norm.
+* ``"int8"``: every linear layer (not the embedding and LM head, as vLLM's weight-only modes) is quantized
+  to Q8_0 as it loads.
+* ``"none"``: nothing kept quantized. ``None``: ``"gguf"`` if the source stores any such block, else none.
+
+A tied LM head follows its embedding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.model.layers.linear import LinearBase
+from engine.model.loader import map_checkpoint_name
+from engine.model.quantization.block_method import BlockQuantLinearMethod
+from engine.model.quantization.blocks import QuantType
+
+_WEIGHT = ".weight"
+
+
+@dataclass(frozen=True)
+class QuantizationPlan:
+    modules: dict[str, QuantType] = field(default_factory=dict)
+    checkpoint: dict[str, QuantType] = field(default_factory=dict)
+
+    def apply(self, model: nn.Module, compute_dtype: torch.dtype) -> None:
+        """Gives each planned module its block method (modules in registration order: an embedding
+        before the LM head tied to it)."""
+        methods = {qtype: BlockQuantLinearMethod(qtype, compute_dtype) for qtype in set(self.modules.values())}
+        for name, module in model.named_modules():
+            if name in self.modules:
+                module.quantize_as(methods[self.modules[name]])
+
+
+def plan_quantization(
+    model: nn.Module, stored: Mapping[str, QuantType | None], packed: list, quantization: str | None
+) -> QuantizationPlan:
+    """The plan (module docstring) for ``model``; ``stored``: the source's checkpoint name -> stored format
+    (``ModelSource.stored_formats()``); ``packed``: the model's packed-module table."""
+    if quantization is None:
+        quantization = "gguf" if any(stored.values()) else "none"
+    if quantization == "none":
+        return QuantizationPlan()
+    if quantization == "gguf" and not any(stored.values()):
+        raise ValueError(
+            "quantization='gguf' needs a .gguf model storing Q8_0, Q4_0 or Q4_1 weights; this one stores none "
+            "(quantization='int8' quantizes a float checkpoint as it loads)"
+        )
+    targets = _targets(model, stored, packed)
+    if quantization == "int8":
+        linears = {name for name, m in model.named_modules() if isinstance(m, LinearBase)}
+        chosen = {ckpt: QuantType.Q8_0 for ckpt, module in targets.items() if module in linears}
+    else:
+        chosen = _uniform_modules(stored, targets)
+    plan = QuantizationPlan({targets[c]: q for c, q in chosen.items()}, chosen)
+    lm_head = getattr(model, "lm_head", None)
+    embed = plan.modules.get("model.embed_tokens")
+    if embed is not None and lm_head is not None and lm_head.is_tied:
+        plan.modules["lm_head"] = embed
+    return plan
+
+
+def _targets(model: nn.Module, stored: Mapping[str, object], packed: list) -> dict[str, str]:
+    """Checkpoint weight name -> the model module that loads it (this stage's weights only)."""
+    modules = dict(model.named_modules())
+    targets = {}
+    for stage_name, ckpt in model.stage_weights((n, n) for n in stored):  # the checkpoint name rides along
+        if not stage_name.endswith(_WEIGHT):
+            continue
+        module = map_checkpoint_name(stage_name, packed)[0].removesuffix(_WEIGHT)
+        if hasattr(modules.get(module), "quantize_as"):
+            targets[ckpt] = module
+    return targets
+
+
+def _uniform_modules(stored: Mapping[str, QuantType | None], targets: dict[str, str]) -> dict[str, QuantType]:
+    """The checkpoint weights of modules whose every part is stored in one block format."""
+    parts: dict[str, list[str]] = {}
+    for ckpt, module in targets.items():
+        parts.setdefault(module, []).append(ckpt)
+    chosen = {}
+    for names in parts.values():
+        formats = {stored[name] for name in names}
+        if len(formats) == 1 and None not in formats:
+            chosen.update((name, stored[name]) for name in names)
+    return chosen

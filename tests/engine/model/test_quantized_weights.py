@@ -1,0 +1,111 @@
+"""Quantized weights kept as the .gguf file stores them (``quantization``), on the registry's real file.
+
+* The plan: the file's Q4_1 linears and Q8_0 embedding stay blocks (the tied LM head the embedding's),
+  within 10 % of the file's size; ``none``, ``int8`` and a ``gguf`` request on a float checkpoint do what
+  they say; tensor-parallel shards are the full tensor's rows or whole blocks.
+* Each quantized layer computes the product of its dequantized weight, on the native kernel and on the
+  plain-torch path; an embedding row is its dequantized row exactly.
+* The engine on the file's blocks: greedy chat outputs agree with the dequantized model's (the directory)
+  for their first 16 tokens, and batching or a prefix-cache hit changes no token.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM
+from engine.kernels.cpu import use_cpu_kernels
+from engine.model.layers.linear import LinearBase
+from engine.model.quantization.blocks import QuantType, dequantize, quantize
+from engine.model.registry import get_model
+from tests.conftest import SMOLLM2_PATH, assert_pool_clean, greedy
+
+GGUF = SMOLLM2_PATH.parent / "smollm2-135m-instruct.gguf"
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Name three primary colors."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "How do plants make food?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    assert GGUF.is_file(), "run `make models`"
+    return get_model(str(GGUF))
+
+
+def _linears(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
+def test_the_files_blocks_stay_blocks_within_its_size(quantized):
+    assert {m.quant_method.qtype for m in _linears(quantized).values()} == {QuantType.Q4_1}
+    embed = quantized.model.embed_tokens
+    assert embed.quant_method.qtype is QuantType.Q8_0 and embed.weight.dtype == torch.uint8
+    assert quantized.lm_head.weight is embed.weight and quantized.lm_head.quant_method is embed.quant_method
+    weight_bytes = sum(p.numel() * p.element_size() for p in quantized.parameters())  # tied: counted once
+    assert abs(weight_bytes - os.path.getsize(GGUF)) < 0.1 * os.path.getsize(GGUF)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_each_layer_computes_its_dequantized_product(quantized, native):
+    layer = quantized.model.local_layers[0]
+    modules = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    with use_cpu_kernels(native):
+        for module in [*modules, quantized.lm_head]:
+            x = torch.randn(5, module.weight.shape[1] // module.quant_method.qtype.block_bytes * 32)
+            expected = x.double() @ dequantize(module.weight, module.quant_method.qtype).double().T
+            torch.testing.assert_close(module(x).double(), expected, rtol=1e-4, atol=1e-4)
+    ids = torch.tensor([[0, 17, 49151], [5, 5, 2]])
+    rows = dequantize(quantized.model.embed_tokens.weight, QuantType.Q8_0)[ids]
+    assert torch.equal(quantized.model.embed_tokens(ids), rows)
+
+
+def test_none_int8_and_a_gguf_request_on_float_weights(smollm2_path):
+    plain = get_model(str(GGUF), quantization="none")
+    assert not any(m.quant_method.is_quantized for m in _linears(plain).values())
+    assert plain.model.embed_tokens.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="needs a .gguf model storing Q8_0, Q4_0 or Q4_1"):
+        get_model(smollm2_path, quantization="gguf")
+    int8 = get_model(smollm2_path, quantization="int8")
+    down = int8.model.local_layers[3].mlp.down_proj
+    assert {m.quant_method.qtype for m in _linears(int8).values()} == {QuantType.Q8_0}
+    assert int8.model.embed_tokens.weight.dtype == torch.float32  # embeddings stay float, as vLLM's
+    assert torch.equal(down.weight, quantize(plain.model.local_layers[3].mlp.down_proj.weight, QuantType.Q8_0))
+
+
+def test_tensor_parallel_shards_are_rows_or_whole_blocks(quantized):
+    ranks = [get_model(str(GGUF), tp_rank=rank, tp_size=3) for rank in range(3)]  # 9 heads, 3 KV heads
+    full = quantized.model.local_layers[1]
+    parts = [model.model.local_layers[1] for model in ranks]
+    for name in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: halves of each row's blocks
+        whole = full.get_submodule(name).weight
+        assert torch.equal(torch.cat([p.get_submodule(name).weight for p in parts], dim=1), whole)
+    gate, up = full.mlp.gate_up_proj.weight.chunk(2)  # column-parallel, packed [gate | up]: a third of each
+    for rank, part in enumerate(parts):
+        assert torch.equal(part.mlp.gate_up_proj.weight, torch.cat([gate.chunk(3)[rank], up.chunk(3)[rank]]))
+    x = torch.randn(3, 1536 // 3)
+    o = parts[1].mlp.down_proj
+    torch.testing.assert_close(o.quant_method.apply(o, x, None), F.linear(x, dequantize(o.weight, QuantType.Q4_1)))
+
+
+@pytest.mark.slow
+def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(smollm2_path):
+    outputs = {}
+    for model in (str(GGUF), smollm2_path):
+        llm = LLM(model=model, max_model_len=1024, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True)
+        batched = [o.outputs[0].token_ids for o in llm.chat(CHATS, greedy(24))]
+        alone = [llm.chat([chat], greedy(24))[0].outputs[0].token_ids for chat in CHATS]  # prefix-cache hits
+        if model == str(GGUF):
+            assert alone == batched  # each row's product depends on that row only
+        outputs[model] = batched
+        assert_pool_clean(llm)
+        llm.shutdown()
+    agree = [q[:16] == f[:16] for q, f in zip(outputs[str(GGUF)], outputs[smollm2_path])]
+    print(f"first 16 greedy tokens equal to the dequantized model's on {sum(agree)} of {len(agree)} chats")
+    assert sum(agree) >= len(agree) - 1
