@@ -38,14 +38,22 @@ struct Problem {
 
 // Rows of x up to which the weights are widened in registers; past it, into a tile.
 constexpr int64_t kRegisterRows = 4;
+constexpr int64_t kPrefetchGroups = 4;  // measured best of 0, 2, 4 (bench_quant_linear.py, M = 1)
 
-// Sums the lanes of acc[0 .. M * R) (the others are overwritten) and stores y[m0 + m, n + r] (+ bias).
+// Vectors of accumulators for M x R outputs: whole vectors of sums.
+template <int M, int R>
+constexpr int64_t accumulators() {
+  return (M * R + simd::kLanes - 1) / simd::kLanes * simd::kLanes;
+}
+
+// Sums the lanes of acc[0 .. M * R) (a vector of sums at a time; the rest of the last is overwritten) and stores
+// y[m0 + m, n + r] (+ bias).
 template <int M, int R>
 inline void store_sums(const Problem& p, simd::vfloat* acc, int64_t m0, int64_t n) {
-  static_assert(M * R <= simd::kLanes);
-  for (int i = M * R; i < simd::kLanes; ++i) acc[i] = simd::set1(0.f);
-  alignas(64) float sums[simd::kLanes];
-  simd::store(sums, simd::transpose_sum(acc));
+  constexpr int kOutputs = M * R, kVectors = accumulators<M, R>() / simd::kLanes;
+  for (int i = kOutputs; i < kVectors * simd::kLanes; ++i) acc[i] = simd::set1(0.f);
+  alignas(64) float sums[kVectors * simd::kLanes];
+  for (int v = 0; v < kVectors; ++v) simd::store(sums + v * simd::kLanes, simd::transpose_sum(acc + v * simd::kLanes));
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) {
       const float s = sums[m * R + r];
@@ -56,10 +64,15 @@ inline void store_sums(const Problem& p, simd::vfloat* acc, int64_t m0, int64_t 
 // Few rows: y[m0 .. m0 + M, n .. n + R), each block widened in registers and used by the M rows.
 template <Format F, int M, int R>
 inline void register_block(const Problem& p, int64_t m0, int64_t n) {
-  simd::vfloat acc[simd::kLanes];
+  simd::vfloat acc[accumulators<M, R>()];
   for (int i = 0; i < M * R; ++i) acc[i] = simd::set1(0.f);
-  const int64_t bb = serval::quant::block_bytes(F);
-  for (int64_t b = 0; b < p.K / kBlock; ++b) {
+  const int64_t bb = serval::quant::block_bytes(F), blocks = p.K / kBlock;
+  // The weight rows kPrefetchGroups blocks of rows ahead, a few cache lines per step: R rows read side by side
+  // are more streams than the hardware prefetcher follows well (a prefetch past the end is harmless).
+  const char* ahead = reinterpret_cast<const char*>(p.w + (n + kPrefetchGroups * R) * p.row_bytes);
+  const int64_t lines = (R * p.row_bytes + 63) / 64, per_step = (lines + blocks - 1) / blocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t i = b * per_step; i < (b + 1) * per_step; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
     simd::vfloat xv[M][kChunks];
     for (int m = 0; m < M; ++m)
       for (int c = 0; c < kChunks; ++c) xv[m][c] = simd::load(p.x + (m0 + m) * p.K + b * kBlock + c * simd::kLanes);
@@ -93,6 +106,7 @@ void register_rows(const Problem& p) {
 
 // Many rows: a tile of weight rows is widened into `tile` [rows, K] once, then multiplied by rows of x in
 // blocks of kTileM x kTileR outputs (one vector of sums).
+// 4 x 4 (AVX-512) / 4 x 2 (AVX2): measured best of 2 x 8, 4 x 6, 6 x 4, 8 x 2, 5 x 3 (bench_quant_linear.py).
 constexpr int kTileM = 4;
 constexpr int kTileR = static_cast<int>(simd::kLanes / kTileM);
 
@@ -110,7 +124,7 @@ void widen_rows(const Problem& p, int64_t n0, int64_t rows, float* tile) {
 // y[m0 .. m0 + M, n0 + r0 .. n0 + r0 + R) from the widened tile of rows n0 ...
 template <int M, int R>
 inline void tile_block(const Problem& p, const float* tile, int64_t m0, int64_t n0, int64_t r0) {
-  simd::vfloat acc[simd::kLanes];
+  simd::vfloat acc[accumulators<M, R>()];
   for (int i = 0; i < M * R; ++i) acc[i] = simd::set1(0.f);
   for (int64_t k = 0; k < p.K; k += simd::kLanes) {
     simd::vfloat xv[M];
@@ -123,7 +137,7 @@ inline void tile_block(const Problem& p, const float* tile, int64_t m0, int64_t 
   store_sums<M, R>(p, acc, m0, n0 + r0);
 }
 
-// Rows [m_begin, m_end) of x against the tile of weight rows n0 .. n0 + rows.
+// Rows m0 .. m0 + M of x against the whole tile (weight rows n0 .. n0 + rows).
 template <int M>
 inline void tile_rows(const Problem& p, const float* tile, int64_t m0, int64_t n0, int64_t rows) {
   int64_t r = 0;
