@@ -40,6 +40,7 @@ _SOURCES = [
     "decode_attention.cpp",
     "decode_stack.cpp",
     "elementwise.cpp",
+    "quant_linear.cpp",
     "sampling.cpp",
     "skinny_linear.cpp",
 ]

@@ -14,6 +14,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 torch::Tensor cos_sin, torch::Tensor kv_cache, torch::Tensor slot_mapping);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias);
+torch::Tensor quant_linear_reference(torch::Tensor x, torch::Tensor w, int64_t qtype,
+                                     c10::optional<torch::Tensor> bias);
 torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> layer_weights,
                            std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
                            torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
@@ -38,6 +41,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "In place: rope on q [T, H, D] and k [T, Hk, D]; then k, v rows into kv_cache at slot_mapping");
   m.def("skinny_linear", &skinny_linear, "x [M, K] @ w[N, K]^T (+ bias) for 1 <= M <= 8 rows, float32",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("quant_linear", &quant_linear,
+        "x [M, K] @ dequantize(w [N, row_bytes], qtype)^T (+ bias), float32; qtype: 0 Q8_0, 1 Q4_0, 2 Q4_1; "
+        "batch-invariant",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
+  m.def("quant_linear_reference", &quant_linear_reference,
+        "quant_linear's arithmetic in scalar code, operation for operation (its bit-exact reference)",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("decode_stack", &decode_stack,
         "A Llama decoder stack's decode-only step (one token per request, float32): final-normed hidden [T, hidden]",
         py::arg("hidden"), py::arg("layer_weights"), py::arg("packed_weights"), py::arg("kv_caches"), py::arg("final_norm"), py::arg("positions"),

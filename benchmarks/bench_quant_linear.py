@@ -1,0 +1,112 @@
+"""The native quantized linear (``quant_linear``, GGUF Q8_0 / Q4_1 weights, float32 activations) against float32
+products on the dequantized weight: MKL's ``F.linear`` and a oneDNN-packed copy (as cpu_prepack.py keeps it).
+
+Prints, per thread count, shape (K, N) and row count M, the microseconds of each and the ratios; for M = 1
+also the effective bandwidth of quant_linear (its weight bytes / time) against a STREAM-like read of this
+run (a 256 MB ``torch.sum``) and the memory floor (weight bytes / that bandwidth).
+
+    python benchmarks/bench_quant_linear.py
+    python benchmarks/bench_quant_linear.py --threads 2 --rows 1 32 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import load_cpu_kernels
+from engine.model.quantization.blocks import QuantType, dequantize, quantize
+
+# SmolLM2-135M's projections (K = in_features, N = out_features): qkv, o, gate_up, down, lm head.
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
+FORMATS = (QuantType.Q8_0, QuantType.Q4_1)
+ROTATION_BYTES = 256 << 20
+
+
+def seconds(fn, budget: float = 0.15) -> float:
+    """The median time of one call, over calls filling about ``budget`` seconds."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    once = time.perf_counter() - start
+    times = []
+    for _ in range(max(3, min(200, int(budget / max(once, 1e-7))))):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def rotating(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of ``tensor`` filling about ROTATION_BYTES, taken in turn so that each call reads its weight from
+    as far out in the memory hierarchy as the STREAM-like read does (the model's other layers evict it)."""
+    count = max(1, min(400, ROTATION_BYTES // (tensor.numel() * tensor.element_size())))
+    return [tensor.clone() for _ in range(count)]
+
+
+def cycling(fn, tensors: list[torch.Tensor]):
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(tensors)
+        return fn(tensors[state["i"]])
+
+    return call
+
+
+def read_bandwidth() -> float:
+    """Bytes per second of a sum over 256 MB (far past every cache)."""
+    data = torch.ones(64 << 20)
+    return data.numel() * 4 / seconds(lambda: data.sum(), budget=1.0)
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+        return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+
+
+def bench_shape(ops, k: int, n: int, rows: list[int], bandwidth: float) -> None:
+    weight = torch.randn(n, k) * 0.05
+    quantized = {q: quantize(weight, q) for q in FORMATS}
+    dense = dequantize(quantized[QuantType.Q8_0], QuantType.Q8_0)
+    packed = rotating(torch.ops.mkldnn._reorder_linear_weight(dense, 64))
+    dense_copies = rotating(dense)
+    quantized_copies = {q: rotating(w) for q, w in quantized.items()}
+    for m in rows:
+        x = torch.randn(m, k)
+        fl = seconds(cycling(lambda w: F.linear(x, w), dense_copies))
+        dnn = seconds(cycling(lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), packed))
+        cells = [f"{k:5d} {n:6d} {m:4d} | {fl * 1e6:9.1f} {dnn * 1e6:9.1f}"]
+        for q in FORMATS:
+            t = seconds(cycling(lambda w, q=q: ops.quant_linear(x, w, q.kernel_id), quantized_copies[q]))
+            cells.append(f"{t * 1e6:9.1f} {fl / t:5.2f}x {dnn / t:5.2f}x")
+            if m == 1:
+                nbytes = quantized[q].numel()
+                cells.append(f"{nbytes / t / 1e9:5.1f} GB/s ({nbytes / bandwidth / t:4.0%} of floor)")
+        print(" | ".join(cells), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])
+    parser.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES (default: all)")
+    args = parser.parse_args()
+    ops = load_cpu_kernels()
+    assert ops is not None and hasattr(ops, "quant_linear"), "the native CPU kernels are not built here"
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}")
+    shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        bandwidth = read_bandwidth()
+        print(f"\n{threads} thread(s); read bandwidth (256 MB torch.sum): {bandwidth / 1e9:.1f} GB/s; times in us")
+        print("    K      N    M |  F.linear    oneDNN | Q8_0 us  vs F.lin vs oneDNN | Q4_1 ... (M=1: GB/s, floor)")
+        for k, n in shapes:
+            bench_shape(ops, k, n, args.rows, bandwidth)
+
+
+if __name__ == "__main__":
+    main()
