@@ -5,7 +5,9 @@
 // themselves take on a 135M model, paid 30 times a step. Here the same native ops run back to back in C++:
 // the arithmetic is exactly that of the layers' native path (elementwise.cpp, decode_attention.cpp), and each
 // product is the native skinny_linear (rows <= native_rows), else the weight's oneDNN-packed copy through
-// mkldnn::_linear_pointwise when there is one (what cpu_prepack.linear calls), else at::linear (F.linear).
+// mkldnn::_linear_pointwise when there is one (what cpu_prepack.linear calls), else at::linear (F.linear);
+// with block-format weights (weight_format >= 0, a QuantType's kernel_id) every product is quant_linear,
+// what BlockQuantLinearMethod calls.
 //
 // Contract (decode_stack): hidden [T, hidden] float32, the step's token embeddings, one token per request
 // (row i is request i); layer_weights holds 7 tensors per layer, in order: input_layernorm [hidden],
@@ -13,7 +15,8 @@
 // post_attention_layernorm [hidden], gate_up_proj weight [2 I, hidden], down_proj weight [hidden, I];
 // packed_weights is empty or holds 4 per layer, the packed copies of qkv, o, gate_up and down (cpu_prepack);
 // kv_caches one [2, blocks, block_size, Hk, D] per layer; positions and slot_mapping int64 [T]; cos_sin the
-// rope table [P, 2, D] float32; block_tables int32 [T, max_blocks] and seq_lens int32 [T]. Writes each
+// rope table [P, 2, D] float32; block_tables int32 [T, max_blocks] and seq_lens int32 [T]; weight_format
+// -1 (float weights) or the kernel_id of the one block format all four products' weights are in. Writes each
 // layer's new K/V into its cache and returns the final norm of the last layer's output [T, hidden].
 #include <torch/extension.h>
 
@@ -33,6 +36,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 torch::Tensor cos_sin, torch::Tensor kv_cache, torch::Tensor slot_mapping);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias);
 
 namespace {
 
@@ -41,7 +45,7 @@ constexpr int64_t kPackedPerLayer = 4;
 
 struct StepArgs {
   torch::Tensor positions, slot_mapping, cos_sin, block_tables, seq_lens;
-  int64_t num_heads, num_kv_heads, head_dim, native_rows;
+  int64_t num_heads, num_kv_heads, head_dim, native_rows, weight_format;
   double eps, scale;
 };
 
@@ -57,9 +61,10 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // x @ w.T (+ bias); packed is w's packed copy or an undefined tensor.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
-                      const torch::Tensor& bias, int64_t native_rows) {
+                      const torch::Tensor& bias, const StepArgs& a) {
   const c10::optional<torch::Tensor> b = bias.defined() && bias.numel() > 0 ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
-  if (x.size(0) <= native_rows) return skinny_linear(x, w, b);
+  if (a.weight_format >= 0) return quant_linear(x, w, a.weight_format, b);
+  if (x.size(0) <= a.native_rows) return skinny_linear(x, w, b);
   if (packed.defined()) return packed_linear(x, packed, b);
   return at::linear(x, w, b);
 }
@@ -75,7 +80,7 @@ torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const t
   } else {
     fused_add_rms_norm(hidden, residual, w[0], a.eps);  // in place: hidden = norm, residual = sum
   }
-  const torch::Tensor qkv = product(hidden, w[1], packed ? packed[0] : none, w[2], a.native_rows);
+  const torch::Tensor qkv = product(hidden, w[1], packed ? packed[0] : none, w[2], a);
   const int64_t q_size = a.num_heads * d, kv_size = a.num_kv_heads * d;
   torch::Tensor q = qkv.narrow(1, 0, q_size).view({t, a.num_heads, d});
   torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, a.num_kv_heads, d});
@@ -83,10 +88,10 @@ torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const t
   rotary_embedding_and_cache(a.positions, q, k, v, a.cos_sin, kv_cache, a.slot_mapping);
   torch::Tensor attn = torch::empty({t, a.num_heads, d}, hidden.options());
   paged_decode_attention(q, kv_cache, a.block_tables, a.seq_lens, a.scale, attn);
-  torch::Tensor out = product(attn.view({t, q_size}), w[3], packed ? packed[1] : none, none, a.native_rows);
+  torch::Tensor out = product(attn.view({t, q_size}), w[3], packed ? packed[1] : none, none, a);
   fused_add_rms_norm(out, residual, w[4], a.eps);  // out = norm(out + residual), residual = the sum
-  const torch::Tensor gate_up = product(out, w[5], packed ? packed[2] : none, none, a.native_rows);
-  return product(silu_and_mul(gate_up), w[6], packed ? packed[3] : none, none, a.native_rows);
+  const torch::Tensor gate_up = product(out, w[5], packed ? packed[2] : none, none, a);
+  return product(silu_and_mul(gate_up), w[6], packed ? packed[3] : none, none, a);
 }
 
 }  // namespace
@@ -95,7 +100,7 @@ torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> laye
                            std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
                            torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
                            torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                           int64_t native_rows) {
+                           int64_t native_rows, int64_t weight_format) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == kTensorsPerLayer * num_layers,
               "decode_stack: 7 weight tensors per layer expected");
@@ -107,7 +112,7 @@ torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> laye
               "decode_stack: one token per request");
   const int64_t head_dim = kv_caches.empty() ? 0 : kv_caches[0].size(4);
   const StepArgs args{positions, slot_mapping, cos_sin, block_tables, seq_lens, num_heads, num_kv_heads,
-                      head_dim,  native_rows,  eps,     scale};
+                      head_dim,  native_rows,  weight_format, eps, scale};
   torch::Tensor residual;
   for (int64_t i = 0; i < num_layers; ++i) {
     const torch::Tensor* packed = packed_weights.empty() ? nullptr : packed_weights.data() + i * kPackedPerLayer;

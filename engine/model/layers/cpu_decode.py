@@ -11,7 +11,8 @@ read once for all rows, whoever the CPU's vendor); larger ones the weight's oneD
 It takes a step only when every token is a decode of a generated token (``can_run``): a prompt's last
 tokens after a prefix-cache hit keep the layers' path, so they still equal the full prompt's bit for bit.
 Only the models it was written for are taken (``build``): float32 on CPU, one rank, the Llama layer with
-at most a qkv bias, no LoRA, float weights, the torch paged backend with its CPU kernel; anything else keeps the layers.
+at most a qkv bias, no LoRA, the products' weights all float or all in one block format, the torch paged
+backend with its CPU kernel; anything else keeps the layers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.torch_paged import TorchPagedAttention
@@ -40,7 +40,7 @@ class CPUDecodeStack:
     def __init__(self, model: nn.Module, kernels):
         stack = model.model
         self.kernels = kernels
-        self.embedding = stack.embed_tokens.weight
+        self.embed_tokens = stack.embed_tokens
         self.final_norm = stack.norm.weight
         self.rotary = stack.rotary
         first = stack.local_layers[0]
@@ -61,16 +61,8 @@ class CPUDecodeStack:
                 layer.mlp.down_proj.weight,
             )
         ]
-        linears = [
-            linear
-            for layer in stack.local_layers
-            for linear in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
+        linears = [linear for layer in stack.local_layers for linear in _linears(layer)]
+        self.weight_format = _format(linears[0])  # one format across the stack (_is_plain_llama)
         packed = all(linear.packed_weight is not None for linear in linears)
         self.packed_weights = [linear.packed_weight for linear in linears] if packed else []
         self.native_rows = PACKED_MIN_ROWS - 1 if packed else NATIVE_ROWS
@@ -83,8 +75,8 @@ class CPUDecodeStack:
         kernels = load_cpu_kernels()
         if kernels is None or not hasattr(kernels, "decode_stack"):
             return None
-        weight = model.model.embed_tokens.weight
-        if weight.dtype != torch.float32 or fused_cpu_ops(weight) is None:
+        norm = model.model.norm.weight  # the model's dtype (an embedding may be stored in blocks)
+        if norm.dtype != torch.float32 or fused_cpu_ops(norm) is None:
             return None
         return cls(model, kernels)
 
@@ -101,9 +93,9 @@ class CPUDecodeStack:
         """The step's final-normed hidden states [T, hidden]; each layer's new K/V written into ``kv_caches``."""
         md = inputs.attn_metadata
         n = md.num_actual_tokens
-        table = self.rotary.table(md.max_seq_len - 1, self.embedding.device)
+        table = self.rotary.table(md.max_seq_len - 1, self.final_norm.device)
         return self.kernels.decode_stack(
-            F.embedding(inputs.input_ids[:n], self.embedding),
+            self.embed_tokens(inputs.input_ids[:n]),
             self.layer_weights,
             self.packed_weights,
             kv_caches,
@@ -118,6 +110,7 @@ class CPUDecodeStack:
             self.eps,
             self.scale,
             self.native_rows,
+            self.weight_format,
         )
 
 
@@ -130,7 +123,12 @@ def _is_plain_llama(model: nn.Module) -> bool:
     if stack.embed_tokens is None or stack.norm is None or stack.embed_tokens.weight.device.type != "cpu":
         return False
     eps = layers[0].input_layernorm.eps
-    return all(_is_plain_layer(layer, eps) for layer in layers)
+    formats = {_format(linear) for layer in layers for linear in _linears(layer)}
+    return len(formats) == 1 and all(_is_plain_layer(layer, eps) for layer in layers)
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 def _is_plain_layer(layer: nn.Module, eps: float) -> bool:
@@ -140,9 +138,14 @@ def _is_plain_layer(layer: nn.Module, eps: float) -> bool:
     backend = attn.backend
     if not isinstance(backend, TorchPagedAttention) or not backend.use_cpu_kernel:
         return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if any(linear.lora is not None or linear.quant_method.is_quantized for linear in linears):
+    if any(linear.lora is not None for linear in _linears(layer)):
         return False
     if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return False
     return layer.input_layernorm.eps == eps and layer.post_attention_layernorm.eps == eps
+
+
+def _format(linear: nn.Module) -> int:
+    """-1 for float weights, else the kernel id of the layer's block format (``decode_stack``'s weight_format)."""
+    method = linear.quant_method
+    return method.qtype.kernel_id if method.is_quantized else -1

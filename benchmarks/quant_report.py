@@ -1,0 +1,86 @@
+"""The table of ``benchmarks/quant_vs_llama.sh``: one row per engine and load, the targets' ratios, and the
+batch-1 step's effective bandwidth against the machine's, measured here.
+
+    python benchmarks/quant_report.py RESULT_DIR Q4_1.gguf Q8_0.gguf
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def read_bandwidth() -> float:
+    """Bytes a second two threads read (``torch.sum`` over 256 MB, STREAM's 'sum' kernel)."""
+    torch.set_num_threads(2)
+    x = torch.ones(64 << 20)
+    for _ in range(3):
+        x.sum()
+    start = time.perf_counter()
+    for _ in range(10):
+        x.sum()
+    return 10 * x.numel() * 4 / (time.perf_counter() - start)
+
+
+def weight_bytes(path: str) -> int:
+    """Bytes of the tensors a decode step reads (every tensor of the file, as stored)."""
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+
+
+def runs(out: str) -> dict[tuple[str, str], list[dict]]:
+    """(engine, load) -> its runs' records."""
+    table: dict[tuple[str, str], list[dict]] = {}
+    for path in sorted(glob.glob(f"{out}/*-*-*.json")):
+        engine, load, _ = os.path.basename(path).removesuffix(".json").rsplit("-", 2)
+        table.setdefault((engine, load), []).append(json.load(open(path)))
+    return table
+
+
+def median(records: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in records)
+
+
+def main(out: str, q4_1: str, q8_0: str) -> None:
+    bandwidth = read_bandwidth()
+    sizes = {"q4_1": weight_bytes(q4_1), "f32": os.path.getsize("models/smollm2-135m-instruct/model.safetensors")}
+    if os.path.exists(q8_0):
+        sizes["q8_0"] = weight_bytes(q8_0)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (2 threads, torch.sum over 256 MB)")
+    table = runs(out)
+    print(f"{'engine':<12} {'load':<4} {'runs':>4} {'out tok/s':>9} {'TTFT ms':>8} {'TPOT ms':>8}  step bandwidth")
+    for (engine, load), records in sorted(table.items(), key=lambda item: (item[0][1], item[0][0])):
+        tpot = median(records, "median_tpot_ms")
+        line = f"{engine:<12} {load:<4} {len(records):>4} {median(records, 'output_throughput'):9.1f} "
+        line += f"{median(records, 'median_ttft_ms'):8.1f} {tpot:8.1f}"
+        weights = sizes.get(engine.rsplit("-", 1)[-1])
+        if load == "B1" and weights:
+            rate = weights / (tpot / 1000)
+            line += (
+                f"  {rate / 1e9:5.1f} GB/s = {100 * rate / bandwidth:3.0f} % of the machine's ({weights / 1e6:.0f} MB)"
+            )
+        print(line)
+    for f in ("q4_1", "q8_0"):
+        ours, theirs = table.get((f"serval-{f}", "B1")), table.get((f"llama-{f}", "B1"))
+        if ours and theirs:
+            ratio = median(ours, "median_tpot_ms") / median(theirs, "median_tpot_ms")
+            print(f"B1 {f}: Serval's TPOT {ratio:.2f}x llama-server's (target <= 1.25x)")
+        f32 = table.get(("serval-f32", "B1"))
+        if ours and f32:
+            gain = median(f32, "median_tpot_ms") / median(ours, "median_tpot_ms")
+            print(f"B1 {f}: Serval's float32 TPOT {gain:.2f}x its {f} TPOT (target >= 2x)")
+        ours, theirs = table.get((f"serval-{f}", "C32")), table.get((f"llama-{f}", "C32"))
+        if ours and theirs:
+            ratio = median(ours, "output_throughput") / median(theirs, "output_throughput")
+            print(f"C32 {f}: Serval's output tok/s {ratio:.2f}x llama-server's (target >= 1.5x)")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

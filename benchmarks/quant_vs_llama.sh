@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Quantized weights served: Serval on a GGUF file's blocks against llama.cpp's llama-server on the same file,
+# both driven by vLLM's own `bench serve` client (../shared/peers/vllm_bench_serve.sh), plus Serval's float32
+# directory (the default app) for reference, in one run:
+#
+#   [FILES="q4_1 q8_0"] [LOADS="B1 C32"] [ENGINES="serval llama serval-f32"] [ROUNDS=1] \
+#     benchmarks/quant_vs_llama.sh [RESULT_DIR]                     (default results/quant-vs-llama)
+#
+#   B1:  8 prompts of 128 random tokens -> 128, one at a time (batch 1), ignore_eos.
+#   C32: 160 prompts of 256 random tokens -> 128, max concurrency 32, no rate limit, ignore_eos.
+# Files: q4_1 = models/smollm2-135m-instruct.gguf (the registry's: Q4_1 linears, Q8_0 embedding); q8_0 =
+# Q8_0_GGUF (default /tmp/smollm2-135m-instruct.q8_0.gguf, written by llama.cpp's own converter from the float32
+# directory: ../shared/peers/gguf_from_hf.sh ... q8_0, made when missing). llama-server runs with --parallel set
+# to the load's concurrency. Serval serves configs/serve/default.yaml with model_source set to the file.
+# Prints a line per run, the machine's read bandwidth (2 threads, torch.sum over 256 MB) and, for B1, each
+# step's effective bandwidth (weight bytes / median TPOT); the JSON records are under RESULT_DIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-results/quant-vs-llama}
+FILES=${FILES:-q4_1 q8_0}
+LOADS=${LOADS:-B1 C32}
+ENGINES=${ENGINES:-serval llama serval-f32}
+ROUNDS=${ROUNDS:-1}
+MODEL_ID=smollm2-135m-instruct
+TOKENIZER=$PWD/models/$MODEL_ID
+Q8_0_GGUF=${Q8_0_GGUF:-/tmp/$MODEL_ID.q8_0.gguf}
+export RAY_AUTH_MODE=token
+mkdir -p "$OUT"
+grep -m1 "model name" /proc/cpuinfo
+
+gguf_of() { [[ $1 == q4_1 ]] && echo "$PWD/models/$MODEL_ID.gguf" || echo "$Q8_0_GGUF"; }
+[[ $FILES != *q8_0* || -f $Q8_0_GGUF ]] || ../shared/peers/gguf_from_hf.sh "$TOKENIZER" "$Q8_0_GGUF" q8_0 > "$OUT/convert.log" 2>&1
+
+shape() {  # shape LOAD -> "prompts input output concurrency"
+  case $1 in B1) echo "8 128 128 1" ;; C32) echo "160 256 128 32" ;; *) echo "unknown load $1" >&2; exit 2 ;; esac
+}
+
+load() {  # load NAME URL MODEL LOAD RUN
+  read -r prompts input output concurrency <<<"$(shape "$4")"
+  echo "[$1 $4 run $5] $prompts prompts $input -> $output, concurrency $concurrency ..." >&2
+  ../shared/peers/vllm_bench_serve.sh --base-url "$2" --model "$3" --tokenizer "$TOKENIZER" --dataset-name random \
+    --random-input-len "$input" --random-output-len "$output" --num-prompts "$prompts" --ignore-eos --seed "$5" \
+    --request-rate inf --max-concurrency "$concurrency" --save-result --result-dir "$OUT" \
+    --result-filename "$1-$4-$5.json" > "$OUT/$1-$4-$5.log" 2>&1
+}
+
+serval() {  # serval NAME MODEL_SOURCE RUN: the default app on MODEL_SOURCE, every load
+  sed "s|model_source: models/$MODEL_ID |model_source: $2 |" configs/serve/default.yaml > "$OUT/$1.yaml"
+  .venv/bin/serval serve --config "$OUT/$1.yaml" --detach --replace > "$OUT/$1-serve-$3.log" 2>&1 \
+    || { tail -20 "$OUT/$1-serve-$3.log"; .venv/bin/serval stop >/dev/null 2>&1; exit 1; }
+  for l in $LOADS; do load "$1" http://127.0.0.1:8000 "$MODEL_ID" "$l" "$3"; done
+  .venv/bin/serval stop > /dev/null 2>&1
+}
+
+llama() {  # llama NAME GGUF RUN: llama-server on GGUF, --parallel = each load's concurrency
+  for l in $LOADS; do
+    read -r _ input output concurrency <<<"$(shape "$l")"
+    ../shared/peers/llama_cpp_server.sh "$2" 8200 --parallel "$concurrency" \
+      --ctx-size $((concurrency * (input + output + 64))) > "$OUT/$1-server-$l-$3.log" 2>&1 &
+    local pid=$!
+    until curl -sf http://127.0.0.1:8200/health >/dev/null; do
+      kill -0 $pid 2>/dev/null || { tail -20 "$OUT/$1-server-$l-$3.log"; exit 1; }
+      sleep 1
+    done
+    load "$1" http://127.0.0.1:8200 "$2" "$l" "$3"
+    kill $pid; wait $pid 2>/dev/null || true
+  done
+}
+
+for run in $(seq 1 "$ROUNDS"); do
+  for f in $FILES; do
+    for engine in $ENGINES; do
+      case $engine in
+        serval) serval "serval-$f" "$(gguf_of "$f")" "$run" ;;
+        llama) llama "llama-$f" "$(gguf_of "$f")" "$run" ;;
+        serval-f32) if [[ $f == "${FILES%% *}" ]]; then serval serval-f32 "models/$MODEL_ID" "$run"; fi ;;
+      esac
+    done
+  done
+done
+
+.venv/bin/python benchmarks/quant_report.py "$OUT" "$PWD/models/$MODEL_ID.gguf" "$Q8_0_GGUF"
