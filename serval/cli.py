@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     ("demo",): "serval.demo",
     ("fetch-model",): "serval.fetch_model",
     ("gguf-to-hf",): "serval.gguf_to_hf",
+    ("quantize-gguf",): "serval.tools.quantize_gguf",
     ("serve",): "serval.serve_cmd",
     ("status",): "serval.status_cmd",
     ("stop",): "serval.stop_cmd",
@@ -30,6 +31,7 @@ SUBCOMMANDS = {
     ("bench", "latency"): "serval.bench.latency",
     ("bench", "tune"): "serval.bench.tune",
     ("bench", "soak"): "serval.bench.soak",
+    ("bench", "perplexity"): "serval.bench.perplexity",
     ("dashboard", "push"): "serval.dashboard",
 }
 GROUP_HELP = {

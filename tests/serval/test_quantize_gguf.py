@@ -1,0 +1,110 @@
+"""``serval quantize-gguf`` (serval/tools/quantize_gguf.py) on the registry's real file
+(models/smollm2-135m-instruct.gguf: Q4_1 linears, a Q8_0 token embedding, F32 norms).
+
+* Every block linear is in the requested type, the embedding in ``--embedding-type`` or as stored, the norms
+  byte for byte; every metadata field equals the source's but ``general.file_type``, which names the type.
+* The dequantized values are within the format's rounding error of the source's (F32: equal).
+* Serval's loader opens the output and the offline engine generates from it; the F32 output (the source's
+  float values) gives the source's greedy answer.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+from deployments.llm_config import SERVAL_ROOT
+from engine import LLM, SamplingParams
+from engine.model.source import open_model_source
+from serval.cli import main as cli_main
+from serval.tools.quantize_gguf import LINEAR
+from tests.real_model.smollm2 import CAPITAL_ANSWER
+
+SOURCE = SERVAL_ROOT / "models" / "smollm2-135m-instruct.gguf"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+FP16_EPS = 2.0**-11  # fp16's relative rounding of a block's scale (and Q4_1's min)
+
+
+def block_bound(values: np.ndarray, qtype: str) -> np.ndarray:
+    """The largest error gguf's quantizer makes on each block of 32 of ``values`` [N, K] -> [N, K/32, 1]."""
+    blocks = values.reshape(values.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    if qtype == "Q8_0":  # d = amax / 127, q = round(x / d) in [-127, 127]
+        return amax / 127 * (0.5 + 127 * FP16_EPS)
+    if qtype == "Q4_0":  # d = the signed extreme / -8, q in [0, 15]: the other side clips by at most one step
+        return amax / 8 * (1 + 8 * FP16_EPS)
+    low, high = blocks.min(axis=-1, keepdims=True), blocks.max(axis=-1, keepdims=True)
+    return (high - low) / 15 * (0.5 + 15 * FP16_EPS) + np.abs(low) * FP16_EPS  # Q4_1: d = range / 15, m = min
+
+
+def quantize(tmp_path_factory, *flags: str):
+    out = tmp_path_factory.mktemp("quantized") / "out.gguf"
+    assert cli_main(["quantize-gguf", str(SOURCE), str(out), *flags]) == 0
+    return gguf.GGUFReader(str(out))
+
+
+@pytest.fixture(scope="module")
+def source():
+    assert SOURCE.is_file(), "run `make models`"
+    return gguf.GGUFReader(str(SOURCE))
+
+
+@pytest.mark.parametrize("qtype,embedding", [("Q8_0", None), ("Q4_0", "Q4_1"), ("F32", "F32")])
+def test_the_types_metadata_and_values(source, tmp_path_factory, qtype, embedding):
+    flags = ["--type", qtype] + (["--embedding-type", embedding] if embedding else [])
+    out = quantize(tmp_path_factory, *flags)
+    assert [t.name for t in out.tensors] == [t.name for t in source.tensors]
+    assert_metadata_equal(source, out, qtype)
+    for theirs, ours in zip(source.tensors, out.tensors):
+        expected = qtype if LINEAR.fullmatch(theirs.name) else embedding if theirs.name == "token_embd.weight" else None
+        if expected is None or expected == theirs.tensor_type.name:
+            assert ours.tensor_type == theirs.tensor_type and np.array_equal(ours.data, theirs.data), theirs.name
+            continue
+        assert ours.tensor_type.name == expected, theirs.name
+        was, now = dequantize(theirs.data, theirs.tensor_type), dequantize(ours.data, ours.tensor_type)
+        assert now.shape == was.shape
+        if expected == "F32":
+            assert np.array_equal(now, was), theirs.name
+        else:
+            error = np.abs(now - was).reshape(now.shape[0], -1, 32)
+            assert (error <= block_bound(was, expected) + 1e-7).all(), theirs.name
+
+
+def assert_metadata_equal(source, out, qtype: str) -> None:
+    names = [name for name in source.fields if not name.startswith("GGUF.")]
+    assert [name for name in out.fields if not name.startswith("GGUF.")] == names
+    for name in names:
+        theirs, ours = source.fields[name], out.fields[name]
+        if name == "general.file_type":
+            file_type = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "F32": 0}[qtype]
+            assert (
+                ours.contents() == file_type == gguf.LlamaFileType[f"{'ALL' if qtype == 'F32' else 'MOSTLY'}_{qtype}"]
+            )
+            continue
+        assert ours.types == theirs.types and ours.contents() == theirs.contents(), name
+
+
+def test_serval_loads_the_output_and_f32_answers_as_the_source_does(tmp_path_factory):
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    outputs = {}
+    for qtype in ("F32", "Q8_0"):
+        path = str(tmp_path_factory.mktemp(qtype) / "out.gguf")
+        assert cli_main(["quantize-gguf", str(SOURCE), path, "--type", qtype]) == 0
+        assert open_model_source(path).hf_config["architectures"] == ["LlamaForCausalLM"]
+        llm = LLM(model=path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+        outputs[qtype] = llm.chat([CHAT], greedy, use_tqdm=False)[0].outputs[0]
+        llm.shutdown()
+    # The source's own greedy answer (tests/real_model: the float directory of the same values says it too).
+    assert outputs["F32"].text == CAPITAL_ANSWER and outputs["F32"].finish_reason == "stop"
+    assert outputs["Q8_0"].token_ids and outputs["Q8_0"].finish_reason in ("stop", "length")
+
+
+def test_a_file_that_is_not_gguf_and_the_source_as_output_are_refused(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all, just bytes")
+    assert cli_main(["quantize-gguf", str(bad), str(tmp_path / "out.gguf"), "--type", "Q8_0"]) == 1
+    assert "is not a GGUF file" in capsys.readouterr().err
+    assert cli_main(["quantize-gguf", str(SOURCE), str(SOURCE), "--type", "Q8_0"]) == 1
+    assert "must not be the source" in capsys.readouterr().err
