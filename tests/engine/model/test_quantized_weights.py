@@ -99,10 +99,9 @@ def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(smollm2_path
     outputs = {}
     for model in (str(GGUF), smollm2_path):
         llm = LLM(model=model, max_model_len=1024, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True)
-        batched = [o.outputs[0].token_ids for o in llm.chat(CHATS, greedy(24))]
-        alone = [llm.chat([chat], greedy(24))[0].outputs[0].token_ids for chat in CHATS]  # prefix-cache hits
-        if model == str(GGUF):
-            assert alone == batched  # each row's product depends on that row only
+        batched = [o.outputs[0].token_ids for o in llm.chat(CHATS, greedy(16))]
+        if model == str(GGUF):  # each row's product depends on that row only; these hit the prefix cache
+            assert [llm.chat([chat], greedy(16))[0].outputs[0].token_ids for chat in CHATS[:2]] == batched[:2]
         outputs[model] = batched
         assert_pool_clean(llm)
         llm.shutdown()
