@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -108,3 +109,26 @@ def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(smollm2_path
     agree = [q[:16] == f[:16] for q, f in zip(outputs[str(GGUF)], outputs[smollm2_path])]
     print(f"first 16 greedy tokens equal to the dequantized model's on {sum(agree)} of {len(agree)} chats")
     assert sum(agree) >= len(agree) - 1
+
+
+@pytest.mark.slow
+def test_perplexity_of_the_blocks_within_the_gate_of_the_dequantized_models(tmp_path):
+    """Perplexity on the fixed public text (``serval bench perplexity``'s): Q4_1 within 5 % and Q8_0 within 1 %
+    of the same file dequantized (``quantization="none"``); the Q8_0 file is the registry's re-encoded."""
+    from serval.bench.perplexity import held_out_text, measure_nll, windows
+    from serval.tools.quantize_gguf import Plan, quantize_gguf
+
+    q8_0 = tmp_path / "q8_0.gguf"
+    quantize_gguf(GGUF, q8_0, Plan("Q8_0", "Q8_0"))
+    for path, gate in ((GGUF, 0.05), (q8_0, 0.01)):
+        nll = {}
+        for quantization in ("gguf", "none"):
+            llm = LLM(model=str(path), quantization=quantization, max_model_len=512, kv_cache_memory_bytes=32 << 20)
+            token_ids = llm.get_tokenizer().encode(held_out_text(), add_special_tokens=False)
+            spans = windows(len(token_ids), 256, 256, 3)
+            total, scored = measure_nll(llm, token_ids, spans, batch=3, log=lambda line: None)
+            nll[quantization] = total / scored
+            llm.shutdown()
+        ratio = math.exp(nll["gguf"] - nll["none"])
+        print(f"{path.name}: perplexity {ratio:.5f}x the dequantized model's")
+        assert abs(ratio - 1) < gate
