@@ -2,11 +2,13 @@
 # The prepared device check: on a machine with a CUDA GPU, run the kernel tests natively, check greedy
 # parity of the whole engine against transformers on a random Llama-3-8B-shaped checkpoint made on the
 # spot, and measure decode tokens/s (batch 1, 32, 256; CUDA graphs and eager) against the bandwidth
-# roofline and prefill tokens/s against the matmul roofline. Prints a short table last.
+# roofline and prefill tokens/s against the matmul roofline, then check and time quant_linear (GGUF Q8_0/Q4_0/
+# Q4_1 weights) on SmolLM2-135M's shapes against torch fp16. Prints a short table last.
 #
 #   bash benchmarks/gpu_check.sh                    # the GPU check (about 8 minutes on an H200)
 #   bash benchmarks/gpu_check.sh --smoke            # the same phases on a CPU: tiny model, Triton interpreter
 #   bash benchmarks/gpu_check.sh --phases hardware,decode_graphs   # a subset (checkpoint added when needed)
+#   bash benchmarks/gpu_check.sh --phases hardware,quant           # the quantized GEMM only (about a minute)
 #
 # Environment: PYTHON (default python3), OUT (where results.json, table.md and log.txt go; default
 # WORK/out), GPU_CHECK_WORK (checkpoint and records; default /tmp/gpu_check, /tmp/gpu_check_smoke with
@@ -42,7 +44,8 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 # Steps in order; the phases of one step (joined by +) run at the same time: none of them is timed
 # against the others (the kernel tests beside making the checkpoint; our engine beside transformers).
-STEPS=(hardware kernels+checkpoint decode_graphs decode_eager prefill parity_ours+parity_hf)
+# quant (the GGUF-weight GEMM) comes last: it runs in what the budget leaves, or alone with --phases quant.
+STEPS=(hardware kernels+checkpoint decode_graphs decode_eager prefill parity_ours+parity_hf quant)
 MODEL_PHASES=" decode_graphs decode_eager prefill parity_ours parity_hf "
 
 if [ "$SMOKE" = 1 ]; then
@@ -83,6 +86,7 @@ phase_limit() {
       kernels|checkpoint|parity_ours|parity_hf) echo 180 ;;
       decode_graphs|decode_eager) echo 150 ;;
       prefill) echo 100 ;;
+      quant) echo 90 ;;
       *) echo 120 ;;
     esac
   fi

@@ -12,10 +12,15 @@ import random
 import time
 from pathlib import Path
 
+from benchmarks.gpu_check.quant import run_quant
 from benchmarks.gpu_check.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TEST_FILES = ("tests/engine/kernels/test_triton_kernels.py", "tests/engine/worker/test_cuda_graphs.py")
+KERNEL_TEST_FILES = (
+    "tests/engine/kernels/test_triton_kernels.py",
+    "tests/engine/kernels/test_triton_quant.py",
+    "tests/engine/worker/test_cuda_graphs.py",
+)
 FIRST_ORDINARY_TOKEN = 5  # ids 0..4 are the checkpoint tokenizer's special tokens
 BLOCK_SIZE = 16
 KV_CACHE_SLACK = 1.25  # the KV pool holds this much more than the longest batch needs
@@ -410,4 +415,5 @@ PHASES = {
     "prefill": run_prefill,
     "parity_ours": run_parity_ours,
     "parity_hf": run_parity_hf,
+    "quant": run_quant,
 }

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.gpu_check.quant import quant_rows
 from benchmarks.gpu_check.rooflines import decode_roofline, prefill_roofline
 from benchmarks.gpu_check.settings import (
     CUDA_GRAPH_MIN_GAIN,
@@ -258,6 +259,8 @@ def build_rows(records: dict, smoke: bool) -> tuple[list[Row], dict | None]:
         rows += graph_gain_rows(records["decode_graphs"], records["decode_eager"], smoke)
     if "prefill" in records:
         rows.append(prefill_row(records["prefill"], hardware))
+    if "quant" in records:
+        rows += quant_rows(records["quant"], hardware)
     return rows, parity
 
 

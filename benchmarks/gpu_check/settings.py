@@ -9,6 +9,7 @@ from dataclasses import dataclass
 DECODE_B1_MIN_ROOFLINE_RATIO = 0.70  # decode tokens/s at batch 1 over the bandwidth roofline
 CUDA_GRAPH_MIN_GAIN = 1.5  # graph tokens/s over eager tokens/s at batch 1
 KERNEL_BF16_REL_TOL = 1e-2  # the kernel tests' tolerance in bf16 (tests/engine/kernels/test_triton_kernels.py)
+QUANT_FP16_REL_TOL = 2e-3  # quant_linear in fp16 (as tests/engine/kernels/test_triton_quant.py)
 # Parity: a sequence may leave transformers' greedy path only where transformers' top-2 logits are
 # closer than this (a near-tie that float32 rounding may flip). Logits of the random checkpoints
 # have a standard deviation of about 4 (serval/tools/weights.py), their median top-2 gap is ~0.7.
@@ -42,6 +43,11 @@ class Settings:
     prefill_num_prompts: int
     prefill_prompt_len: int
     prefill_max_num_batched_tokens: int
+    # quant: quant_linear's (K, N) shapes, activation rows, timed replays, bytes of weight copies cycled.
+    quant_shapes: tuple[tuple[int, int], ...]
+    quant_batches: tuple[int, ...]
+    quant_reps: int
+    quant_rotate_bytes: int
 
     speed_dtype: str = "bfloat16"
     parity_dtype: str = "float32"
@@ -79,6 +85,11 @@ FULL = Settings(
     prefill_num_prompts=16,
     prefill_prompt_len=2048,
     prefill_max_num_batched_tokens=8192,
+    # SmolLM2-135M: fused q/k/v (576 -> 960), fused gate/up (576 -> 3072), down (1536 -> 576), lm_head.
+    quant_shapes=((576, 960), (576, 3072), (1536, 576), (576, 49152)),
+    quant_batches=(1, 16, 256),
+    quant_reps=20,
+    quant_rotate_bytes=512 << 20,  # the fp16 copies: several times the L2 cache (50 MB on an H100)
 )
 
 SMOKE = Settings(
@@ -103,6 +114,10 @@ SMOKE = Settings(
     prefill_num_prompts=4,
     prefill_prompt_len=64,
     prefill_max_num_batched_tokens=128,
+    quant_shapes=((64, 96), (96, 33)),
+    quant_batches=(1, 17),
+    quant_reps=2,
+    quant_rotate_bytes=0,
 )
 
 

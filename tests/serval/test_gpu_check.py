@@ -216,3 +216,40 @@ def test_threads_write_the_same_bytes(tmp_path):
     files = sorted(p.name for p in one.glob("*.safetensors"))
     assert len(files) > 1 and files == sorted(p.name for p in two.glob("*.safetensors"))
     assert all((one / f).read_bytes() == (two / f).read_bytes() for f in files)
+
+
+# --------------------------------------------------------------------------- quant
+
+
+def test_quant_phase_checks_and_times_every_format(tmp_path):
+    """The quant phase in smoke mode (Triton's interpreter): every format correct, timed beside torch."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WORK": str(tmp_path / "work"), "OUT": str(out)}
+    run = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--smoke", "--phases", "quant"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    cases = results["records"]["quant"]["cases"]
+    assert {c["format"] for c in cases} == {"Q8_0", "Q4_0", "Q4_1"} and not results["records"]["quant"]["skipped"]
+    assert all(c["ours_s"] > 0 and c["torch_fp16_s"] > 0 for c in cases)
+    verdicts = {r["check"]: r["verdict"] for r in results["rows"] if r["target"]}
+    assert len(verdicts) == 3 and set(verdicts.values()) == {"PASS"}
+
+
+def test_report_fails_a_quant_error_above_the_tolerance():
+    case = {"format": "Q4_0", "k": 64, "n": 96, "m": 1, "weight_bytes": 3456, "ours_s": 1e-5, "torch_fp16_s": 2e-5}
+    record = {"tolerance": 2e-3, "cases": [{**case, "rel_error": 3e-3}, {**case, "m": 16, "rel_error": 1e-4}]}
+    rows, _ = build_rows({"quant": record}, smoke=False)
+    assert [(r.check, r.verdict) for r in rows] == [
+        ("quant_linear Q4_0 fp16 vs dequantize (2 cases)", "FAIL"),
+        ("quant_linear Q4_0 M=1, 1 shapes summed", "info"),
+        ("quant_linear Q4_0 M=16, 1 shapes summed", "info"),
+    ]
+    assert rows[1].measured == "10.0 us, weights 0.3 GB/s" and rows[1].ratio == "2.00"
+    assert exit_code({"quant": {"rc": "0"}}, rows) == 2

@@ -1,0 +1,165 @@
+"""The ``quant`` phase: ``quant_linear`` (engine/kernels/triton_quant.py) on SmolLM2-135M's shapes, and its rows.
+
+For every format, (K, N) and M, with float16 activations: the relative error against
+``x.float() @ dequantize(w).T`` (float32 without TF32), and the seconds of one call beside torch's float16
+matmul on the dequantized weight; at M = 1 also the weight bytes read per second. The weights are random
+block bytes made on the device (random quants, scales that keep ``y`` near unit size), so no gguf is
+needed there. On CUDA each call is timed inside a CUDA graph (the engine's decode path: no Python launch
+cost) that cycles through enough copies of the weight to miss the L2 cache.
+
+``quant_rows`` turns the record into the report's rows (no torch: the report runs on the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from benchmarks.gpu_check.settings import QUANT_FP16_REL_TOL, Settings
+
+QUANT_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def random_blocks(n: int, k: int, qtype, device: str, generator):
+    """uint8 [n, row_bytes(k)]: random quants, positive fp16 scales of ~1/(64 sqrt(k)); Q4_1's min is -8 d."""
+    import torch
+
+    blocks = torch.randint(
+        0, 256, (n, k // 32, qtype.block_bytes), dtype=torch.uint8, device=device, generator=generator
+    )
+    scale = (0.5 + torch.rand(n, k // 32, 1, device=device, generator=generator)) / (64 * math.sqrt(k))
+    header = scale if qtype.header_bytes == 2 else torch.cat([scale, -8 * scale], dim=-1)
+    blocks[..., : qtype.header_bytes] = header.half().view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+def time_per_call_s(fn, operands: list, device: str, warmup: int, reps: int) -> float:
+    """Seconds of one ``fn(operand)``, cycling through ``operands``; on CUDA inside a CUDA graph."""
+    import torch
+
+    from benchmarks.gpu_check.device import is_cuda, time_repeated_s
+
+    if not is_cuda(device):
+        return time_repeated_s(lambda: [fn(o) for o in operands], device, warmup, reps) / len(operands)
+    for operand in operands[:2]:
+        fn(operand)  # compiles (Triton) and picks the algorithm (cuBLAS) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for operand in operands:
+            fn(operand)
+    replay_s = time_repeated_s(graph.replay, device, warmup, reps)
+    return replay_s / len(operands)
+
+
+def measure_case(settings: Settings, qtype, k: int, n: int, m: int, generator) -> dict:
+    """One (format, K, N, M): relative error, our seconds per call, torch fp16's, and the bandwidth."""
+    import torch
+
+    from engine.kernels.triton_quant import quant_linear
+    from engine.model.quantization.blocks import dequantize
+
+    device = settings.device
+    weight = random_blocks(n, k, qtype, device, generator)
+    x = torch.randn(m, k, device=device, generator=generator).half()
+    dense = dequantize(weight, qtype)
+    expected = x.float() @ dense.T
+    error = float((quant_linear(x, weight, qtype).float() - expected).norm() / expected.norm())
+    copies = max(1, math.ceil(settings.quant_rotate_bytes / (2 * dense.numel())))
+    dense16 = [dense.half() for _ in range(copies)]
+    weights = [weight] + [weight.clone() for _ in range(copies - 1)]
+    del dense, expected
+    ours_s = time_per_call_s(
+        lambda w: quant_linear(x, w, qtype), weights, device, settings.bench_warmup, settings.quant_reps
+    )
+    torch_s = time_per_call_s(lambda w: x @ w.T, dense16, device, settings.bench_warmup, settings.quant_reps)
+    return {
+        "format": qtype.value,
+        "k": k,
+        "n": n,
+        "m": m,
+        "rel_error": error,
+        "weight_bytes": weight.numel(),
+        "weight_copies": copies,
+        "ours_s": ours_s,
+        "torch_fp16_s": torch_s,
+        "weight_bytes_per_s": weight.numel() / ours_s,
+        "torch_fp16_weight_bytes_per_s": 2 * k * n / torch_s,
+    }
+
+
+def run_quant(settings: Settings, work: Path, deadline: float) -> dict:
+    """Every format x shape x M, in that order; what would start past the deadline is skipped."""
+    import torch
+
+    from benchmarks.gpu_check.device import disable_tf32
+    from benchmarks.gpu_check.phases import log
+    from engine.model.quantization.blocks import QuantType
+
+    disable_tf32()  # the float32 reference
+    generator = torch.Generator(device=settings.device).manual_seed(settings.seed)
+    record = {"tolerance": QUANT_FP16_REL_TOL, "activation_dtype": "float16", "cases": [], "skipped": []}
+    for name in QUANT_FORMATS:
+        for k, n in settings.quant_shapes:
+            for m in settings.quant_batches:
+                if time.time() > deadline:
+                    record["skipped"].append({"format": name, "k": k, "n": n, "m": m})
+                    continue
+                case = measure_case(settings, QuantType[name], k, n, m, generator)
+                record["cases"].append(case)
+                log(describe_case(case))
+    if record["skipped"]:
+        log(f"quant: {len(record['skipped'])} cases skipped (phase deadline)")
+    return record
+
+
+def describe_case(case: dict) -> str:
+    return (
+        f"quant {case['format']} K={case['k']} N={case['n']} M={case['m']}: rel err {case['rel_error']:.1e}, "
+        f"{case['ours_s'] * 1e6:.1f} us (torch fp16 {case['torch_fp16_s'] * 1e6:.1f} us, "
+        f"{case['torch_fp16_s'] / case['ours_s']:.2f}x), weights {case['weight_bytes_per_s'] / 1e9:.1f} GB/s"
+    )
+
+
+def quant_rows(record: dict, hardware: dict | None) -> list:
+    """Per format: one correctness row (judged), then per M the summed time over the shapes beside torch's."""
+    from benchmarks.gpu_check.report import FAIL, PASS, Row  # here: report imports this module
+
+    rows = []
+    for name in QUANT_FORMATS:
+        cases = [c for c in record["cases"] if c["format"] == name]
+        if not cases:
+            continue
+        worst = max(c["rel_error"] for c in cases)
+        rows.append(
+            Row(
+                f"quant_linear {name} fp16 vs dequantize ({len(cases)} cases)",
+                f"max rel err {worst:.1e}",
+                target=f"<= {record['tolerance']:g}",
+                verdict=PASS if worst <= record["tolerance"] else FAIL,
+            )
+        )
+        for m in sorted({c["m"] for c in cases}):
+            rows.append(_timing_row(name, [c for c in cases if c["m"] == m], m, hardware))
+    return rows
+
+
+def _timing_row(name: str, cases: list[dict], m: int, hardware: dict | None):
+    """Our summed seconds over ``cases`` beside torch fp16's (ratio: torch / ours); at M = 1 the bandwidth."""
+    from benchmarks.gpu_check.report import Row
+
+    ours_s = sum(c["ours_s"] for c in cases)
+    torch_s = sum(c["torch_fp16_s"] for c in cases)
+    measured = f"{ours_s * 1e6:.1f} us"
+    if m == 1:
+        bandwidth = sum(c["weight_bytes"] for c in cases) / ours_s
+        measured += f", weights {bandwidth / 1e9:.1f} GB/s"
+        if hardware:
+            measured += f" ({bandwidth / hardware['copy_bytes_per_s']:.2f} of copy)"
+    return Row(
+        f"quant_linear {name} M={m}, {len(cases)} shapes summed",
+        measured,
+        f"torch fp16 {torch_s * 1e6:.1f} us",
+        f"{torch_s / ours_s:.2f}",
+    )
