@@ -32,6 +32,7 @@ NON_DEFAULTS = dict(
     tokenizer="tok",
     generation_config="vllm",
     dtype="bfloat16",
+    quantization="int8",
     seed=7,
     attention_backend="torch",
     enforce_eager=True,
