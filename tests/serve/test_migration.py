@@ -24,13 +24,13 @@ pytestmark = pytest.mark.slow
 
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
-MAX_TOKENS = 400  # long enough for a stream to be in flight when the kill lands (max_model_len 512)
+MAX_TOKENS = 1800  # long enough for a stream to be in flight when the kill lands, on a fast CPU too
 PROMPT = "The colours of the rainbow are"
 MESSAGES = [{"role": "user", "content": "Count the colours of the rainbow."}]
 
 
 def app_config(checkpoint: str, migration_limit: int | None = None) -> dict:
-    config = llm_config(LLAMA, checkpoint, num_replicas=2)
+    config = llm_config(LLAMA, checkpoint, num_replicas=2, max_model_len=2048)
     config["deployment_config"]["health_check_period_s"] = 1.0
     app = serve_config(0, [config])["applications"][0]
     if migration_limit is not None:
