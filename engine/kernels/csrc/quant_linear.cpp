@@ -54,11 +54,14 @@ inline void store_sums(const Problem& p, simd::vfloat* acc, int64_t m0, int64_t 
   for (int i = kOutputs; i < kVectors * simd::kLanes; ++i) acc[i] = simd::set1(0.f);
   alignas(64) float sums[kVectors * simd::kLanes];
   for (int v = 0; v < kVectors; ++v) simd::store(sums + v * simd::kLanes, simd::transpose_sum(acc + v * simd::kLanes));
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
-      const float s = sums[m * R + r];
-      p.y[(m0 + m) * p.N + n + r] = p.bias == nullptr ? s : s + p.bias[n + r];
-    }
+  // Two loops rather than a test per output: each row's R sums then go out as one short vector.
+  if (p.bias == nullptr) {
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) p.y[(m0 + m) * p.N + n + r] = sums[m * R + r];
+  } else {
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) p.y[(m0 + m) * p.N + n + r] = sums[m * R + r] + p.bias[n + r];
+  }
 }
 
 // Few rows: y[m0 .. m0 + M, n .. n + R), each block widened in registers and used by the M rows.
@@ -105,10 +108,10 @@ void register_rows(const Problem& p) {
 }
 
 // Many rows: a tile of weight rows is widened into `tile` [rows, K] once, then multiplied by rows of x in
-// blocks of kTileM x kTileR outputs (one vector of sums).
-// 4 x 4 (AVX-512) / 4 x 2 (AVX2): measured best of 2 x 8, 4 x 6, 6 x 4, 8 x 2, 5 x 3 (bench_quant_linear.py).
-constexpr int kTileM = 4;
-constexpr int kTileR = static_cast<int>(simd::kLanes / kTileM);
+// blocks of kTileM x kTileR outputs: 6 x 4 with AVX-512's 32 registers (24 accumulators, 6 rows of x, a weight
+// vector), 4 x 2 with AVX2's 16 (bench_quant_linear.py chose them among 2 x 8, 4 x 4, 4 x 6, 6 x 4, 8 x 3).
+constexpr int kTileM = simd::kRegisters == 32 ? 6 : 4;
+constexpr int kTileR = simd::kRegisters == 32 ? 4 : 2;
 
 template <Format F>
 void widen_rows(const Problem& p, int64_t n0, int64_t rows, float* tile) {
@@ -147,21 +150,24 @@ inline void tile_rows(const Problem& p, const float* tile, int64_t m0, int64_t n
 
 template <Format F>
 void tiled_rows(const Problem& p) {
-  // A tile of about 24 KiB of float weights (a whole number of kTileR rows), and chunks of 64 rows of x: the
+  // A tile of about 24 KiB of float weights (a whole number of kTileR rows), and chunks of 256 rows of x: the
   // tasks are (tile, chunk) pairs, so a few weight rows and many x rows still keep both threads busy.
   const int64_t tile_rows_n = std::clamp<int64_t>(6144 / p.K / kTileR * kTileR, kTileR, 64);
-  const int64_t chunk = 64, tiles = (p.N + tile_rows_n - 1) / tile_rows_n, chunks = (p.M + chunk - 1) / chunk;
+  const int64_t chunk = 256, tiles = (p.N + tile_rows_n - 1) / tile_rows_n, chunks = (p.M + chunk - 1) / chunk;
   const int64_t task_work = tile_rows_n * p.K * std::min(p.M, chunk);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / task_work);
   at::parallel_for(0, tiles * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(tile_rows_n * p.K);
+    // Cache-line aligned (rows of K floats keep it: K is a multiple of 32): a vector load that straddles two
+    // lines costs two.
+    std::vector<float> storage(tile_rows_n * p.K + 16);
+    float* tile = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16) % 16;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n0 = task % tiles * tile_rows_n, rows = std::min(tile_rows_n, p.N - n0);
       const int64_t m_begin = task / tiles * chunk, m_end = std::min(p.M, m_begin + chunk);
-      widen_rows<F>(p, n0, rows, tile.data());
+      widen_rows<F>(p, n0, rows, tile);
       int64_t m = m_begin;
-      for (; m + kTileM <= m_end; m += kTileM) tile_rows<kTileM>(p, tile.data(), m, n0, rows);
-      for (; m < m_end; ++m) tile_rows<1>(p, tile.data(), m, n0, rows);
+      for (; m + kTileM <= m_end; m += kTileM) tile_rows<kTileM>(p, tile, m, n0, rows);
+      for (; m < m_end; ++m) tile_rows<1>(p, tile, m, n0, rows);
     }
   });
 }
