@@ -10,9 +10,12 @@ others; only deleting the last one shuts Serve down.
 from __future__ import annotations
 
 import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+from ray.exceptions import AuthenticationError
 from ray.serve.schema import ServeInstanceDetails
 
 NOT_READY_RETRY_S = 0.5
@@ -25,12 +28,24 @@ def client(dashboard: str) -> ServeSubmissionClient:
 
 
 def is_up(dashboard: str) -> bool:
-    """Whether a Ray dashboard answers at ``dashboard``."""
+    """Whether a Ray dashboard answers at ``dashboard``.
+
+    With token authentication on and no token on this machine yet (a new machine: the head's start makes
+    one), Ray's client refuses before it connects; then whether anything listens there decides, and talking
+    to a cluster that does listen raises Ray's own error naming the missing token.
+    """
     try:
         client(dashboard)
         return True
     except (ConnectionError, RuntimeError):
         return False
+    except AuthenticationError:
+        parts = urlsplit(dashboard)
+        try:
+            socket.create_connection((parts.hostname, parts.port), timeout=2).close()
+            return True
+        except OSError:
+            return False
 
 
 def serve_details(dashboard: str) -> dict:
