@@ -99,10 +99,14 @@ def ray_auth_token() -> str | None:
     """The token Ray's clients present to a cluster with token authentication (Ray's own loader:
     ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``), for requests made without them."""
     from ray._raylet import AuthenticationTokenLoader
+    from ray.exceptions import AuthenticationError
 
     loader = AuthenticationTokenLoader.instance()
     loader.reset_cache()
-    return loader.get_raw_token() if loader.has_token() else None
+    try:
+        return loader.get_raw_token() if loader.has_token() else None
+    except AuthenticationError:  # with token auth on, Ray's loader raises rather than answer "no token"
+        return None
 
 
 def start_ray_head(

@@ -299,8 +299,8 @@ def test_a_failed_ray_start_is_cleaned_up_and_run_once_more_unless_another_head_
 
 def test_a_new_machine_without_a_ray_token_finds_no_cluster_rather_than_failing(tmp_path):
     """``serval serve`` on a new machine: token auth on, no ``~/.ray/auth_token`` yet. Asking whether a
-    dashboard is up must answer (False where nothing listens, True where something does), so that the
-    launcher goes on to start the head, which makes the token."""
+    dashboard is up must answer (False where nothing listens, True where something does) and so must
+    asking for the token (None), so that the launcher goes on to start the head, which makes the token."""
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
@@ -309,11 +309,11 @@ def test_a_new_machine_without_a_ray_token_finds_no_cluster_rather_than_failing(
             s.bind(("127.0.0.1", 0))
             free = s.getsockname()[1]
         code = (
-            "from serval.launcher import serve_client as c;"
-            f"print(c.is_up('http://127.0.0.1:{free}'), c.is_up('http://127.0.0.1:{busy}'))"
+            "from serval.launcher import head, serve_client as c;"
+            f"print(c.is_up('http://127.0.0.1:{free}'), c.is_up('http://127.0.0.1:{busy}'), head.ray_auth_token())"
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_TOKEN")}
         env |= {"HOME": str(tmp_path), "RAY_AUTH_MODE": "token"}
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["False", "True"]
+    assert result.stdout.split() == ["False", "True", "None"]
