@@ -12,12 +12,32 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.gpu_check.parity import run_parity_hf, run_parity_ours
+from benchmarks.gpu_check.phases import (
+    run_checkpoint,
+    run_decode,
+    run_hardware,
+    run_kernels,
+    run_prefill,
+    write_record,
+)
+from benchmarks.gpu_check.quant import run_quant
 from benchmarks.gpu_check.settings import get_settings
+
+PHASES = {
+    "hardware": run_hardware,
+    "kernels": run_kernels,
+    "checkpoint": run_checkpoint,
+    "decode_graphs": lambda s, w, d: run_decode(s, w, d, eager=False),
+    "decode_eager": lambda s, w, d: run_decode(s, w, d, eager=True),
+    "prefill": run_prefill,
+    "parity_ours": run_parity_ours,
+    "parity_hf": run_parity_hf,
+    "quant": run_quant,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.gpu_check.phases import PHASES, write_record
-
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check")
     parser.add_argument("phase", choices=[*PHASES, "report"])
     parser.add_argument("--work", type=Path, required=True, help="checkpoint and phase records")
