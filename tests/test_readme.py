@@ -29,8 +29,9 @@ GROUPS = ("bench", "dashboard")
 README_MUST_NAME = {"serve", "status", "stop", "fetch-model", "bench serve", "render-rayservice"}
 
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
-# `serval` as a command word: not `serval.serve`, `serval/`, `serval_` or `.venv/bin/serval`'s path part.
-COMMAND = re.compile(r"(?<![\w./-])serval ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?")
+# `serval` as a command word: not `serval.serve`, `serval/`, `serval_`, `.venv/bin/serval`'s path part or a quoted value
+# (`ENGINES="serval llama"`).
+COMMAND = re.compile(r"(?<![\w./\"=-])serval ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
