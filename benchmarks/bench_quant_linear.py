@@ -1,4 +1,4 @@
-"""The native quantized linear (``quant_linear``, GGUF Q8_0 / Q4_1 weights, float32 activations) against float32
+"""The native quantized linear (``quant_linear``, GGUF Q8_0 / Q4_1 weights packed, int8-quantized activations) against float32
 products on the dequantized weight: MKL's ``F.linear`` and a oneDNN-packed copy (as cpu_prepack.py keeps it).
 
 Prints, per thread count, shape (K, N) and row count M, the microseconds of each and the ratios; for M = 1
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.kernels.cpu import load_cpu_kernels
 from engine.model.quantization.blocks import QuantType, dequantize, quantize
+from engine.model.quantization.packed import pack
 
 # SmolLM2-135M's projections (K = in_features, N = out_features): qkv, o, gate_up, down, lm head.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
@@ -74,7 +75,7 @@ def bench_shape(ops, k: int, n: int, rows: list[int], bandwidth: float) -> None:
     dense = dequantize(quantized[QuantType.Q8_0], QuantType.Q8_0)
     packed = rotating(torch.ops.mkldnn._reorder_linear_weight(dense, 64))
     dense_copies = rotating(dense)
-    quantized_copies = {q: rotating(w) for q, w in quantized.items()}
+    quantized_copies = {q: rotating(pack(w, q)) for q, w in quantized.items()}
     for m in rows:
         x = torch.randn(m, k)
         fl = seconds(cycling(lambda w: F.linear(x, w), dense_copies))

@@ -1,15 +1,14 @@
-// y = x @ dequantize(w)^T (+ bias) with w kept in GGUF's Q8_0 / Q4_0 / Q4_1 blocks (quant_blocks.h): float32
-// x [M, K], uint8 w [N, K / 32 * block_bytes], bias float32 [N] or none -> float32 y [M, N].
+// y = x @ W^T (+ bias) with W in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, packed (quant_blocks.h): float32 x [M, K],
+// uint8 w [N, K / 32 * block_bytes] in the packed layout, bias float32 [N] or none -> float32 y [M, N].
 //
-// Activations stay float32; the weights are widened to float in registers (few rows of x: each block is read
-// once for all of them, so a decode step costs what reading the quantized bytes costs) or, for many rows, into
-// a tile of float rows small enough to stay in L1 and reused by every row of x (a register-blocked float
-// product then, the widening paid once per tile).
-//
-// Batch-invariant, bit for bit: every y[m, n] is accumulated the same way whatever M is and whichever path
-// or thread computes it. Lane l of one vector accumulator takes x[m, k] * w[n, k] for k = l, l + kLanes, ...
-// in ascending k (one fused multiply-add each), its lanes are summed by simd::transpose_sum's fixed tree,
-// then the bias is added. quant_linear_reference does exactly that in scalar code.
+// llama.cpp's arithmetic: each row of x is quantized per block of 32 to int8 (d = max |x| / 127, a =
+// round(x / d), its sum s), and each output is a sum over blocks of integer dot products scaled in float:
+//   y[m, n] = fma(float(sum_j u_j a_j - offset * s), d_w * d_a, y)      then, Q4_1 only,
+//   y[m, n] = fma(float(s), m_w * d_a, y)                               blocks in ascending order,
+// then + bias. The integer sums are exact, so the result depends on x's row and W's row alone: it is the same
+// bits whatever M is, whichever path (few rows streaming the weights once, many rows reusing a tile from
+// cache) or thread computes it, and on AVX-512 (VNNI or not) and AVX2 alike. quant_linear_reference does the
+// same in scalar code.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,9 +23,11 @@
 namespace {
 
 namespace simd = serval::simd;
-using serval::quant::Format;
-using serval::quant::kBlock;
-using serval::quant::kChunks;
+namespace q = serval::quant;
+using q::Format;
+using q::kBlock;
+using q::kGroup;
+using q::kRows;
 
 struct Problem {
   const float* x;
@@ -36,185 +37,201 @@ struct Problem {
   int64_t M, K, N, row_bytes;
 };
 
-// Rows of x up to which the weights are widened in registers; past it, into a tile.
-constexpr int64_t kRegisterRows = 4;
-constexpr int64_t kPrefetchGroups = 4;  // measured best of 0, 2, 4 (bench_quant_linear.py, M = 1)
+// x quantized per row and block: a [M, K] int8, d and s [M, K / 32].
+struct Activations {
+  std::vector<int8_t> a;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+  int64_t K, blocks;
+  const int8_t* row(int64_t m) const { return a.data() + m * K; }
+};
 
-// Vectors of accumulators for M x R outputs: whole vectors of sums.
-template <int M, int R>
-constexpr int64_t accumulators() {
-  return (M * R + simd::kLanes - 1) / simd::kLanes * simd::kLanes;
+// A block's scale from its largest magnitude: both the kernel and the reference divide and invert so.
+inline float block_scale(float amax, float* inverse) {
+  const float d = amax / 127.f;
+  *inverse = d != 0.f ? 1.f / d : 0.f;
+  return d;
 }
 
-// Sums the lanes of acc[0 .. M * R) (a vector of sums at a time; the rest of the last is overwritten) and stores
-// y[m0 + m, n + r] (+ bias).
-template <int M, int R>
-inline void store_sums(const Problem& p, simd::vfloat* acc, int64_t m0, int64_t n) {
-  constexpr int kOutputs = M * R, kVectors = accumulators<M, R>() / simd::kLanes;
-  for (int i = kOutputs; i < kVectors * simd::kLanes; ++i) acc[i] = simd::set1(0.f);
-  alignas(64) float sums[kVectors * simd::kLanes];
-  for (int v = 0; v < kVectors; ++v) simd::store(sums + v * simd::kLanes, simd::transpose_sum(acc + v * simd::kLanes));
-  // Two loops rather than a test per output: each row's R sums then go out as one short vector.
-  if (p.bias == nullptr) {
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) p.y[(m0 + m) * p.N + n + r] = sums[m * R + r];
-  } else {
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) p.y[(m0 + m) * p.N + n + r] = sums[m * R + r] + p.bias[n + r];
-  }
-}
-
-// Few rows: y[m0 .. m0 + M, n .. n + R), each block widened in registers and used by the M rows.
-template <Format F, int M, int R>
-inline void register_block(const Problem& p, int64_t m0, int64_t n) {
-  simd::vfloat acc[accumulators<M, R>()];
-  for (int i = 0; i < M * R; ++i) acc[i] = simd::set1(0.f);
-  const int64_t bb = serval::quant::block_bytes(F), blocks = p.K / kBlock;
-  // The weight rows kPrefetchGroups blocks of rows ahead, a few cache lines per step: R rows read side by side
-  // are more streams than the hardware prefetcher follows well (a prefetch past the end is harmless).
-  const char* ahead = reinterpret_cast<const char*>(p.w + (n + kPrefetchGroups * R) * p.row_bytes);
-  const int64_t lines = (R * p.row_bytes + 63) / 64, per_step = (lines + blocks - 1) / blocks;
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t i = b * per_step; i < (b + 1) * per_step; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
-    simd::vfloat xv[M][kChunks];
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < kChunks; ++c) xv[m][c] = simd::load(p.x + (m0 + m) * p.K + b * kBlock + c * simd::kLanes);
-    for (int r = 0; r < R; ++r) {
-      simd::vfloat wv[kChunks];
-      serval::quant::widen<F>(p.w + (n + r) * p.row_bytes + b * bb, wv);
-      for (int c = 0; c < kChunks; ++c)
-        for (int m = 0; m < M; ++m) acc[m * R + r] = simd::fmadd(xv[m][c], wv[c], acc[m * R + r]);
-    }
-  }
-  store_sums<M, R>(p, acc, m0, n);
-}
-
-// Weight rows per register block: M * R accumulators, at most one vector of sums.
-template <int M>
-constexpr int register_block_rows() {
-  return M == 1 ? 8 : static_cast<int>(simd::kLanes / M);
-}
-
-template <Format F, int M>
-void register_rows(const Problem& p) {
-  constexpr int R = register_block_rows<M>();
-  // About 16 K weights per task: small matrices stay on one thread, where a fork costs more.
-  const int64_t grain = std::max<int64_t>(R, 16384 / p.K);
-  at::parallel_for(0, p.N, grain, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
-    for (; n + R <= end; n += R) register_block<F, M, R>(p, 0, n);
-    for (; n < end; ++n) register_block<F, M, 1>(p, 0, n);
-  });
-}
-
-// Many rows: a tile of weight rows is widened into `tile` [rows, K] once, then multiplied by rows of x in
-// blocks of kTileM x kTileR outputs: 6 x 4 with AVX-512's 32 registers (24 accumulators, 6 rows of x, a weight
-// vector), 4 x 2 with AVX2's 16 (bench_quant_linear.py chose them among 2 x 8, 4 x 4, 4 x 6, 6 x 4, 8 x 3).
-constexpr int kTileM = simd::kRegisters == 32 ? 6 : 4;
-constexpr int kTileR = simd::kRegisters == 32 ? 4 : 2;
-
-template <Format F>
-void widen_rows(const Problem& p, int64_t n0, int64_t rows, float* tile) {
-  const int64_t bb = serval::quant::block_bytes(F);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < p.K / kBlock; ++b) {
-      simd::vfloat wv[kChunks];
-      serval::quant::widen<F>(p.w + (n0 + r) * p.row_bytes + b * bb, wv);
-      for (int c = 0; c < kChunks; ++c) simd::store(tile + r * p.K + b * kBlock + c * simd::kLanes, wv[c]);
-    }
-}
-
-// y[m0 .. m0 + M, n0 + r0 .. n0 + r0 + R) from the widened tile of rows n0 ...
-template <int M, int R>
-inline void tile_block(const Problem& p, const float* tile, int64_t m0, int64_t n0, int64_t r0) {
-  simd::vfloat acc[accumulators<M, R>()];
-  for (int i = 0; i < M * R; ++i) acc[i] = simd::set1(0.f);
-  for (int64_t k = 0; k < p.K; k += simd::kLanes) {
-    simd::vfloat xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = simd::load(p.x + (m0 + m) * p.K + k);
-    for (int r = 0; r < R; ++r) {
-      const simd::vfloat wv = simd::load(tile + (r0 + r) * p.K + k);
-      for (int m = 0; m < M; ++m) acc[m * R + r] = simd::fmadd(xv[m], wv, acc[m * R + r]);
-    }
-  }
-  store_sums<M, R>(p, acc, m0, n0 + r0);
-}
-
-// Rows m0 .. m0 + M of x against the whole tile (weight rows n0 .. n0 + rows).
-template <int M>
-inline void tile_rows(const Problem& p, const float* tile, int64_t m0, int64_t n0, int64_t rows) {
-  int64_t r = 0;
-  for (; r + kTileR <= rows; r += kTileR) tile_block<M, kTileR>(p, tile, m0, n0, r);
-  for (; r < rows; ++r) tile_block<M, 1>(p, tile, m0, n0, r);
-}
-
-template <Format F>
-void tiled_rows(const Problem& p) {
-  // A tile of about 24 KiB of float weights (a whole number of kTileR rows), and chunks of 256 rows of x: the
-  // tasks are (tile, chunk) pairs, so a few weight rows and many x rows still keep both threads busy.
-  const int64_t tile_rows_n = std::clamp<int64_t>(6144 / p.K / kTileR * kTileR, kTileR, 64);
-  const int64_t chunk = 256, tiles = (p.N + tile_rows_n - 1) / tile_rows_n, chunks = (p.M + chunk - 1) / chunk;
-  const int64_t task_work = tile_rows_n * p.K * std::min(p.M, chunk);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / task_work);
-  at::parallel_for(0, tiles * chunks, grain, [&](int64_t begin, int64_t end) {
-    // Cache-line aligned (rows of K floats keep it: K is a multiple of 32): a vector load that straddles two
-    // lines costs two.
-    std::vector<float> storage(tile_rows_n * p.K + 16);
-    float* tile = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16) % 16;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n0 = task % tiles * tile_rows_n, rows = std::min(tile_rows_n, p.N - n0);
-      const int64_t m_begin = task / tiles * chunk, m_end = std::min(p.M, m_begin + chunk);
-      widen_rows<F>(p, n0, rows, tile);
-      int64_t m = m_begin;
-      for (; m + kTileM <= m_end; m += kTileM) tile_rows<kTileM>(p, tile, m, n0, rows);
-      for (; m < m_end; ++m) tile_rows<1>(p, tile, m, n0, rows);
-    }
-  });
-}
-
-template <Format F>
-void quant_linear_rows(const Problem& p) {
-  switch (p.M) {
-    case 1: return register_rows<F, 1>(p);
-    case 2: return register_rows<F, 2>(p);
-    case 3: return register_rows<F, 3>(p);
-    case 4: return register_rows<F, 4>(p);
-    default: return tiled_rows<F>(p);
-  }
-  static_assert(kRegisterRows == 4, "the cases above are the register rows");
-}
-
-// ---- The scalar reference: the same products, accumulations and sums, one float at a time. ----
+// ---- The scalar reference (and the kernel's rows past the last whole group). ----
 // Compiled without reassociation (the module is built with -fassociative-math): the order written is the
 // order computed.
-
 #define SERVAL_EXACT_ORDER __attribute__((optimize("no-associative-math")))
 
-// simd::transpose_sum's tree over one vector's lanes: within each 4-lane group (l0 + l2) + (l1 + l3), then
-// the groups pairwise (16 lanes: (g0 + g1) + (g2 + g3)).
-SERVAL_EXACT_ORDER float tree_sum(const float* lanes) {
-  float groups[simd::kLanes / 4];
-  for (int g = 0; g < simd::kLanes / 4; ++g) {
-    const float* l = lanes + 4 * g;
-    groups[g] = (l[0] + l[2]) + (l[1] + l[3]);
+SERVAL_EXACT_ORDER void quantize_block_reference(const float* x, int8_t* a, float* d, int32_t* s) {
+  float amax = 0.f, inverse;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  *d = block_scale(amax, &inverse);
+  *s = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    a[j] = static_cast<int8_t>(std::nearbyint(x[j] * inverse));
+    *s += a[j];
   }
-  if constexpr (simd::kLanes == 16) return (groups[0] + groups[1]) + (groups[2] + groups[3]);
-  return groups[0] + groups[1];
 }
 
 template <Format F>
-SERVAL_EXACT_ORDER void reference_rows(const Problem& p) {
-  const int64_t bb = serval::quant::block_bytes(F);
-  for (int64_t m = 0; m < p.M; ++m)
-    for (int64_t n = 0; n < p.N; ++n) {
-      float acc[simd::kLanes] = {};
-      for (int64_t k = 0; k < p.K; ++k) {
-        const float w = serval::quant::weight_at<F>(p.w + n * p.row_bytes + k / kBlock * bb, k % kBlock);
-        acc[k % simd::kLanes] = std::fma(p.x[m * p.K + k], w, acc[k % simd::kLanes]);
-      }
-      const float s = tree_sum(acc);
-      p.y[m * p.N + n] = p.bias == nullptr ? s : s + p.bias[n];
+SERVAL_EXACT_ORDER float dot_reference(const Problem& p, const Activations& act, int64_t m, int64_t n) {
+  float y = 0.f;
+  for (int64_t b = 0; b < act.blocks; ++b) {
+    const q::RowBlock rb = q::row_block<F>(p.w, n, b, p.N, p.row_bytes);
+    const int8_t* a = act.row(m) + b * kBlock;
+    int32_t sum = 0;
+    for (int j = 0; j < kBlock; ++j) sum += q::u_at<F>(rb, j) * a[j];
+    const float da = act.d[m * act.blocks + b];
+    const int32_t s = act.s[m * act.blocks + b];
+    y = std::fma(static_cast<float>(sum - q::offset(F) * s), q::half_at(rb.d) * da, y);
+    if constexpr (F == Format::kQ4_1) y = std::fma(static_cast<float>(s), q::half_at(rb.m) * da, y);
+  }
+  return p.bias == nullptr ? y : y + p.bias[n];
+}
+
+// ---- The vector kernel. ----
+
+inline void quantize_block(const float* x, int8_t* a, float* d, int32_t* s) {
+  constexpr int kVectors = kBlock / simd::kLanes;
+  simd::vfloat v[kVectors], amax = simd::set1(0.f);
+  for (int c = 0; c < kVectors; ++c) {
+    v[c] = simd::load(x + c * simd::kLanes);
+    amax = simd::max(amax, q::abs(v[c]));
+  }
+  float inverse;
+  *d = block_scale(simd::reduce_max(amax), &inverse);
+  q::vint rounded[kVectors];
+  for (int c = 0; c < kVectors; ++c) rounded[c] = q::round_to_int(simd::mul(v[c], simd::set1(inverse)));
+  *s = q::store_int8(a, rounded);
+}
+
+Activations quantize_rows(const Problem& p, bool reference) {
+  const int64_t blocks = p.K / kBlock;
+  Activations act{std::vector<int8_t>(p.M * p.K), std::vector<float>(p.M * blocks), std::vector<int32_t>(p.M * blocks),
+                  p.K, blocks};
+  at::parallel_for(0, p.M * blocks, reference ? p.M * blocks : 4096 / kBlock, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m = i / blocks, k = i % blocks * kBlock;
+      auto* quantize = reference ? quantize_block_reference : quantize_block;
+      quantize(p.x + m * p.K + k, act.a.data() + m * p.K + k, act.d.data() + i, act.s.data() + i);
     }
+  });
+  return act;
+}
+
+// y[m0 .. m0 + MR, n0 .. n0 + NV * kRows) for rows n0 ... inside whole groups (n0 a multiple of kRows).
+template <Format F, int MR, int NV>
+inline void micro(const Problem& p, const Activations& act, int64_t m0, int64_t n0) {
+  constexpr int64_t bb = q::block_bytes(F), header = kGroup * q::header_bytes(F);
+  simd::vfloat y[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) y[m][v] = simd::set1(0.f);
+  const uint8_t* group[NV];  // lane set v's group, at its rows' place in each 64-byte chunk and in the scales
+  int64_t lane_offset[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t n = n0 + v * kRows;
+    group[v] = p.w + n / kGroup * kGroup * p.row_bytes;
+    lane_offset[v] = n % kGroup;
+  }
+  for (int64_t b = 0; b < act.blocks; ++b) {
+    q::vint acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = q::zero();
+    for (int c = 0; c < q::chunks(F); ++c) {
+      q::vint u[NV];
+      for (int v = 0; v < NV; ++v) u[v] = q::load_bytes(group[v] + b * kGroup * bb + header + 64 * c + 4 * lane_offset[v]);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* a = act.row(m0 + m) + b * kBlock + 4 * c;
+        if constexpr (F == Format::kQ8_0) {
+          const q::vint av = q::bcast4(a);
+          for (int v = 0; v < NV; ++v) acc[m][v] = q::dot_u8<F>(acc[m][v], u[v], av);
+        } else {  // weights 4c .. 4c + 3 in the low nibbles, 16 + 4c .. in the high ones
+          const q::vint low = q::bcast4(a), high = q::bcast4(a + 16);
+          for (int v = 0; v < NV; ++v) acc[m][v] = q::dot4(q::dot4(acc[m][v], q::low_nibbles(u[v]), low), q::high_nibbles(u[v]), high);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t i = (m0 + m) * act.blocks + b;
+      const simd::vfloat da = simd::set1(act.d[i]);
+      const q::vint correction = q::set32(q::kernel_offset<F>() * act.s[i]);
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* scales = group[v] + b * kGroup * bb + 2 * lane_offset[v];
+        const simd::vfloat sum = q::to_float(q::sub32(acc[m][v], correction));
+        y[m][v] = simd::fmadd(sum, simd::mul(q::halves(scales), da), y[m][v]);
+        if constexpr (F == Format::kQ4_1)
+          y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(q::halves(scales + 2 * kGroup), da), y[m][v]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n = n0 + v * kRows;
+      const simd::vfloat out = p.bias == nullptr ? y[m][v] : simd::add(y[m][v], simd::load(p.bias + n));
+      simd::store(p.y + (m0 + m) * p.N + n, out);
+    }
+}
+
+// Lane sets (kRows weight rows each) per micro-kernel: few rows of x stream the weights (more streams in
+// flight); many rows keep MR x NV int32 and float accumulators in the registers.
+template <int MR>
+constexpr int lane_sets() {
+  return MR == 1 ? 4 : 2;
+}
+constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 2;  // MR for many rows of x
+
+// Rows m0 .. m0 + MR of x against lane sets [v_begin, v_end).
+template <Format F, int MR>
+void lane_range(const Problem& p, const Activations& act, int64_t m0, int64_t v_begin, int64_t v_end) {
+  constexpr int NV = lane_sets<MR>();
+  int64_t v = v_begin;
+  for (; v + NV <= v_end; v += NV) micro<F, MR, NV>(p, act, m0, v * kRows);
+  for (; v < v_end; ++v) micro<F, MR, 1>(p, act, m0, v * kRows);
+}
+
+template <Format F, int MR>
+void few_rows(const Problem& p, const Activations& act, int64_t sets) {
+  // Tiles of NV lane sets, about 16 K weights per task: small matrices stay on one thread, where a fork costs more.
+  constexpr int NV = lane_sets<MR>();
+  const int64_t tiles = (sets + NV - 1) / NV, grain = std::max<int64_t>(1, 16384 / (NV * kRows * p.K));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    lane_range<F, MR>(p, act, 0, begin * NV, std::min(sets, end * NV));
+  });
+}
+
+template <Format F>
+void many_rows(const Problem& p, const Activations& act, int64_t sets) {
+  // Tasks are (tile of lane sets, chunk of 256 rows of x): the tile's weights stay in cache for the chunk.
+  constexpr int NV = lane_sets<kTileRows>();
+  const int64_t chunk = 256, tiles = (sets + NV - 1) / NV, chunks = (p.M + chunk - 1) / chunk;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (NV * kRows * p.K * std::min(p.M, chunk)));
+  at::parallel_for(0, tiles * chunks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t v0 = task % tiles * NV, v1 = std::min(sets, v0 + NV);
+      const int64_t m_begin = task / tiles * chunk, m_end = std::min(p.M, m_begin + chunk);
+      int64_t m = m_begin;
+      for (; m + kTileRows <= m_end; m += kTileRows) lane_range<F, kTileRows>(p, act, m, v0, v1);
+      for (; m < m_end; ++m) lane_range<F, 1>(p, act, m, v0, v1);
+    }
+  });
+}
+
+template <Format F>
+void kernel_rows(const Problem& p) {
+  const Activations act = quantize_rows(p, false);
+  const int64_t sets = p.N / kGroup * kGroup / kRows;
+  switch (p.M) {
+    case 1: few_rows<F, 1>(p, act, sets); break;
+    case 2: few_rows<F, 2>(p, act, sets); break;
+    case 3: few_rows<F, 3>(p, act, sets); break;
+    case 4: few_rows<F, 4>(p, act, sets); break;
+    default: many_rows<F>(p, act, sets);
+  }
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t n = sets * kRows; n < p.N; ++n) p.y[m * p.N + n] = dot_reference<F>(p, act, m, n);
+}
+
+template <Format F>
+void reference_rows(const Problem& p) {
+  const Activations act = quantize_rows(p, true);
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t n = 0; n < p.N; ++n) p.y[m * p.N + n] = dot_reference<F>(p, act, m, n);
 }
 
 // ---- Checks and dispatch shared by the op and its reference. ----
@@ -230,7 +247,7 @@ Operands operands(torch::Tensor x, torch::Tensor w, int64_t qtype, const c10::op
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "float32 x [M, K] expected");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8, "uint8 w [N, row_bytes] expected");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % kBlock == 0 && w.size(1) == K / kBlock * serval::quant::block_bytes(format),
+  TORCH_CHECK(K % kBlock == 0 && w.size(1) == K / kBlock * q::block_bytes(format),
               "w's rows must hold K = ", K, " weights in blocks of 32 of this format; got ", w.size(1), " bytes");
   Operands o{x.contiguous(), w.contiguous(), torch::Tensor(), torch::empty({M, N}, x.options()), {}};
   if (bias.has_value() && bias->defined()) {
@@ -244,6 +261,7 @@ Operands operands(torch::Tensor x, torch::Tensor w, int64_t qtype, const c10::op
 
 template <template <Format> class Runner>
 void dispatch(int64_t qtype, const Problem& p) {
+  if (p.M == 0 || p.N == 0) return;
   switch (static_cast<Format>(qtype)) {
     case Format::kQ8_0: return Runner<Format::kQ8_0>::run(p);
     case Format::kQ4_0: return Runner<Format::kQ4_0>::run(p);
@@ -253,7 +271,7 @@ void dispatch(int64_t qtype, const Problem& p) {
 
 template <Format F>
 struct Kernel {
-  static void run(const Problem& p) { quant_linear_rows<F>(p); }
+  static void run(const Problem& p) { kernel_rows<F>(p); }
 };
 template <Format F>
 struct Reference {
@@ -264,7 +282,7 @@ struct Reference {
 
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias) {
   Operands o = operands(x, w, qtype, bias);
-  if (o.problem.M > 0 && o.problem.N > 0) dispatch<Kernel>(qtype, o.problem);
+  dispatch<Kernel>(qtype, o.problem);
   return o.y;
 }
 
