@@ -3,10 +3,11 @@
 * The plan: the file's Q4_1 linears and Q8_0 embedding stay blocks (the tied LM head the embedding's),
   within 10 % of the file's size; ``none``, ``int8`` and a ``gguf`` request on a float checkpoint do what
   they say; tensor-parallel shards are the full tensor's rows or whole blocks.
-* Each quantized layer computes the product of its dequantized weight, on the native kernel and on the
-  plain-torch path; an embedding row is its dequantized row exactly.
+* Each quantized layer computes the product of its dequantized weight: exactly on the plain-torch path,
+  within int8 activation rounding on the native kernel (its packed weights); an embedding row is its
+  dequantized row exactly, packed or not.
 * The engine on the file's blocks: greedy chat outputs agree with the dequantized model's (the directory)
-  for their first 16 tokens, and batching or a prefix-cache hit changes no token.
+  for their first 16 tokens up to near-ties, and batching or a prefix-cache hit changes no token.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from engine import LLM
 from engine.kernels.cpu import use_cpu_kernels
 from engine.model.layers.linear import LinearBase
+from engine.model.layers.linear_method import process_weights_after_loading
 from engine.model.quantization.blocks import QuantType, dequantize, quantize
 from engine.model.registry import get_model
 from tests.conftest import SMOLLM2_PATH, assert_pool_clean, greedy
@@ -55,16 +57,26 @@ def test_the_files_blocks_stay_blocks_within_its_size(quantized):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_each_layer_computes_its_dequantized_product(quantized, native):
-    layer = quantized.model.local_layers[0]
-    modules = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    model = get_model(str(GGUF)) if native else quantized
+    if native:
+        assert process_weights_after_loading(model) == 0 and model.lm_head.weight.packed  # packed in place
     with use_cpu_kernels(native):
-        for module in [*modules, quantized.lm_head]:
+        for module, reference in zip([*_layer_modules(model), model.lm_head], [*_layer_modules(quantized), quantized.lm_head]):
             x = torch.randn(5, module.weight.shape[1] // module.quant_method.qtype.block_bytes * 32)
-            expected = x.double() @ dequantize(module.weight, module.quant_method.qtype).double().T
-            torch.testing.assert_close(module(x).double(), expected, rtol=1e-4, atol=1e-4)
+            expected = x.double() @ dequantize(reference.weight, module.quant_method.qtype).double().T
+            got = module(x).double()
+            if native:  # int8 activations: about 0.5 % of the product's scale
+                assert (got - expected).norm() < 0.01 * expected.norm()
+            else:
+                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     ids = torch.tensor([[0, 17, 49151], [5, 5, 2]])
     rows = dequantize(quantized.model.embed_tokens.weight, QuantType.Q8_0)[ids]
-    assert torch.equal(quantized.model.embed_tokens(ids), rows)
+    assert torch.equal(model.model.embed_tokens(ids), rows)
+
+
+def _layer_modules(model):
+    layer = model.model.local_layers[0]
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
 def test_none_int8_and_a_gguf_request_on_float_weights(smollm2_path):
@@ -97,18 +109,28 @@ def test_tensor_parallel_shards_are_rows_or_whole_blocks(quantized):
 
 @pytest.mark.slow
 def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(smollm2_path):
+    """Activations are quantized to int8 (llama.cpp's arithmetic), so greedy paths may part where two tokens
+    nearly tie: wherever they part, the dequantized model's token is within 0.5 nats of the chosen one."""
     outputs = {}
     for model in (str(GGUF), smollm2_path):
         llm = LLM(model=model, max_model_len=1024, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True)
-        batched = [o.outputs[0].token_ids for o in llm.chat(CHATS, greedy(16))]
+        batched = [o.outputs[0] for o in llm.chat(CHATS, greedy(16, logprobs=5))]
         if model == str(GGUF):  # each row's product depends on that row only; these hit the prefix cache
-            assert [llm.chat([chat], greedy(16))[0].outputs[0].token_ids for chat in CHATS[:2]] == batched[:2]
+            alone = [llm.chat([chat], greedy(16))[0].outputs[0].token_ids for chat in CHATS[:2]]
+            assert alone == [o.token_ids for o in batched[:2]]
         outputs[model] = batched
         assert_pool_clean(llm)
         llm.shutdown()
-    agree = [q[:16] == f[:16] for q, f in zip(outputs[str(GGUF)], outputs[smollm2_path])]
-    print(f"first 16 greedy tokens equal to the dequantized model's on {sum(agree)} of {len(agree)} chats")
-    assert sum(agree) >= len(agree) - 1
+    agree = 0
+    for quantized, dense in zip(outputs[str(GGUF)], outputs[smollm2_path]):
+        parted = [i for i, (a, b) in enumerate(zip(quantized.token_ids, dense.token_ids)) if a != b]
+        if not parted:
+            agree += 1
+            continue
+        top = quantized.logprobs[parted[0]]
+        chosen, other = top[quantized.token_ids[parted[0]]], top.get(dense.token_ids[parted[0]])
+        assert other is not None and chosen.logprob - other.logprob < 0.5, (parted[0], chosen, other)
+    print(f"first 16 greedy tokens equal to the dequantized model's on {agree} of {len(CHATS)} chats")
 
 
 @pytest.mark.slow
