@@ -139,7 +139,8 @@ for q in QuantType:
     for k in (32, 576, 1536):
         t.check_equals_reference(ops, q, k)
     t.check_batch_invariance(ops, q)
-torch.save({{q.value: ops.quant_linear(t._randn(5, 576), t._quantized(37, 576, q), q.kernel_id) for q in QuantType}}, {out!r})
+x = t._randn(5, 576)
+torch.save({{q.value: ops.quant_linear(x, t._quantized(37, 576, q), q.kernel_id) for q in QuantType}}, {out!r})
 """
 
 

@@ -106,7 +106,11 @@ def test_serval_on_a_gguf_file_generates_transformers_greedy_tokens(checkpoint, 
             out = reference.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, min_length=0)
             expected.append(out[0, len(ids) :].tolist())
     llm = LLM(
-        model=str(path), tokenizer=checkpoint, dtype="float32", quantization="none", max_model_len=256,
+        model=str(path),
+        tokenizer=checkpoint,
+        dtype="float32",
+        quantization="none",
+        max_model_len=256,
         kv_cache_memory_bytes=8 << 20,
     )
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

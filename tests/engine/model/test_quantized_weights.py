@@ -61,7 +61,9 @@ def test_each_layer_computes_its_dequantized_product(quantized, native):
     if native:
         assert process_weights_after_loading(model) == 0 and model.lm_head.weight.packed  # packed in place
     with use_cpu_kernels(native):
-        for module, reference in zip([*_layer_modules(model), model.lm_head], [*_layer_modules(quantized), quantized.lm_head]):
+        for module, reference in zip(
+            [*_layer_modules(model), model.lm_head], [*_layer_modules(quantized), quantized.lm_head]
+        ):
             x = torch.randn(5, module.weight.shape[1] // module.quant_method.qtype.block_bytes * 32)
             expected = x.double() @ dequantize(reference.weight, module.quant_method.qtype).double().T
             got = module(x).double()
