@@ -103,8 +103,8 @@ inline void quantize_block(const float* x, int8_t* a, float* d, int32_t* s) {
 
 Activations quantize_rows(const Problem& p, bool reference) {
   const int64_t blocks = p.K / kBlock;
-  Activations act{std::vector<int8_t>(p.M * p.K), std::vector<float>(p.M * blocks), std::vector<int32_t>(p.M * blocks),
-                  p.K, blocks};
+  Activations act{std::vector<int8_t>(p.M * p.K), std::vector<float>(p.M * blocks),
+                  std::vector<int32_t>(p.M * blocks), p.K, blocks};
   at::parallel_for(0, p.M * blocks, reference ? p.M * blocks : 4096 / kBlock, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / blocks, k = i % blocks * kBlock;
@@ -115,50 +115,79 @@ Activations quantize_rows(const Problem& p, bool reference) {
   return act;
 }
 
-// y[m0 .. m0 + MR, n0 .. n0 + NV * kRows) for rows n0 ... inside whole groups (n0 a multiple of kRows).
+// NV lane sets of kRows weight rows each, from row n0 (a multiple of kRows) inside whole groups: set v's rows
+// n0 + v * kRows .. lie in one group, at lane offset `lane[v]` of each 64-byte chunk (4 bytes a row) and of
+// the scales (2 bytes a row).
+template <Format F, int NV>
+struct LaneSets {
+  const uint8_t* group[NV];
+  int64_t lane[NV];
+  LaneSets(const Problem& p, int64_t n0) {
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n = n0 + v * kRows;
+      group[v] = p.w + n / kGroup * kGroup * p.row_bytes;
+      lane[v] = n % kGroup;
+    }
+  }
+  // Set v's bytes of block b: its scales d (and Q4_1's mins m after them), then the quant chunks at +header.
+  const uint8_t* block(int v, int64_t b) const { return group[v] + b * kGroup * q::block_bytes(F); }
+  static constexpr int64_t kHeader = kGroup * q::header_bytes(F);
+};
+
+// acc[m][v] = block b's integer dot products of x's row m0 + m with lane set v's rows.
+template <Format F, int MR, int NV>
+inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
+                       q::vint (&acc)[MR][NV]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = q::zero();
+  for (int c = 0; c < q::chunks(F); ++c) {
+    q::vint u[NV];
+    for (int v = 0; v < NV; ++v) u[v] = q::load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* a = act.row(m0 + m) + b * kBlock + 4 * c;
+      if constexpr (F == Format::kQ8_0) {
+        const q::vint av = q::bcast4(a);
+        for (int v = 0; v < NV; ++v) acc[m][v] = q::dot_u8<F>(acc[m][v], u[v], av);
+      } else {  // weights 4c .. 4c + 3 in the low nibbles, 16 + 4c .. in the high ones
+        const q::vint low = q::bcast4(a), high = q::bcast4(a + 16);
+        for (int v = 0; v < NV; ++v)
+          acc[m][v] = q::dot4(q::dot4(acc[m][v], q::low_nibbles(u[v]), low), q::high_nibbles(u[v]), high);
+      }
+    }
+  }
+}
+
+// y[m][v] += block b's sums in float: fma(sum - offset * s, d_w * d_a), then (Q4_1) fma(s, m_w * d_a).
+template <Format F, int MR, int NV>
+inline void scale_block(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
+                        const q::vint (&acc)[MR][NV], simd::vfloat (&y)[MR][NV]) {
+  for (int m = 0; m < MR; ++m) {
+    const int64_t i = (m0 + m) * act.blocks + b;
+    const simd::vfloat da = simd::set1(act.d[i]);
+    const q::vint correction = q::set32(q::kernel_offset<F>() * act.s[i]);
+    for (int v = 0; v < NV; ++v) {
+      const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
+      const simd::vfloat sum = q::to_float(q::sub32(acc[m][v], correction));
+      y[m][v] = simd::fmadd(sum, simd::mul(q::halves(scales), da), y[m][v]);
+      if constexpr (F == Format::kQ4_1) {
+        const simd::vfloat min_scale = simd::mul(q::halves(scales + 2 * kGroup), da);
+        y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), min_scale, y[m][v]);
+      }
+    }
+  }
+}
+
+// y[m0 .. m0 + MR, n0 .. n0 + NV * kRows), + bias.
 template <Format F, int MR, int NV>
 inline void micro(const Problem& p, const Activations& act, int64_t m0, int64_t n0) {
-  constexpr int64_t bb = q::block_bytes(F), header = kGroup * q::header_bytes(F);
+  const LaneSets<F, NV> sets(p, n0);
   simd::vfloat y[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) y[m][v] = simd::set1(0.f);
-  const uint8_t* group[NV];  // lane set v's group, at its rows' place in each 64-byte chunk and in the scales
-  int64_t lane_offset[NV];
-  for (int v = 0; v < NV; ++v) {
-    const int64_t n = n0 + v * kRows;
-    group[v] = p.w + n / kGroup * kGroup * p.row_bytes;
-    lane_offset[v] = n % kGroup;
-  }
   for (int64_t b = 0; b < act.blocks; ++b) {
     q::vint acc[MR][NV];
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < NV; ++v) acc[m][v] = q::zero();
-    for (int c = 0; c < q::chunks(F); ++c) {
-      q::vint u[NV];
-      for (int v = 0; v < NV; ++v) u[v] = q::load_bytes(group[v] + b * kGroup * bb + header + 64 * c + 4 * lane_offset[v]);
-      for (int m = 0; m < MR; ++m) {
-        const int8_t* a = act.row(m0 + m) + b * kBlock + 4 * c;
-        if constexpr (F == Format::kQ8_0) {
-          const q::vint av = q::bcast4(a);
-          for (int v = 0; v < NV; ++v) acc[m][v] = q::dot_u8<F>(acc[m][v], u[v], av);
-        } else {  // weights 4c .. 4c + 3 in the low nibbles, 16 + 4c .. in the high ones
-          const q::vint low = q::bcast4(a), high = q::bcast4(a + 16);
-          for (int v = 0; v < NV; ++v) acc[m][v] = q::dot4(q::dot4(acc[m][v], q::low_nibbles(u[v]), low), q::high_nibbles(u[v]), high);
-        }
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      const int64_t i = (m0 + m) * act.blocks + b;
-      const simd::vfloat da = simd::set1(act.d[i]);
-      const q::vint correction = q::set32(q::kernel_offset<F>() * act.s[i]);
-      for (int v = 0; v < NV; ++v) {
-        const uint8_t* scales = group[v] + b * kGroup * bb + 2 * lane_offset[v];
-        const simd::vfloat sum = q::to_float(q::sub32(acc[m][v], correction));
-        y[m][v] = simd::fmadd(sum, simd::mul(q::halves(scales), da), y[m][v]);
-        if constexpr (F == Format::kQ4_1)
-          y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(q::halves(scales + 2 * kGroup), da), y[m][v]);
-      }
-    }
+    block_sums<F, MR, NV>(sets, act, m0, b, acc);
+    scale_block<F, MR, NV>(sets, act, m0, b, acc, y);
   }
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) {
