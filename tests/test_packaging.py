@@ -12,10 +12,12 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from importlib.metadata import version
+from importlib.metadata import distribution, packages_distributions, version
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from serval import shipped
 from serval.cli import main
@@ -86,6 +88,42 @@ def test_extras_are_imported_only_inside_their_commands():
                         where = path.relative_to(ROOT)
                         assert EXTRA_IMPORTERS[module](where), f"{where} imports {module}"
                         assert id(node) not in top_level, f"{where} imports {module} at module level"
+
+
+def _installed_by(requirements: list[str]) -> set[str]:
+    """The distributions ``pip install`` of ``requirements`` brings: them and what they require, extras followed."""
+    seen: dict[str, set[str]] = {}
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if name in seen and set(requirement.extras) <= seen[name]:
+            continue
+        extras = seen.setdefault(name, set())
+        extras |= set(requirement.extras)
+        for line in distribution(name).requires or []:
+            needed = Requirement(line)
+            if needed.marker is None or any(needed.marker.evaluate({"extra": e}) for e in extras | {""}):
+                todo.append(needed)
+    return set(seen)
+
+
+def test_every_module_the_packages_import_is_installed_by_the_core_or_is_an_extras():
+    """``pip install .`` alone serves: psutil, which the launcher imports, came only with the test extra's
+    packages, and ``serval serve`` died on a fresh serving install."""
+    core = _installed_by(PYPROJECT["project"]["dependencies"])
+    providers = packages_distributions()
+    first_party = {"engine", "cluster", "deployments", "serval"}
+    for package in first_party:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module]
+                for module in {name.split(".")[0] for name in names} - first_party - set(sys.stdlib_module_names):
+                    if module not in EXTRA_IMPORTERS:
+                        installers = {canonicalize_name(d) for d in providers.get(module, [])}
+                        assert installers & core, f"{path.relative_to(ROOT)} imports {module}, not a core dependency's"
 
 
 def test_the_shipped_files_are_the_top_level_ones():
