@@ -1,4 +1,4 @@
-"""The native quantized linear (``quant_linear``: GGUF Q8_0 / Q4_1 weights packed, int8 activations) against float32
+"""The native quantized linear (``quant_linear``: GGUF Q8_0 / Q4_1 weights packed, 14-bit activations) against float32
 products on the dequantized weight: MKL's ``F.linear`` and a oneDNN-packed copy (as cpu_prepack.py keeps it).
 
 Prints, per thread count, shape (K, N) and row count M, the microseconds of each and the ratios; for M = 1

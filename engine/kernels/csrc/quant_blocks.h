@@ -97,6 +97,8 @@ inline vint bcast4(const int8_t* p) {
 inline vint low_nibbles(vint v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 inline vint high_nibbles(vint v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 inline vint sub32(vint a, vint b) { return _mm512_sub_epi32(a, b); }
+template <int B>
+inline vint shift_left(vint v) { return _mm512_slli_epi32(v, B); }
 inline vint set32(int32_t x) { return _mm512_set1_epi32(x); }
 inline simd::vfloat to_float(vint v) { return _mm512_cvtepi32_ps(v); }
 inline simd::vfloat halves(const uint8_t* p) {
@@ -137,6 +139,8 @@ inline vint bcast4(const int8_t* p) {
 inline vint low_nibbles(vint v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline vint high_nibbles(vint v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline vint sub32(vint a, vint b) { return _mm256_sub_epi32(a, b); }
+template <int B>
+inline vint shift_left(vint v) { return _mm256_slli_epi32(v, B); }
 inline vint set32(int32_t x) { return _mm256_set1_epi32(x); }
 inline simd::vfloat to_float(vint v) { return _mm256_cvtepi32_ps(v); }
 inline simd::vfloat halves(const uint8_t* p) {

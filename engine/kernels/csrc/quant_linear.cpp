@@ -1,9 +1,11 @@
 // y = x @ W^T (+ bias) with W in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, packed (quant_blocks.h): float32 x [M, K],
 // uint8 w [N, K / 32 * block_bytes] in the packed layout, bias float32 [N] or none -> float32 y [M, N].
 //
-// llama.cpp's arithmetic: each row of x is quantized per block of 32 to int8 (d = max |x| / 127, a =
-// round(x / d), its sum s), and each output is a sum over blocks of integer dot products scaled in float:
-//   y[m, n] = fma(float(sum_j u_j a_j - offset * s), d_w * d_a, y)      then, Q4_1 only,
+// llama.cpp's arithmetic with a second int8 digit: each row of x is quantized per block of 32 to
+// a = 128 * h + l, two int8 parts (t = x / e with e = max |x| / 127; h = round(t); l = round(128 (t - h)),
+// |l| <= 64), so a is x / (e / 128) to 14 bits where llama.cpp's int8 has 8; with its sum s, each output is a
+// sum over blocks of integer dot products (128 sum_j u_j h_j + sum_j u_j l_j, exact in int32) scaled in float:
+//   y[m, n] = fma(float(sum_j u_j a_j - offset * s), d_w * d_a, y)      then, Q4_1 only,   (d_a = e / 128)
 //   y[m, n] = fma(float(s), m_w * d_a, y)                               blocks in ascending order,
 // then + bias. The integer sums are exact, so the result depends on x's row and W's row alone: it is the same
 // bits whatever M is, whichever path (few rows streaming the weights once, many rows reusing a tile from
@@ -37,20 +39,22 @@ struct Problem {
   int64_t M, K, N, row_bytes;
 };
 
-// x quantized per row and block: a [M, K] int8, d and s [M, K / 32].
+// x quantized per row and block: a [M, K / 32, 2, 32] int8 (a block's h, then its l), d and s [M, K / 32].
 struct Activations {
   std::vector<int8_t> a;
   std::vector<float> d;
   std::vector<int32_t> s;
   int64_t K, blocks;
-  const int8_t* row(int64_t m) const { return a.data() + m * K; }
+  const int8_t* row(int64_t m) const { return a.data() + 2 * m * K; }
 };
+constexpr int kLowShift = 7;  // a = h << 7 + l
 
-// A block's scale from its largest magnitude: both the kernel and the reference divide and invert so.
+// A block's scales from its largest magnitude: e = amax / 127 and 1 / e (what t is), d_a = e / 128 (what a is).
+// Both the kernel and the reference divide and invert so.
 inline float block_scale(float amax, float* inverse) {
-  const float d = amax / 127.f;
-  *inverse = d != 0.f ? 1.f / d : 0.f;
-  return d;
+  const float e = amax / 127.f;
+  *inverse = e != 0.f ? 1.f / e : 0.f;
+  return e / (1 << kLowShift);
 }
 
 // ---- The scalar reference (and the kernel's rows past the last whole group). ----
@@ -62,11 +66,15 @@ SERVAL_EXACT_ORDER void quantize_block_reference(const float* x, int8_t* a, floa
   float amax = 0.f, inverse;
   for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
   *d = block_scale(amax, &inverse);
-  *s = 0;
+  int32_t high = 0, low = 0;
   for (int j = 0; j < kBlock; ++j) {
-    a[j] = static_cast<int8_t>(std::nearbyint(x[j] * inverse));
-    *s += a[j];
+    const float t = x[j] * inverse, h = std::nearbyint(t);
+    a[j] = static_cast<int8_t>(h);
+    a[kBlock + j] = static_cast<int8_t>(std::nearbyint((t - h) * static_cast<float>(1 << kLowShift)));
+    high += a[j];
+    low += a[kBlock + j];
   }
+  *s = high * (1 << kLowShift) + low;
 }
 
 template <Format F>
@@ -74,9 +82,11 @@ SERVAL_EXACT_ORDER float dot_reference(const Problem& p, const Activations& act,
   float y = 0.f;
   for (int64_t b = 0; b < act.blocks; ++b) {
     const q::RowBlock rb = q::row_block<F>(p.w, n, b, p.N, p.row_bytes);
-    const int8_t* a = act.row(m) + b * kBlock;
-    int32_t sum = 0;
-    for (int j = 0; j < kBlock; ++j) sum += q::u_at<F>(rb, j) * a[j];
+    const int8_t* a = act.row(m) + 2 * b * kBlock;
+    int32_t high = 0, low = 0;
+    for (int j = 0; j < kBlock; ++j) high += q::u_at<F>(rb, j) * a[j];
+    for (int j = 0; j < kBlock; ++j) low += q::u_at<F>(rb, j) * a[kBlock + j];
+    const int32_t sum = high * (1 << kLowShift) + low;
     const float da = act.d[m * act.blocks + b];
     const int32_t s = act.s[m * act.blocks + b];
     y = std::fma(static_cast<float>(sum - q::offset(F) * s), q::half_at(rb.d) * da, y);
@@ -96,20 +106,25 @@ inline void quantize_block(const float* x, int8_t* a, float* d, int32_t* s) {
   }
   float inverse;
   *d = block_scale(simd::reduce_max(amax), &inverse);
-  q::vint rounded[kVectors];
-  for (int c = 0; c < kVectors; ++c) rounded[c] = q::round_to_int(simd::mul(v[c], simd::set1(inverse)));
-  *s = q::store_int8(a, rounded);
+  q::vint high[kVectors], low[kVectors];
+  for (int c = 0; c < kVectors; ++c) {
+    const simd::vfloat t = simd::mul(v[c], simd::set1(inverse));
+    high[c] = q::round_to_int(t);
+    const simd::vfloat rest = simd::sub(t, q::to_float(high[c]));
+    low[c] = q::round_to_int(simd::mul(rest, simd::set1(static_cast<float>(1 << kLowShift))));
+  }
+  *s = q::store_int8(a, high) * (1 << kLowShift) + q::store_int8(a + kBlock, low);
 }
 
 Activations quantize_rows(const Problem& p, bool reference) {
   const int64_t blocks = p.K / kBlock;
-  Activations act{std::vector<int8_t>(p.M * p.K), std::vector<float>(p.M * blocks),
+  Activations act{std::vector<int8_t>(2 * p.M * p.K), std::vector<float>(p.M * blocks),
                   std::vector<int32_t>(p.M * blocks), p.K, blocks};
   at::parallel_for(0, p.M * blocks, reference ? p.M * blocks : 4096 / kBlock, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / blocks, k = i % blocks * kBlock;
       auto* quantize = reference ? quantize_block_reference : quantize_block;
-      quantize(p.x + m * p.K + k, act.a.data() + m * p.K + k, act.d.data() + i, act.s.data() + i);
+      quantize(p.x + m * p.K + k, act.a.data() + 2 * (m * p.K + k), act.d.data() + i, act.s.data() + i);
     }
   });
   return act;
@@ -134,17 +149,15 @@ struct LaneSets {
   static constexpr int64_t kHeader = kGroup * q::header_bytes(F);
 };
 
-// acc[m][v] = block b's integer dot products of x's row m0 + m with lane set v's rows.
+// acc[m][v] += block b's integer dot products of part `part` (0: h, 1: l) of x's row m0 + m with lane set v's rows.
 template <Format F, int MR, int NV>
-inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
-                       q::vint (&acc)[MR][NV]) {
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = q::zero();
+inline void part_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b, int part,
+                      q::vint (&acc)[MR][NV]) {
   for (int c = 0; c < q::chunks(F); ++c) {
     q::vint u[NV];
     for (int v = 0; v < NV; ++v) u[v] = q::load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]);
     for (int m = 0; m < MR; ++m) {
-      const int8_t* a = act.row(m0 + m) + b * kBlock + 4 * c;
+      const int8_t* a = act.row(m0 + m) + (2 * b + part) * kBlock + 4 * c;
       if constexpr (F == Format::kQ8_0) {
         const q::vint av = q::bcast4(a);
         for (int v = 0; v < NV; ++v) acc[m][v] = q::dot_u8<F>(acc[m][v], u[v], av);
@@ -155,6 +168,19 @@ inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int6
       }
     }
   }
+}
+
+// acc[m][v] = block b's integer dot products of x's row m0 + m (a = h << 7 + l) with lane set v's rows. The
+// second pass reloads the block's weights from L1: two sets of accumulators would not fit AVX2's registers.
+template <Format F, int MR, int NV>
+inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
+                       q::vint (&acc)[MR][NV]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = q::zero();
+  part_sums<F, MR, NV>(sets, act, m0, b, 0, acc);
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = q::shift_left<kLowShift>(acc[m][v]);
+  part_sums<F, MR, NV>(sets, act, m0, b, 1, acc);
 }
 
 // y[m][v] += block b's sums in float: fma(sum - offset * s, d_w * d_a), then (Q4_1) fma(s, m_w * d_a).

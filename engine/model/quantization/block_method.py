@@ -6,9 +6,9 @@ unchanged. Products:
 
 * CPU: the native ``quant_linear`` (``engine/kernels/csrc/quant_linear.cpp``) on the weight repacked once
   after loading (``packed.pack``: 16 rows interleaved, the same bytes): activations quantized per block to
-  int8 and integer dot products, llama.cpp's arithmetic; each output row depends only on its input row, bit
-  for bit, so batching and prefix caching change no token. Activations of another dtype compute in float32
-  and round back.
+  14 bits (two int8 parts) and integer dot products; each output row depends only on its input row, bit for
+  bit, so batching and prefix caching change no token. Activations of another dtype compute in float32 and
+  round back.
 * CUDA: the Triton kernel (``engine.kernels.triton_quant``), activations in their own dtype.
 * Where neither is available (no compiler, native ops switched off): the torch reference, the weight
   dequantized per call; exact, slow.

@@ -5,9 +5,9 @@ names, q/k rows permuted for its rope, 1-D tensors in F32, the matrices in the t
 loads that file with its own GGUF reader and is the reference: Serval's offline engine on the file (the
 tokenizer from the checkpoint directory, as vLLM's ``tokenizer=``) must generate its greedy tokens exactly.
 Types whose rounding errors are large (Q4_x, Q5_x) still match: both sides compute with the same weights.
-Serval reads the file with ``quantization="none"`` (every tensor dequantized, as transformers does): kept as
-blocks, Q8_0 / Q4_0 / Q4_1 products quantize the activations to int8 as llama.cpp's do, which parts greedy
-paths on a random model's near-uniform logits; test_quantized_weights gates that path on the real model.
+Serval keeps Q8_0 / Q4_0 / Q4_1 tensors as blocks (its quantized kernels, activations to 14 bits) and
+dequantizes the other types, where transformers dequantizes every tensor: the random model's near-uniform
+logits would part greedy paths at the 8-bit activations of llama.cpp's arithmetic, and do not at these.
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ def test_serval_on_a_gguf_file_generates_transformers_greedy_tokens(checkpoint, 
         model=str(path),
         tokenizer=checkpoint,
         dtype="float32",
-        quantization="none",
         max_model_len=256,
         kv_cache_memory_bytes=8 << 20,
     )

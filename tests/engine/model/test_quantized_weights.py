@@ -4,10 +4,11 @@
   within 10 % of the file's size; ``none``, ``int8`` and a ``gguf`` request on a float checkpoint do what
   they say; tensor-parallel shards are the full tensor's rows or whole blocks.
 * Each quantized layer computes the product of its dequantized weight: exactly on the plain-torch path,
-  within int8 activation rounding on the native kernel (its packed weights); an embedding row is its
+  within its 14-bit activations' rounding on the native kernel (its packed weights); an embedding row is its
   dequantized row exactly, packed or not.
 * The engine on the file's blocks: greedy chat outputs agree with the dequantized model's (the directory)
-  for their first 16 tokens up to near-ties, and batching or a prefix-cache hit changes no token.
+  for their first 16 tokens on most chats, parting only at near-ties, and batching or a prefix-cache hit
+  changes no token; perplexity within issue 34's gate of the dequantized model's.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def test_each_layer_computes_its_dequantized_product(quantized, native):
             x = torch.randn(5, module.weight.shape[1] // module.quant_method.qtype.block_bytes * 32)
             expected = x.double() @ dequantize(reference.weight, module.quant_method.qtype).double().T
             got = module(x).double()
-            if native:  # int8 activations: about 0.5 % of the product's scale
-                assert (got - expected).norm() < 0.01 * expected.norm()
+            if native:  # 14-bit activations: about 4e-5 of the product's scale
+                assert (got - expected).norm() < 2e-4 * expected.norm()
             else:
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     ids = torch.tensor([[0, 17, 49151], [5, 5, 2]])
@@ -111,8 +112,8 @@ def test_tensor_parallel_shards_are_rows_or_whole_blocks(quantized):
 
 @pytest.mark.slow
 def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(smollm2_path):
-    """Activations are quantized to int8 (llama.cpp's arithmetic), so greedy paths may part where two tokens
-    nearly tie: wherever they part, the dequantized model's token is within 0.5 nats of the chosen one."""
+    """Issue 34's gate: the first 16 greedy tokens equal the dequantized model's on most chats. The kernel's
+    activations have 14 bits, so a path may part only where two tokens tie within 0.05 nats."""
     outputs = {}
     for model in (str(GGUF), smollm2_path):
         llm = LLM(model=model, max_model_len=1024, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True)
@@ -131,8 +132,9 @@ def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(smollm2_path
             continue
         top = quantized.logprobs[parted[0]]
         chosen, other = top[quantized.token_ids[parted[0]]], top.get(dense.token_ids[parted[0]])
-        assert other is not None and chosen.logprob - other.logprob < 0.5, (parted[0], chosen, other)
+        assert other is not None and chosen.logprob - other.logprob < 0.05, (parted[0], chosen, other)
     print(f"first 16 greedy tokens equal to the dequantized model's on {agree} of {len(CHATS)} chats")
+    assert agree > len(CHATS) / 2
 
 
 @pytest.mark.slow
