@@ -3,7 +3,7 @@
 # both driven by vLLM's own `bench serve` client (../shared/peers/vllm_bench_serve.sh), plus Serval's float32
 # directory (the default app) for reference, in one run:
 #
-#   [FILES="q4_1 q8_0"] [LOADS="B1 C32"] [ENGINES="serval llama serval-f32"] [ROUNDS=1] \
+#   [FILES="q4_1 q8_0"] [LOADS="B1 C32"] [ENGINES="serval llama serval-f32"] [ROUNDS=1] [ISA=avx2] \
 #     benchmarks/quant_vs_llama.sh [RESULT_DIR]                     (default results/quant-vs-llama)
 #
 #   B1:  8 prompts of 128 random tokens -> 128, one at a time (batch 1), ignore_eos.
@@ -12,8 +12,12 @@
 # Q8_0_GGUF (default /tmp/smollm2-135m-instruct.q8_0.gguf, written by llama.cpp's own converter from the float32
 # directory: ../shared/peers/gguf_from_hf.sh ... q8_0, made when missing). llama-server runs with --parallel set
 # to the load's concurrency. Serval serves configs/serve/default.yaml with model_source set to the file.
-# Prints a line per run, the machine's read bandwidth (2 threads, torch.sum over 256 MB) and, for B1, each
-# step's effective bandwidth (weight bytes / median TPOT); the JSON records are under RESULT_DIR.
+# Prints a line per run, the machine's read and copy bandwidths (2 threads, 256 MB) and, for B1, each step's
+# effective bandwidth (weight bytes / median TPOT); the JSON records are under RESULT_DIR.
+# ISA=avx2: every engine on its AVX2 code paths, an AVX2-only CPU's arithmetic measured on an AVX-512 one (its
+# memory and clocks stay this machine's): Serval's kernels built for x86-64-v3, torch, oneDNN and MKL capped
+# at AVX2, llama-server built without AVX-512 (LLAMA_CPP_HOME, default /tmp/llama-cpp-avx2, built from the
+# sources ../shared/peers/setup_llama_cpp.sh unpacks, when missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results/quant-vs-llama}
@@ -27,6 +31,22 @@ Q8_0_GGUF=${Q8_0_GGUF:-/tmp/$MODEL_ID.q8_0.gguf}
 export RAY_AUTH_MODE=token
 mkdir -p "$OUT"
 grep -m1 "model name" /proc/cpuinfo
+
+if [[ ${ISA:-native} == avx2 ]]; then
+  export SERVAL_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+  export LLAMA_CPP_HOME=${LLAMA_CPP_HOME:-/tmp/llama-cpp-avx2}
+  if [[ ! -x $LLAMA_CPP_HOME/bin/llama-server ]]; then
+    src=${LLAMA_CPP_SRC:-/tmp/llama-cpp/src}
+    [[ -d $src ]] || LLAMA_CPP_HOME=${src%/src} ../shared/peers/setup_llama_cpp.sh
+    echo "building llama-server for AVX2 into $LLAMA_CPP_HOME (minutes) ..." >&2
+    cmake -S "$src" -B "$LLAMA_CPP_HOME/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF \
+      > "$OUT/llama-avx2-build.log" 2>&1
+    cmake --build "$LLAMA_CPP_HOME/build" --target llama-server -j"$(nproc)" >> "$OUT/llama-avx2-build.log" 2>&1
+    mkdir -p "$LLAMA_CPP_HOME/bin" && ln -sf "$LLAMA_CPP_HOME/build/bin/llama-server" "$LLAMA_CPP_HOME/bin/llama-server"
+  fi
+  .venv/bin/python -m engine.kernels.cpu >&2  # the x86-64-v3 build, before the replicas need it
+fi
 
 gguf_of() { [[ $1 == q4_1 ]] && echo "$PWD/models/$MODEL_ID.gguf" || echo "$Q8_0_GGUF"; }
 [[ $FILES != *q8_0* || -f $Q8_0_GGUF ]] || ../shared/peers/gguf_from_hf.sh "$TOKENIZER" "$Q8_0_GGUF" q8_0 > "$OUT/convert.log" 2>&1
