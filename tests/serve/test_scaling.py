@@ -124,6 +124,18 @@ def replica_stats(num_calls: int = 40) -> dict[str, dict]:
     return stats
 
 
+def running_per_replica(num_replicas: int, timeout_s: float = 30.0) -> dict[str, int]:
+    """The most requests each replica was seen running, polled until ``num_replicas`` replicas were each seen
+    running some (or ``timeout_s``): one snapshot can come after a replica's streams ended, on a fast CPU."""
+    handle = serve.get_deployment_handle(SERVER, app_name="llm")
+    running: dict[str, int] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (len(running) == num_replicas and all(running.values())):
+        result = handle.stats.remote().result()
+        running[result["replica_id"]] = max(running.get(result["replica_id"], 0), result["num_running_reqs"])
+    return running
+
+
 def assert_every_replica_serves(base_url: str, pool: ThreadPoolExecutor, num_replicas: int) -> None:
     before = {rid: s["num_finished_reqs_total"] for rid, s in replica_stats().items()}
 
@@ -174,7 +186,7 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
         scaled["applications"][0]["external_scaler_enabled"] = True
         launcher.deploy(scaled, ray_head.dashboard_url)
         streams = InFlightStreams(pool, ray_head, 6, LONG_STREAM_TOKENS)
-        running = {rid: s["num_running_reqs"] for rid, s in replica_stats().items()}
+        running = running_per_replica(2)
         assert len(running) == 2 and all(count > 0 for count in running.values()), running
         url = f"{ray_head.dashboard_url}/api/v1/applications/llm/deployments/{SERVER}/scale"
         headers = {"Authorization": f"Bearer {launcher.ray_auth_token()}"}  # the cluster uses token auth
