@@ -7,12 +7,19 @@ run (a 256 MB ``torch.sum``) and the memory floor (weight bytes / that bandwidth
 
     python benchmarks/bench_quant_linear.py
     python benchmarks/bench_quant_linear.py --threads 2 --rows 1 32 256
+    python benchmarks/bench_quant_linear.py --threads 2 --rows 1 8 64 512 --against OTHER.so
+
+``--against`` loads another build of the kernels module (another commit's ``.so``, from its
+``~/.cache/torch_extensions`` directory) beside this one and prints, instead, both builds' ``quant_linear``
+times on the same packed weights, measured alternately (each the better of two turns), and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -90,13 +97,34 @@ def bench_shape(ops, k: int, n: int, rows: list[int], bandwidth: float) -> None:
         print(" | ".join(cells), flush=True)
 
 
+def load_module(path: str):
+    """A built kernels module by its file (its name is the file's stem: torch's loader names the init so)."""
+    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_against(ops, other, k: int, n: int, rows: list[int]) -> None:
+    for q in FORMATS:
+        copies = rotating(pack(quantize(torch.randn(n, k) * 0.05, q), q))
+        for m in rows:
+            x = torch.randn(m, k)
+            turns = {build: [] for build in (ops, other)}
+            for build in (ops, other, ops, other):
+                turns[build].append(seconds(cycling(lambda w, b=build: b.quant_linear(x, w, q.kernel_id), copies)))
+            ours, theirs = min(turns[ops]), min(turns[other])
+            print(f"{q.value} {k:5d} {n:6d} {m:4d} | {ours * 1e6:9.1f} {theirs * 1e6:9.1f} | {ours / theirs:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])
     parser.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES (default: all)")
+    parser.add_argument("--against", metavar="SO", help="another build of the kernels module to time beside this one")
     args = parser.parse_args()
-    ops = load_cpu_kernels()
+    ops, other = load_cpu_kernels(), args.against and load_module(args.against)
     assert ops is not None and hasattr(ops, "quant_linear"), "the native CPU kernels are not built here"
     print(f"CPU: {cpu_name()}; torch {torch.__version__}")
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
@@ -104,6 +132,11 @@ def main() -> None:
         torch.set_num_threads(threads)
         bandwidth = read_bandwidth()
         print(f"\n{threads} thread(s); read bandwidth (256 MB torch.sum): {bandwidth / 1e9:.1f} GB/s; times in us")
+        if args.against:
+            print(f"fmt      K      N    M |  this build {Path(args.against).name} | this / that")
+            for k, n in shapes:
+                bench_against(ops, other, k, n, args.rows)
+            continue
         print("    K      N    M |  F.linear    oneDNN | Q8_0 us  vs F.lin vs oneDNN | Q4_1 ... (M=1: GB/s, floor)")
         for k, n in shapes:
             bench_shape(ops, k, n, args.rows, bandwidth)
