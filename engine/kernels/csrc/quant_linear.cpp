@@ -1,21 +1,20 @@
 // y = x @ W^T (+ bias) with W in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, packed (quant_blocks.h): float32 x [M, K],
 // uint8 w [N, K / 32 * block_bytes] in the packed layout, bias float32 [N] or none -> float32 y [M, N].
 //
-// llama.cpp's arithmetic with a second int8 digit: each row of x is quantized per block of 32 to
-// a = 128 * h + l, two int8 parts (t = x / e with e = max |x| / 127; h = round(t); l = round(128 (t - h)),
-// |l| <= 64), so a is x / (e / 128) to 14 bits where llama.cpp's int8 has 8; with its sum s, each output is a
-// sum over blocks of integer dot products (128 sum_j u_j h_j + sum_j u_j l_j, exact in int32) scaled in float:
+// llama.cpp's arithmetic with a second int8 digit: x's rows are quantized per block of 32 to a = 128 h + l
+// (e = max |x| / 127, t = x / e, h = round(t), l = round(128 (t - h)), |l| <= 64): 14 bits, llama.cpp's 8 in h.
+// With its sum s, each output is a sum over blocks of exact int32 dot products, 128 sum u h + sum u l, in float:
 //   y[m, n] = fma(float(sum_j u_j a_j - offset * s), d_w * d_a, y)      then, Q4_1 only,   (d_a = e / 128)
 //   y[m, n] = fma(float(s), m_w * d_a, y)                               blocks in ascending order,
 // then + bias. The integer sums are exact, so the result depends on x's row and W's row alone: it is the same
 // bits whatever M is, whichever path (few rows streaming the weights once, many rows reusing a tile from
-// cache) or thread computes it, and on AVX-512 (VNNI or not) and AVX2 alike. quant_linear_reference does the
-// same in scalar code.
+// cache) or thread computes it, and on AVX-512 (VNNI or not) and AVX2 alike; quant_linear_reference in scalar.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "quant_blocks.h"
@@ -41,16 +40,16 @@ struct Problem {
 
 // x quantized per row and block: a [M, K / 32, 2, 32] int8 (a block's h, then its l), d and s [M, K / 32].
 struct Activations {
-  std::vector<int8_t> a;
+  std::unique_ptr<int8_t[]> a;  // not zeroed first: every byte is written (a prefill's is megabytes a product)
   std::vector<float> d;
   std::vector<int32_t> s;
   int64_t K, blocks;
-  const int8_t* row(int64_t m) const { return a.data() + 2 * m * K; }
+  const int8_t* row(int64_t m) const { return a.get() + 2 * m * K; }
 };
 constexpr int kLowShift = 7;  // a = h << 7 + l
 
-// A block's scales from its largest magnitude: e = amax / 127 and 1 / e (what t is), d_a = e / 128 (what a is).
-// Both the kernel and the reference divide and invert so.
+// A block's scales from its largest magnitude: 1 / e (t = x / e, e = amax / 127) and d_a = e / 128; the kernel and
+// the reference divide and invert so.
 inline float block_scale(float amax, float* inverse) {
   const float e = amax / 127.f;
   *inverse = e != 0.f ? 1.f / e : 0.f;
@@ -118,13 +117,13 @@ inline void quantize_block(const float* x, int8_t* a, float* d, int32_t* s) {
 
 Activations quantize_rows(const Problem& p, bool reference) {
   const int64_t blocks = p.K / kBlock;
-  Activations act{std::vector<int8_t>(2 * p.M * p.K), std::vector<float>(p.M * blocks),
+  Activations act{std::unique_ptr<int8_t[]>(new int8_t[2 * p.M * p.K]), std::vector<float>(p.M * blocks),
                   std::vector<int32_t>(p.M * blocks), p.K, blocks};
   at::parallel_for(0, p.M * blocks, reference ? p.M * blocks : 4096 / kBlock, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / blocks, k = i % blocks * kBlock;
       auto* quantize = reference ? quantize_block_reference : quantize_block;
-      quantize(p.x + m * p.K + k, act.a.data() + 2 * (m * p.K + k), act.d.data() + i, act.s.data() + i);
+      quantize(p.x + m * p.K + k, act.a.get() + 2 * (m * p.K + k), act.d.data() + i, act.s.data() + i);
     }
   });
   return act;
@@ -170,8 +169,8 @@ inline void part_sums(const LaneSets<F, NV>& sets, const Activations& act, int64
   }
 }
 
-// acc[m][v] = block b's integer dot products of x's row m0 + m (a = h << 7 + l) with lane set v's rows. The
-// second pass reloads the block's weights from L1: two sets of accumulators would not fit AVX2's registers.
+// acc[m][v] = block b's integer dot products of x's row m0 + m (a = h << 7 + l) with lane set v's rows; the
+// second part's pass reloads the block from L1 (one pass with two accumulator sets spills: lab notes).
 template <Format F, int MR, int NV>
 inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
                        q::vint (&acc)[MR][NV]) {
