@@ -47,7 +47,7 @@ def _quantized(n: int, k: int, qtype: QuantType, seed: int = 0) -> torch.Tensor:
     return pack(_raw(n, k, qtype, seed), qtype)
 
 
-def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel quantizes it, per row and block of 32, in two int8 parts: e (h + l / 128) with
     e = max |x| / 127, t = x / e, h = round(t), l = round(128 (t - h))."""
     blocks = x.reshape(x.shape[0], -1, 32)
@@ -92,14 +92,14 @@ def test_quant_linear_is_bit_identical_to_its_scalar_reference(ops, qtype, k):
 
 @pytest.mark.parametrize("k", DEPTHS)
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.value)
-def test_quant_linear_is_the_product_of_the_int8_activations_and_the_dequantized_weight(ops, qtype, k):
+def test_quant_linear_is_the_product_of_the_quantized_activations_and_the_dequantized_weight(ops, qtype, k):
     raw, x, bias = _raw(53, k, qtype), _randn(70, k), _randn(53, seed=3)
     dense = dequantize(raw, qtype).double()
     got = ops.quant_linear(x, pack(raw, qtype), qtype.kernel_id, bias).double()
-    want = _int8_activations(x) @ dense.T + bias.double()
+    want = _quantized_activations(x) @ dense.T + bias.double()
     # Exact integer sums; per block their rounding to float, a rounded scale, a rounded fused multiply-add
     # (two for Q4_1).
-    bound = (3 * k / 32 + 4) * 2.0**-24 * (_int8_activations(x).abs() @ dense.abs().T + bias.double().abs())
+    bound = (3 * k / 32 + 4) * 2.0**-24 * (_quantized_activations(x).abs() @ dense.abs().T + bias.double().abs())
     assert ((got - want).abs() <= bound).all()
     exact = x.double() @ dense.T + bias.double()
     assert (got - exact).norm() < 1e-4 * (exact - bias.double()).norm()  # 14-bit activations: about 4e-5
