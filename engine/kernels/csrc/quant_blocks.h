@@ -9,8 +9,8 @@
 //   Q4_0, Q4_1: 4 chunks; byte i of row r's 4 in chunk c holds weight 4 c + i in its low nibble and
 //   16 + 4 c + i in its high one (the file's bytes 4 c .. 4 c + 3 of the block, moved, not changed).
 // Rows past the last whole group stay as the file has them (Q8_0's q clamped the same way).
-// So one vector of int32 lanes is one weight row per lane: 4-byte dot products against 4 activations
-// broadcast (VNNI's vpdpbusd, or vpmaddubsw + vpmaddwd) need no horizontal sums.
+// So one vector of int32 lanes is one weight row per lane: dot products against activations broadcast need no
+// horizontal sums.
 #pragma once
 
 #include <cstdint>
@@ -94,41 +94,41 @@ inline vint bcast4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
-inline vint low_nibbles(vint v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
-inline vint high_nibbles(vint v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
-inline vint sub32(vint a, vint b) { return _mm512_sub_epi32(a, b); }
+inline vint and16(vint v, int16_t mask) { return _mm512_and_si512(v, _mm512_set1_epi16(mask)); }
+template <int B>
+inline vint shift_right16(vint v) { return _mm512_srli_epi16(v, B); }
 template <int B>
 inline vint shift_left(vint v) { return _mm512_slli_epi32(v, B); }
+inline vint sub32(vint a, vint b) { return _mm512_sub_epi32(a, b); }
 inline vint set32(int32_t x) { return _mm512_set1_epi32(x); }
 inline simd::vfloat to_float(vint v) { return _mm512_cvtepi32_ps(v); }
 inline simd::vfloat halves(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline simd::vfloat abs(simd::vfloat v) { return _mm512_abs_ps(v); }
+inline simd::vfloat stored_order(simd::vfloat v) { return _mm512_permute_ps(v, _MM_SHUFFLE(3, 1, 2, 0)); }
 inline vint round_to_int(simd::vfloat v) { return _mm512_cvtps_epi32(v); }  // to nearest even (MXCSR's default)
-// Stores a block's 32 int8 (two vectors of int32 lanes in -127 .. 127) at `a`; returns their sum.
+inline int32_t reduce_add(const vint* r, int n) {
+  vint sum = r[0];
+  for (int i = 1; i < n; ++i) sum = _mm512_add_epi32(sum, r[i]);
+  return _mm512_reduce_add_epi32(sum);
+}
+// Stores a block's 32 values (two vectors of int32 lanes) as int8 / int16 at `a`; returns their sum.
 inline int32_t store_int8(int8_t* a, const vint* r) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(r[0]));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(r[1]));
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(r[0], r[1]));
+  return reduce_add(r, 2);
 }
+inline int32_t store_int16(int8_t* a, const vint* r) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), _mm512_cvtsepi32_epi16(r[0]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + 32), _mm512_cvtsepi32_epi16(r[1]));
+  return reduce_add(r, 2);
+}
+inline vint dot2(vint acc, vint w, vint a) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, a)); }
 #if defined(__AVX512VNNI__)
-constexpr bool kVnni = true;
 inline vint dot4(vint acc, vint u, vint a) { return _mm512_dpbusd_epi32(acc, u, a); }
-vint dot4_signed(vint acc, vint u, vint a);  // not built: dot_u8 needs it only without VNNI
-#else
-constexpr bool kVnni = false;
-inline vint pairs(vint u, vint a) { return _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), _mm512_set1_epi16(1)); }
-inline vint dot4(vint acc, vint u, vint a) { return _mm512_add_epi32(acc, pairs(u, a)); }
-// sum(q * a) with q = u - 128: |a| times q with a's sign, so that vpmaddubsw's int16 pairs cannot saturate.
-inline vint dot4_signed(vint acc, vint u, vint a) {
-  const vint q = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
-  const vint signed_q = _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(a), _mm512_setzero_si512(), q);
-  return _mm512_add_epi32(acc, pairs(_mm512_abs_epi8(a), signed_q));
-}
 #endif
 #else  // AVX2
-constexpr bool kVnni = false;
 inline vint zero() { return _mm256_setzero_si256(); }
 inline vint load_bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vint bcast4(const int8_t* p) {
@@ -136,49 +136,55 @@ inline vint bcast4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
-inline vint low_nibbles(vint v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-inline vint high_nibbles(vint v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
-inline vint sub32(vint a, vint b) { return _mm256_sub_epi32(a, b); }
+inline vint and16(vint v, int16_t mask) { return _mm256_and_si256(v, _mm256_set1_epi16(mask)); }
 template <int B>
-inline vint shift_left(vint v) { return _mm256_slli_epi32(v, B); }
+inline vint shift_right16(vint v) { return _mm256_srli_epi16(v, B); }
+inline vint sub32(vint a, vint b) { return _mm256_sub_epi32(a, b); }
 inline vint set32(int32_t x) { return _mm256_set1_epi32(x); }
 inline simd::vfloat to_float(vint v) { return _mm256_cvtepi32_ps(v); }
 inline simd::vfloat halves(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline simd::vfloat abs(simd::vfloat v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+inline simd::vfloat stored_order(simd::vfloat v) { return _mm256_permute_ps(v, _MM_SHUFFLE(3, 1, 2, 0)); }
 inline vint round_to_int(simd::vfloat v) { return _mm256_cvtps_epi32(v); }  // to nearest even (MXCSR's default)
-// Stores a block's 32 int8 (four vectors of int32 lanes in -127 .. 127) at `a`; returns their sum. The packs
-// work per 128-bit lane, so the 4-byte groups come out in the order 0 4 1 5 2 6 3 7: the permute undoes it.
-inline int32_t store_int8(int8_t* a, const vint* r) {
-  const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-  const __m256i bytes = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), bytes);
+// Stores a block's 32 values (four vectors of int32 lanes) as int16 at `a`; returns their sum. The pack works per
+// 128-bit lane (the quads of 4 values come out 0 2 1 3): the 64-bit permute puts them back in order.
+inline int32_t store_int16(int8_t* a, const vint* r) {
+  for (int i = 0; i < 2; ++i) {
+    const __m256i words = _mm256_packs_epi32(r[2 * i], r[2 * i + 1]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + 32 * i), _mm256_permute4x64_epi64(words, 0xD8));
+  }
   const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
   const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
   const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xB1)));
 }
-inline vint pairs(vint u, vint a) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)); }
-inline vint dot4(vint acc, vint u, vint a) { return _mm256_add_epi32(acc, pairs(u, a)); }
-inline vint dot4_signed(vint acc, vint u, vint a) {
-  const vint q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
-  return _mm256_add_epi32(acc, pairs(_mm256_abs_epi8(a), _mm256_sign_epi8(q, a)));
-}
+inline vint dot2(vint acc, vint w, vint a) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, a)); }
 #endif
 
-// acc += the block's chunk dot products for one lane set: Q8_0's u (0 .. 255) times a (-127 .. 127) would
-// saturate vpmaddubsw's pairs, so without VNNI it takes the signed form, which leaves out offset * sum(a).
-template <Format F>
-inline vint dot_u8(vint acc, vint u, vint a) {
-  if constexpr (F == Format::kQ8_0 && !kVnni) return dot4_signed(acc, u, a);
-  else return dot4(acc, u, a);
+// A loaded chunk's (4 bytes a row) unsigned weights `quad` (0 .. quads(F) - 1): Q8_0's bytes u (quad 0), or Q4's
+// low nibbles (quad 0: weights 4c .. 4c + 3) or high ones (quad 1: 16 + 4c ..); as bytes, or widened to int16
+// pairs, the even bytes of each row's four and the odd ones.
+constexpr int quads(Format f) { return f == Format::kQ8_0 ? 1 : 2; }
+template <Format F, int Quad>
+inline vint quad_bytes(vint u) {
+  if constexpr (F == Format::kQ8_0) return u;
+  else if constexpr (Quad == 0) return and16(u, 0x0F0F);
+  else return and16(shift_right16<4>(u), 0x0F0F);
 }
-
-// The offset the kernel's integer sums carry (see offset()): none where dot_u8 took the signed form.
-template <Format F>
-constexpr int kernel_offset() {
-  return F == Format::kQ8_0 && !kVnni ? 0 : offset(F);
+template <Format F, int Quad>
+inline void widen(vint u, vint* even, vint* odd) {
+  if constexpr (F == Format::kQ8_0) {
+    *even = and16(u, 0x00FF);
+    *odd = shift_right16<8>(u);
+  } else if constexpr (Quad == 0) {
+    *even = and16(u, 0x000F);
+    *odd = and16(shift_right16<8>(u), 0x000F);
+  } else {
+    *even = and16(shift_right16<4>(u), 0x000F);
+    *odd = shift_right16<12>(u);
+  }
 }
 
 }  // namespace serval::quant

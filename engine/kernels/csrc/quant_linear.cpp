@@ -1,9 +1,9 @@
 // y = x @ W^T (+ bias) with W in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, packed (quant_blocks.h): float32 x [M, K],
 // uint8 w [N, K / 32 * block_bytes] in the packed layout, bias float32 [N] or none -> float32 y [M, N].
 //
-// llama.cpp's arithmetic with a second int8 digit: x's rows are quantized per block of 32 to a = 128 h + l
-// (e = max |x| / 127, t = x / e, h = round(t), l = round(128 (t - h)), |l| <= 64): 14 bits, llama.cpp's 8 in h.
-// With its sum s, each output is a sum over blocks of exact int32 dot products, 128 sum u h + sum u l, in float:
+// llama.cpp's arithmetic with 14-bit activations: x's rows are quantized per block of 32 to a = round(128 t)
+// (e = max |x| / 127, t = x / e; llama.cpp's int8 is round(t)), |a| <= 16320, stored as this build multiplies fastest (quant_activations.h).
+// With its sum s, each output is a sum over blocks of exact int32 dot products with the weights' u, in float:
 //   y[m, n] = fma(float(sum_j u_j a_j - offset * s), d_w * d_a, y)      then, Q4_1 only,   (d_a = e / 128)
 //   y[m, n] = fma(float(s), m_w * d_a, y)                               blocks in ascending order,
 // then + bias. The integer sums are exact, so the result depends on x's row and W's row alone: it is the same
@@ -17,7 +17,7 @@
 #include <memory>
 #include <vector>
 
-#include "quant_blocks.h"
+#include "quant_activations.h"
 
 #if SERVAL_SIMD
 
@@ -29,6 +29,7 @@ using q::Format;
 using q::kBlock;
 using q::kGroup;
 using q::kRows;
+using q::Activations;
 
 struct Problem {
   const float* x;
@@ -38,54 +39,16 @@ struct Problem {
   int64_t M, K, N, row_bytes;
 };
 
-// x quantized per row and block: a [M, K / 32, 2, 32] int8 (a block's h, then its l), d and s [M, K / 32].
-struct Activations {
-  std::unique_ptr<int8_t[]> a;  // not zeroed first: every byte is written (a prefill's is megabytes a product)
-  std::vector<float> d;
-  std::vector<int32_t> s;
-  int64_t K, blocks;
-  const int8_t* row(int64_t m) const { return a.get() + 2 * m * K; }
-};
-constexpr int kLowShift = 7;  // a = h << 7 + l
-
-// A block's scales from its largest magnitude: 1 / e (t = x / e, e = amax / 127) and d_a = e / 128; the kernel and
-// the reference divide and invert so.
-inline float block_scale(float amax, float* inverse) {
-  const float e = amax / 127.f;
-  *inverse = e != 0.f ? 1.f / e : 0.f;
-  return e / (1 << kLowShift);
-}
-
 // ---- The scalar reference (and the kernel's rows past the last whole group). ----
-// Compiled without reassociation (the module is built with -fassociative-math): the order written is the
-// order computed.
-#define SERVAL_EXACT_ORDER __attribute__((optimize("no-associative-math")))
-
-SERVAL_EXACT_ORDER void quantize_block_reference(const float* x, int8_t* a, float* d, int32_t* s) {
-  float amax = 0.f, inverse;
-  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
-  *d = block_scale(amax, &inverse);
-  int32_t high = 0, low = 0;
-  for (int j = 0; j < kBlock; ++j) {
-    const float t = x[j] * inverse, h = std::nearbyint(t);
-    a[j] = static_cast<int8_t>(h);
-    a[kBlock + j] = static_cast<int8_t>(std::nearbyint((t - h) * static_cast<float>(1 << kLowShift)));
-    high += a[j];
-    low += a[kBlock + j];
-  }
-  *s = high * (1 << kLowShift) + low;
-}
 
 template <Format F>
 SERVAL_EXACT_ORDER float dot_reference(const Problem& p, const Activations& act, int64_t m, int64_t n) {
   float y = 0.f;
   for (int64_t b = 0; b < act.blocks; ++b) {
     const q::RowBlock rb = q::row_block<F>(p.w, n, b, p.N, p.row_bytes);
-    const int8_t* a = act.row(m) + 2 * b * kBlock;
-    int32_t high = 0, low = 0;
-    for (int j = 0; j < kBlock; ++j) high += q::u_at<F>(rb, j) * a[j];
-    for (int j = 0; j < kBlock; ++j) low += q::u_at<F>(rb, j) * a[kBlock + j];
-    const int32_t sum = high * (1 << kLowShift) + low;
+    const int8_t* a = act.block(m, b);
+    int32_t sum = 0;
+    for (int j = 0; j < kBlock; ++j) sum += q::u_at<F>(rb, j) * q::value_at(a, j);
     const float da = act.d[m * act.blocks + b];
     const int32_t s = act.s[m * act.blocks + b];
     y = std::fma(static_cast<float>(sum - q::offset(F) * s), q::half_at(rb.d) * da, y);
@@ -95,39 +58,6 @@ SERVAL_EXACT_ORDER float dot_reference(const Problem& p, const Activations& act,
 }
 
 // ---- The vector kernel. ----
-
-inline void quantize_block(const float* x, int8_t* a, float* d, int32_t* s) {
-  constexpr int kVectors = kBlock / simd::kLanes;
-  simd::vfloat v[kVectors], amax = simd::set1(0.f);
-  for (int c = 0; c < kVectors; ++c) {
-    v[c] = simd::load(x + c * simd::kLanes);
-    amax = simd::max(amax, q::abs(v[c]));
-  }
-  float inverse;
-  *d = block_scale(simd::reduce_max(amax), &inverse);
-  q::vint high[kVectors], low[kVectors];
-  for (int c = 0; c < kVectors; ++c) {
-    const simd::vfloat t = simd::mul(v[c], simd::set1(inverse));
-    high[c] = q::round_to_int(t);
-    const simd::vfloat rest = simd::sub(t, q::to_float(high[c]));
-    low[c] = q::round_to_int(simd::mul(rest, simd::set1(static_cast<float>(1 << kLowShift))));
-  }
-  *s = q::store_int8(a, high) * (1 << kLowShift) + q::store_int8(a + kBlock, low);
-}
-
-Activations quantize_rows(const Problem& p, bool reference) {
-  const int64_t blocks = p.K / kBlock;
-  Activations act{std::unique_ptr<int8_t[]>(new int8_t[2 * p.M * p.K]), std::vector<float>(p.M * blocks),
-                  std::vector<int32_t>(p.M * blocks), p.K, blocks};
-  at::parallel_for(0, p.M * blocks, reference ? p.M * blocks : 4096 / kBlock, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / blocks, k = i % blocks * kBlock;
-      auto* quantize = reference ? quantize_block_reference : quantize_block;
-      quantize(p.x + m * p.K + k, act.a.get() + 2 * (m * p.K + k), act.d.data() + i, act.s.data() + i);
-    }
-  });
-  return act;
-}
 
 // NV lane sets of kRows weight rows each, from row n0 (a multiple of kRows) inside whole groups: set v's rows
 // n0 + v * kRows .. lie in one group, at lane offset `lane[v]` of each 64-byte chunk (4 bytes a row) and of
@@ -148,38 +78,59 @@ struct LaneSets {
   static constexpr int64_t kHeader = kGroup * q::header_bytes(F);
 };
 
-// acc[m][v] += block b's integer dot products of part `part` (0: h, 1: l) of x's row m0 + m with lane set v's rows.
-template <Format F, int MR, int NV>
-inline void part_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b, int part,
-                      q::vint (&acc)[MR][NV]) {
-  for (int c = 0; c < q::chunks(F); ++c) {
-    q::vint u[NV];
-    for (int v = 0; v < NV; ++v) u[v] = q::load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]);
-    for (int m = 0; m < MR; ++m) {
-      const int8_t* a = act.row(m0 + m) + (2 * b + part) * kBlock + 4 * c;
-      if constexpr (F == Format::kQ8_0) {
-        const q::vint av = q::bcast4(a);
-        for (int v = 0; v < NV; ++v) acc[m][v] = q::dot_u8<F>(acc[m][v], u[v], av);
-      } else {  // weights 4c .. 4c + 3 in the low nibbles, 16 + 4c .. in the high ones
-        const q::vint low = q::bcast4(a), high = q::bcast4(a + 16);
-        for (int v = 0; v < NV; ++v)
-          acc[m][v] = q::dot4(q::dot4(acc[m][v], q::low_nibbles(u[v]), low), q::high_nibbles(u[v]), high);
-      }
+#if SERVAL_QUANT_DIGITS
+// acc[m][v] += digit D's (0: h, 1: l) dot products over chunk c (weights 4c .. 4c + 3, and for Q4 16 + 4c ..) for
+// x's row m0 + m and lane set v: vpdpbusd on the weights' bytes as they lie.
+template <Format F, int MR, int NV, int D>
+inline void digit_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b, int c,
+                       q::vint (&acc)[MR][NV]) {
+  q::vint u[NV];
+  for (int v = 0; v < NV; ++v) u[v] = q::load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]);
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* a = act.block(m0 + m, b) + D * kBlock + 4 * c;
+    for (int v = 0; v < NV; ++v) {
+      acc[m][v] = q::dot4(acc[m][v], q::quad_bytes<F, 0>(u[v]), q::bcast4(a));
+      if constexpr (q::quads(F) == 2) acc[m][v] = q::dot4(acc[m][v], q::quad_bytes<F, 1>(u[v]), q::bcast4(a + 16));
     }
   }
 }
+#else
+// acc[m][v] += quad `Quad`'s dot products over chunk c (weights 16 Quad + 4c .. + 3) for x's row m0 + m and lane set
+// v: each lane set's weights widened to int16 pairs once, then two int16-pair multiply-adds a row of x.
+template <Format F, int MR, int NV, int Quad>
+inline void quad_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b, int c,
+                      q::vint (&acc)[MR][NV]) {
+  q::vint a_even[MR], a_odd[MR];  // the rows' activations first: then one lane set's weights are live at a time
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* a = act.block(m0 + m, b) + 2 * (16 * Quad + 4 * c);
+    a_even[m] = q::bcast4(a);
+    a_odd[m] = q::bcast4(a + 4);
+  }
+  for (int v = 0; v < NV; ++v) {
+    q::vint even, odd;
+    q::widen<F, Quad>(q::load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]), &even, &odd);
+    for (int m = 0; m < MR; ++m) acc[m][v] = q::dot2(q::dot2(acc[m][v], even, a_even[m]), odd, a_odd[m]);
+  }
+}
+#endif
 
-// acc[m][v] = block b's integer dot products of x's row m0 + m (a = h << 7 + l) with lane set v's rows; the
-// second part's pass reloads the block from L1 (one pass with two accumulator sets spills: lab notes).
+// acc[m][v] = block b's integer dot products of x's row m0 + m with lane set v's rows (quant_activations.h's forms).
 template <Format F, int MR, int NV>
 inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
                        q::vint (&acc)[MR][NV]) {
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = q::zero();
-  part_sums<F, MR, NV>(sets, act, m0, b, 0, acc);
+#if SERVAL_QUANT_DIGITS  // h, then l: two passes over the block (one with two sets of accumulators spills)
+  for (int c = 0; c < q::chunks(F); ++c) digit_sums<F, MR, NV, 0>(sets, act, m0, b, c, acc);
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = q::shift_left<kLowShift>(acc[m][v]);
-  part_sums<F, MR, NV>(sets, act, m0, b, 1, acc);
+    for (int v = 0; v < NV; ++v) acc[m][v] = q::shift_left<q::kDigitShift>(acc[m][v]);
+  for (int c = 0; c < q::chunks(F); ++c) digit_sums<F, MR, NV, 1>(sets, act, m0, b, c, acc);
+#else
+  for (int c = 0; c < q::chunks(F); ++c) {
+    quad_sums<F, MR, NV, 0>(sets, act, m0, b, c, acc);
+    if constexpr (q::quads(F) == 2) quad_sums<F, MR, NV, 1>(sets, act, m0, b, c, acc);
+  }
+#endif
 }
 
 // y[m][v] += block b's sums in float: fma(sum - offset * s, d_w * d_a), then (Q4_1) fma(s, m_w * d_a).
@@ -189,7 +140,7 @@ inline void scale_block(const LaneSets<F, NV>& sets, const Activations& act, int
   for (int m = 0; m < MR; ++m) {
     const int64_t i = (m0 + m) * act.blocks + b;
     const simd::vfloat da = simd::set1(act.d[i]);
-    const q::vint correction = q::set32(q::kernel_offset<F>() * act.s[i]);
+    const q::vint correction = q::set32(q::offset(F) * act.s[i]);
     for (int v = 0; v < NV; ++v) {
       const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
       const simd::vfloat sum = q::to_float(q::sub32(acc[m][v], correction));
@@ -226,9 +177,9 @@ inline void micro(const Problem& p, const Activations& act, int64_t m0, int64_t 
 // flight); many rows keep MR x NV int32 and float accumulators in the registers.
 template <int MR>
 constexpr int lane_sets() {
-  return MR == 1 ? 4 : 2;
+  return MR == 1 && simd::kRegisters == 32 ? 4 : 2;
 }
-constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 2;  // MR for many rows of x
+constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 3;  // MR for many rows of x: the fastest measured
 
 // Rows m0 .. m0 + MR of x against lane sets [v_begin, v_end).
 template <Format F, int MR>
@@ -268,7 +219,7 @@ void many_rows(const Problem& p, const Activations& act, int64_t sets) {
 
 template <Format F>
 void kernel_rows(const Problem& p) {
-  const Activations act = quantize_rows(p, false);
+  const Activations act = q::quantize_rows(p.x, p.M, p.K, false);
   const int64_t sets = p.N / kGroup * kGroup / kRows;
   switch (p.M) {
     case 1: few_rows<F, 1>(p, act, sets); break;
@@ -283,7 +234,7 @@ void kernel_rows(const Problem& p) {
 
 template <Format F>
 void reference_rows(const Problem& p) {
-  const Activations act = quantize_rows(p, true);
+  const Activations act = q::quantize_rows(p.x, p.M, p.K, true);
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t n = 0; n < p.N; ++n) p.y[m * p.N + n] = dot_reference<F>(p, act, m, n);
 }

@@ -6,7 +6,7 @@ unchanged. Products:
 
 * CPU: the native ``quant_linear`` (``engine/kernels/csrc/quant_linear.cpp``) on the weight repacked once
   after loading (``packed.pack``: 16 rows interleaved, the same bytes): activations quantized per block to
-  14 bits (two int8 parts) and integer dot products; each output row depends only on its input row, bit for
+  14 bits and exact integer dot products; each output row depends only on its input row, bit for
   bit, so batching and prefix caching change no token. Activations of another dtype compute in float32 and
   round back.
 * CUDA: the Triton kernel (``engine.kernels.triton_quant``), activations in their own dtype.

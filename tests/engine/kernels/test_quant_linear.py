@@ -1,5 +1,5 @@
 """The native quantized linear (engine/kernels/csrc/quant_linear.cpp): GGUF Q8_0 / Q4_0 / Q4_1 weights in the
-packed layout (packed.py), activations quantized per block to two int8 parts (14 bits), integer dot products.
+packed layout (packed.py), activations quantized per block to 14 bits, integer dot products.
 
 * bit for bit equal to its scalar reference (``quant_linear_reference``: the same activation quantization, the
   same integer sums, the same per-block fused multiply-adds in the same order), for every format, N with rows
@@ -7,9 +7,10 @@ packed layout (packed.py), activations quantized per block to two int8 parts (14
 * within float32 rounding of the float64 product of the dequantized weight and the quantized activations
   (their quantization redone in torch), and within 14-bit rounding of the float activations' product;
 * batch-invariant: a row's result is the same bits alone, in any batch of 2 to 600 rows, on 1 or 2 threads;
-* the same bits on the AVX2 build (``SERVAL_CPU_MARCH=x86-64-v3``: vpmaddubsw, 8 lanes) and on AVX-512 without
-  VNNI (``skylake-avx512``), each built and run in a subprocess: the integer sums are exact, so the ISA does
-  not change a bit.
+* the same bits on the AVX2 build (``SERVAL_CPU_MARCH=x86-64-v3``: int16 pairs, vpmaddwd, 8 lanes) and on
+  AVX-512 without VNNI (``skylake-avx512``: int16 pairs, 16 lanes) as on this one (on a VNNI CPU: two int8
+  digits, vpdpbusd), each built and run in a subprocess: the integer sums are exact, so neither the ISA nor the
+  activations' stored form changes a bit.
 """
 
 from __future__ import annotations
@@ -48,13 +49,12 @@ def _quantized(n: int, k: int, qtype: QuantType, seed: int = 0) -> torch.Tensor:
 
 
 def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel quantizes it, per row and block of 32, in two int8 parts: e (h + l / 128) with
-    e = max |x| / 127, t = x / e, h = round(t), l = round(128 (t - h))."""
+    """x as the kernel quantizes it, per row and block of 32, to 14 bits: e a / 128 with e = max |x| / 127,
+    t = x / e, a = round(128 t)."""
     blocks = x.reshape(x.shape[0], -1, 32)
     e = blocks.abs().amax(dim=-1, keepdim=True) / 127
     t = blocks * torch.where(e != 0, 1 / e, torch.zeros_like(e))
-    h = torch.round(t)
-    a = h.double() * 128 + torch.round((t - h) * 128).double()
+    a = torch.round(t * 128).double()
     return (a * (e / 128).double()).reshape(x.shape)
 
 
