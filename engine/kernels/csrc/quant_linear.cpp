@@ -137,18 +137,21 @@ inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int6
 template <Format F, int MR, int NV>
 inline void scale_block(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
                         const q::vint (&acc)[MR][NV], simd::vfloat (&y)[MR][NV]) {
+  simd::vfloat d_w[NV], m_w[NV];  // the weights' scales (Q4_1: and mins), widened once for the MR rows
+  for (int v = 0; v < NV; ++v) {
+    const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
+    d_w[v] = q::halves(scales);
+    if constexpr (F == Format::kQ4_1) m_w[v] = q::halves(scales + 2 * kGroup);
+  }
   for (int m = 0; m < MR; ++m) {
     const int64_t i = (m0 + m) * act.blocks + b;
     const simd::vfloat da = simd::set1(act.d[i]);
     const q::vint correction = q::set32(q::offset(F) * act.s[i]);
     for (int v = 0; v < NV; ++v) {
-      const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
       const simd::vfloat sum = q::to_float(q::sub32(acc[m][v], correction));
-      y[m][v] = simd::fmadd(sum, simd::mul(q::halves(scales), da), y[m][v]);
-      if constexpr (F == Format::kQ4_1) {
-        const simd::vfloat min_scale = simd::mul(q::halves(scales + 2 * kGroup), da);
-        y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), min_scale, y[m][v]);
-      }
+      y[m][v] = simd::fmadd(sum, simd::mul(d_w[v], da), y[m][v]);
+      if constexpr (F == Format::kQ4_1)
+        y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(m_w[v], da), y[m][v]);
     }
   }
 }
@@ -202,9 +205,13 @@ void few_rows(const Problem& p, const Activations& act, int64_t sets) {
 
 template <Format F>
 void many_rows(const Problem& p, const Activations& act, int64_t sets) {
-  // Tasks are (tile of lane sets, chunk of 256 rows of x): the tile's weights stay in cache for the chunk.
+  // Tasks are (tile of lane sets, chunk of up to about 256 rows of x): the tile's weights stay in cache for the
+  // chunk. The chunks are of one size (whole tiles of rows), so that the threads' equal shares of the tasks are
+  // equal work: 257 rows as 256 + 1 left one thread all of it.
   constexpr int NV = lane_sets<kTileRows>();
-  const int64_t chunk = 256, tiles = (sets + NV - 1) / NV, chunks = (p.M + chunk - 1) / chunk;
+  const int64_t parts = (p.M + 255) / 256;
+  const int64_t chunk = ((p.M + parts - 1) / parts + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t tiles = (sets + NV - 1) / NV, chunks = (p.M + chunk - 1) / chunk;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (NV * kRows * p.K * std::min(p.M, chunk)));
   at::parallel_for(0, tiles * chunks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
