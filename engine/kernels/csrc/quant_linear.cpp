@@ -2,7 +2,8 @@
 // uint8 w [N, K / 32 * block_bytes] in the packed layout, bias float32 [N] or none -> float32 y [M, N].
 //
 // llama.cpp's arithmetic with 14-bit activations: x's rows are quantized per block of 32 to a = round(128 t)
-// (e = max |x| / 127, t = x / e; llama.cpp's int8 is round(t)), |a| <= 16320, stored as this build multiplies fastest (quant_activations.h).
+// (e = max |x| / 127, t = x / e; llama.cpp's int8 is round(t)), |a| <= 16320, stored in the form this build
+// multiplies fastest (quant_activations.h).
 // With its sum s, each output is a sum over blocks of exact int32 dot products with the weights' u, in float:
 //   y[m, n] = fma(float(sum_j u_j a_j - offset * s), d_w * d_a, y)      then, Q4_1 only,   (d_a = e / 128)
 //   y[m, n] = fma(float(s), m_w * d_a, y)                               blocks in ascending order,
@@ -14,8 +15,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
-#include <vector>
 
 #include "quant_activations.h"
 
