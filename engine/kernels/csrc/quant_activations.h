@@ -1,8 +1,9 @@
 // quant_linear's activations: x's rows quantized per block of 32 to 14 bits, a = round(128 t) with t = x / e,
 // e = max |x| / 127 (llama.cpp's int8 is round(t)), |a| <= 16320, stored in the form this build multiplies fastest:
-//   kDigits (AVX-512 VNNI): two int8 digits a = 128 h + l, h = round(t), l = round(128 (t - h)), |l| <= 64; a
-//     block's 32 h, then its 32 l. vpdpbusd multiplies 4 u8 weights by 4 int8 in one instruction, once a digit.
-//   kPairs (AVX2, AVX-512 without VNNI): a as int16, each four a0 a1 a2 a3 of a block stored a0 a2 a1 a3, so that a
+//   digits (SERVAL_QUANT_DIGITS: AVX-512 VNNI): two int8 digits a = 128 h + l, h = round(t),
+//     l = round(128 (t - h)), |l| <= 64; a block's 32 h, then its 32 l. vpdpbusd multiplies 4 u8 weights by 4
+//     int8 in one instruction, once a digit.
+//   pairs (AVX2, AVX-512 without VNNI): a as int16, each four a0 a1 a2 a3 of a block stored a0 a2 a1 a3, so that a
 //     4-byte broadcast meets the even (or odd) weights of every row's 4 widened to int16 pairs: one vpmaddwd for 2
 //     pairs, where int8 digits would take vpmaddubsw + vpmaddwd each.
 // Both hold the same integers, so the kernels' exact int32 sums, and quant_linear's results, are the same bits on
@@ -44,7 +45,7 @@ struct Activations {
   const int8_t* block(int64_t m, int64_t b) const { return bytes.get() + 2 * (m * K + b * kBlock); }
 };
 
-// The position of a block's value j among its int16 (kPairs).
+// The position of a block's value j among its int16 (pairs).
 constexpr int stored_index(int j) { return j / 4 * 4 + (j % 2) * 2 + (j % 4) / 2; }
 
 // A block's scales from its largest magnitude: 1 / e (t = x / e, e = amax / 127) and d = e / 128; the kernel and
