@@ -72,6 +72,12 @@ class CacheConfig(_FrozenConfig):
     prefix_caching_hash_algo: Literal["sha256", "blake2b"] = Field(
         "sha256", description="Hash chaining the prefix cache's block keys."
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Element type of the KV cache; auto: the model's dtype. Under a float32 model (a GGUF file's "
+        "default) bfloat16 or float16 halve the cache's bytes, which every decode step reads (llama.cpp keeps "
+        "f16 K and V by default); the torch attention backend only.",
+    )
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="Exact KV budget; overrides the fractions.")
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description="GPU: share of device memory to use.")
     cpu_kv_cache_fraction: float = Field(0.25, gt=0.0, le=0.9, description="CPU: share of free RAM for KV.")

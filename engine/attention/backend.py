@@ -89,6 +89,19 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, backend_name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: ``"auto"`` is the model's ``dtype``. Another is a 16-bit cache under a float32
+    model, which the torch backend and the CPU kernels read (q stays float32, the rows widen exactly); any other
+    pair is a ValueError."""
+    cache = dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    if cache != dtype and (backend_name != "torch" or dtype != torch.float32 or cache.itemsize != 2):
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} needs a float32 model and the torch attention backend "
+            f"(here {dtype}, {backend_name}): a bfloat16 or float16 cache under float32 activations, or 'auto'"
+        )
+    return cache
+
+
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
     """A new backend instance by name (a key of ``ATTENTION_BACKEND_IMPORT_PATHS``); ``"torch"`` is the default."""
     if name not in ATTENTION_BACKEND_IMPORT_PATHS:

@@ -268,8 +268,8 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         """One request: q [Q, H, D] (new tokens k, v [Q, Hk, D]) over its seq_len keys -> [Q, H, D]."""
         hk = kv_cache.shape[3]
-        if prefill.block_ids is None:
-            keys, vals = k, v
+        if prefill.block_ids is None:  # as the cache holds them, which a later chunk or a prefix hit reads back
+            keys, vals = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
         else:
             keys = self._gather(kv_cache[0], prefill.block_ids)[: prefill.seq_len]  # [S, Hk, D]
             vals = self._gather(kv_cache[1], prefill.block_ids)[: prefill.seq_len]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import resolve_backend_name
+from engine.attention.backend import resolve_backend_name, resolve_kv_cache_dtype
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import get_parallel_state, recv_from_prev_stage, send_to_next_stage
 from engine.kv_transfer import KVConnectorWorker
@@ -64,6 +64,8 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = dtype
+        backend_name = resolve_backend_name(config.model_config.attention_backend, device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, backend_name, dtype)
         # This rank's place in the TP/PP groups, read again in load_model (after init_distributed).
         self.parallel_state = get_parallel_state()
         self.block_size = config.cache_config.block_size
@@ -124,11 +126,11 @@ class ModelRunner:
         for dim in shape:
             num_elements *= dim
         draft_bytes = 0 if self.spec_decode is None else self.spec_decode.kv_cache_block_bytes()
-        return num_elements * self.model.num_local_layers * self.dtype.itemsize + draft_bytes
+        return num_elements * self.model.num_local_layers * self.kv_cache_dtype.itemsize + draft_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates the caches, then (CUDA, unless ``enforce_eager``) captures the decode graphs over them."""
-        self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size)
+        self.kv_caches = self.model.make_kv_caches(num_blocks, self.block_size, self.kv_cache_dtype)
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
         # LoRA's per-step grouping is host-side control flow a graph cannot replay: eager with adapters.

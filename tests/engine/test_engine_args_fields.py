@@ -49,6 +49,7 @@ NON_DEFAULTS = dict(
     num_gpu_blocks_override=100,
     enable_prefix_caching=False,
     prefix_caching_hash_algo="blake2b",
+    kv_cache_dtype="bfloat16",
     kv_cache_memory_bytes=1 << 20,
     gpu_memory_utilization=0.5,
     cpu_kv_cache_fraction=0.5,

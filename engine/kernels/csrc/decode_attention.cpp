@@ -1,6 +1,6 @@
 // Paged attention for decode tokens on CPU: one query token per request reads its keys and values
 // straight from the paged KV cache through the block table (no gather into padded tensors), with
-// float32 accumulation whatever the cache dtype.
+// float32 accumulation whatever the cache dtype: the query's own, or a 16-bit cache under float32 queries.
 //
 // Fast path (AVX-512 or AVX2, written once over serval::simd; head_dim 32/64/128, block_size a
 // multiple of the vector width): one task per (request, KV head) serves all query heads of that KV
@@ -51,8 +51,8 @@ struct Scratch {
 // One request: all its query heads over its whole sequence. Each cached token row (all KV heads)
 // is read once, so the memory traffic is one pass over the request's keys and values.
 // kHeadDim > 0 fixes the head size at compile time (fully vectorized inner loops); 0 = runtime head_dim.
-template <typename scalar_t, int64_t kHeadDim>
-void decode_one_request(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+template <typename scalar_t, typename kv_t, int64_t kHeadDim>
+void decode_one_request(const scalar_t* q, const kv_t* k_cache, const kv_t* v_cache,
                         const int32_t* block_row, int64_t seq_len, int64_t block_size, int64_t num_heads,
                         int64_t num_kv_heads, int64_t runtime_head_dim, float scale, scalar_t* out, Scratch& s) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
@@ -67,7 +67,7 @@ void decode_one_request(const scalar_t* q, const scalar_t* k_cache, const scalar
   s.row.resize(token_stride);
   // Walk block by block: no division per position, and each block's rows are contiguous.
   for (int64_t block_start = 0; block_start < seq_len; block_start += block_size) {
-    const scalar_t* k_block = k_cache + block_row[block_start / block_size] * block_stride;
+    const kv_t* k_block = k_cache + block_row[block_start / block_size] * block_stride;
     const int64_t block_end = std::min(block_start + block_size, seq_len);
     for (int64_t p = block_start; p < block_end; ++p) {
       to_float(k_block + (p - block_start) * token_stride, s.row.data(), token_stride);
@@ -90,7 +90,7 @@ void decode_one_request(const scalar_t* q, const scalar_t* k_cache, const scalar
   }
   s.acc.assign(num_heads * head_dim, 0.f);
   for (int64_t block_start = 0; block_start < seq_len; block_start += block_size) {
-    const scalar_t* v_block = v_cache + block_row[block_start / block_size] * block_stride;
+    const kv_t* v_block = v_cache + block_row[block_start / block_size] * block_stride;
     const int64_t block_end = std::min(block_start + block_size, seq_len);
     for (int64_t p = block_start; p < block_end; ++p) {
       to_float(v_block + (p - block_start) * token_stride, s.row.data(), token_stride);
@@ -204,8 +204,8 @@ inline void accumulate_slice(const float* __restrict probs, const float* __restr
 
 // One (request, KV head): the `group` query heads q[group, D] -> out[group, D].
 // kChunks = head_dim / kLanes. Rows of one block for this KV head are `row_stride` elements apart.
-template <typename scalar_t, int kChunks>
-void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_t* v_base, const int32_t* block_row,
+template <typename scalar_t, typename kv_t, int kChunks>
+void decode_one_kv_head(const scalar_t* q, const kv_t* k_base, const kv_t* v_base, const int32_t* block_row,
                         int64_t seq_len, int64_t block_size, int64_t block_stride, int64_t row_stride, int64_t group,
                         float scale, scalar_t* out, FastScratch& s) {
   constexpr int64_t D = kChunks * kLanes;
@@ -218,7 +218,7 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
   float* __restrict acc_base = s.acc.data();
   const vfloat scale_v = simd::set1(scale);
   for (int64_t i = 0; i < group * D; i += kLanes) simd::store(q_scaled + i, simd::mul(simd::load(q + i), scale_v));
-  auto slice_rows = [&](const scalar_t* base, int64_t start) {  // a slice never straddles blocks
+  auto slice_rows = [&](const kv_t* base, int64_t start) {  // a slice never straddles blocks
     return base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
   };
   // Pass 1: scores, kLanes tokens at a time (a block, or a kLanes-token slice of a bigger block).
@@ -226,16 +226,16 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
     const int64_t count = std::min<int64_t>(kLanes, seq_len - start);
     if (start + kLanes < seq_len)  // the next slice's keys and this slice's values, ahead of their use
       serval::prefetch_rows(slice_rows(k_base, start + kLanes), std::min<int64_t>(kLanes, seq_len - start - kLanes),
-                            row_stride, D * sizeof(scalar_t));
-    serval::prefetch_rows(slice_rows(v_base, start), count, row_stride, D * sizeof(scalar_t));
+                            row_stride, D * sizeof(kv_t));
+    serval::prefetch_rows(slice_rows(v_base, start), count, row_stride, D * sizeof(kv_t));
 #if SERVAL_AVX512 && defined(__AVX512BF16__) && !defined(SERVAL_NO_DPBF16)
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // bf16 pairs straight from the cache
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {  // bf16 pairs
       score_slice_bf16<kChunks>(q, slice_rows(k_base, start), count, row_stride, group, scale_v, scores + start,
                                 padded_len);
       continue;
     }
 #endif
-    widen_rows<scalar_t, kChunks>(slice_rows(k_base, start), count, row_stride, rows);
+    widen_rows<kv_t, kChunks>(slice_rows(k_base, start), count, row_stride, rows);
     score_slice<kChunks>(q_scaled, rows, count, group, scores + start, padded_len);
   }
   float inv_sums[64];  // group <= 64 (checked by the caller)
@@ -243,7 +243,7 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
   // Pass 2: acc[g] += p[g, t] * v[t], the slice's value rows widened to float once for all heads.
   for (int64_t start = 0; start < seq_len; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, seq_len - start);
-    widen_rows<scalar_t, kChunks>(slice_rows(v_base, start), count, row_stride, rows);
+    widen_rows<kv_t, kChunks>(slice_rows(v_base, start), count, row_stride, rows);
     accumulate_slice<kChunks>(scores + start, rows, count, group, padded_len, acc_base);
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -254,8 +254,8 @@ void decode_one_kv_head(const scalar_t* q, const scalar_t* k_base, const scalar_
 }
 
 // The fast path for all requests; returns false (nothing done) where it does not apply.
-template <typename scalar_t>
-bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* tables,
+template <typename scalar_t, typename kv_t>
+bool decode_fast(const scalar_t* q, const kv_t* k_cache, const kv_t* v_cache, const int32_t* tables,
                  const int32_t* lens, int64_t n, int64_t max_blocks, int64_t block_size, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride,
                  int64_t q_stride) {
@@ -270,7 +270,7 @@ bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / num_kv_heads, kv_head = task % num_kv_heads;
         const int64_t head_offset = kv_head * group * head_dim;
-        decode_one_kv_head<scalar_t, kChunks>(
+        decode_one_kv_head<scalar_t, kv_t, kChunks>(
             q + i * q_stride + head_offset, k_cache + kv_head * head_dim, v_cache + kv_head * head_dim,
             tables + i * max_blocks, lens[i], block_size, block_stride, row_stride, group, scale,
             out + i * out_stride + head_offset, scratch);
@@ -289,12 +289,12 @@ bool decode_fast(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
 }  // namespace
 
 // q: [n, H, D]; kv_cache: [2, num_blocks, block_size, Hk, D]; block_tables: [n, max_blocks] int32;
-// seq_lens: [n] int32 (keys per request, the new token included). Returns [n, H, D] in q's dtype,
+// seq_lens: [n] int32 (keys per request, the new token included); the cache in q's dtype, or bf16 / half under
+// float32 q (serval::dispatch_kv_type). Returns [n, H, D] in q's dtype,
 // written into `out` when given (any [n, H, D] tensor whose rows are contiguous, e.g. a slice).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out_arg) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "q must be [n, H, D] and kv_cache [2, blocks, bs, Hk, D]");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // token rows may be strided (qkv views)
@@ -311,38 +311,39 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1);
+  const at::ScalarType kv_type = kv_cache.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    const scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
-    const scalar_t* v_cache = k_cache + num_blocks * block_size * num_kv_heads * head_dim;
-    scalar_t* out_ptr = out.data_ptr<scalar_t>();
-    const int64_t out_stride = out.stride(0), q_stride = q.stride(0);
+    serval::dispatch_kv_type<scalar_t>(kv_type, "paged_decode_attention", [&](auto kv_tag) {
+      using kv_t = decltype(kv_tag);
+      const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+      const kv_t* k_cache = kv_cache.data_ptr<kv_t>();
+      const kv_t* v_cache = k_cache + num_blocks * block_size * num_kv_heads * head_dim;
+      scalar_t* out_ptr = out.data_ptr<scalar_t>();
+      const int64_t out_stride = out.stride(0), q_stride = q.stride(0);
 #if SERVAL_SIMD
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (decode_fast<scalar_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
-                                num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride, q_stride))
-        return;
-    }
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (decode_fast<scalar_t, kv_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
+                                        num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride,
+                                        q_stride))
+          return;
+      }
 #endif
-    auto run = [&](auto head_dim_constant) {
-      constexpr int64_t kHeadDim = decltype(head_dim_constant)::value;
-      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-        Scratch scratch;
-        for (int64_t i = begin; i < end; ++i) {
-          decode_one_request<scalar_t, kHeadDim>(q_ptr + i * q_stride, k_cache, v_cache,
-                                                 tables + i * max_blocks, lens[i], block_size, num_heads,
-                                                 num_kv_heads, head_dim, static_cast<float>(scale),
-                                                 out_ptr + i * out_stride, scratch);
-        }
-      });
-    };
-    if (head_dim == 64) {
-      run(std::integral_constant<int64_t, 64>{});
-    } else if (head_dim == 128) {
-      run(std::integral_constant<int64_t, 128>{});
-    } else {
-      run(std::integral_constant<int64_t, 0>{});
-    }
+      auto run = [&](auto head_dim_constant) {
+        constexpr int64_t kHeadDim = decltype(head_dim_constant)::value;
+        at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+          Scratch scratch;
+          for (int64_t i = begin; i < end; ++i) {
+            decode_one_request<scalar_t, kv_t, kHeadDim>(q_ptr + i * q_stride, k_cache, v_cache,
+                                                         tables + i * max_blocks, lens[i], block_size, num_heads,
+                                                         num_kv_heads, head_dim, static_cast<float>(scale),
+                                                         out_ptr + i * out_stride, scratch);
+          }
+        });
+      };
+      if (head_dim == 64) run(std::integral_constant<int64_t, 64>{});
+      else if (head_dim == 128) run(std::integral_constant<int64_t, 128>{});
+      else run(std::integral_constant<int64_t, 0>{});
+    });
   });
   return out;
 }

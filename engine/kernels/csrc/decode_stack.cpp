@@ -14,10 +14,11 @@
 // qkv_proj weight [(H + 2 Hk) D, hidden], qkv_proj bias (or an empty tensor), o_proj weight [hidden, H D],
 // post_attention_layernorm [hidden], gate_up_proj weight [2 I, hidden], down_proj weight [hidden, I];
 // packed_weights is empty or holds 4 per layer, the packed copies of qkv, o, gate_up and down (cpu_prepack);
-// kv_caches one [2, blocks, block_size, Hk, D] per layer; positions and slot_mapping int64 [T]; cos_sin the
-// rope table [P, 2, D] float32; block_tables int32 [T, max_blocks] and seq_lens int32 [T]; weight_format
-// -1 (float weights) or the kernel_id of the one block format all four products' weights are in. Writes each
-// layer's new K/V into its cache and returns the final norm of the last layer's output [T, hidden].
+// kv_caches one [2, blocks, block_size, Hk, D] per layer (float32, bf16 or half); positions and slot_mapping
+// int64 [T]; cos_sin the rope table [P, 2, D] float32; block_tables int32 [T, max_blocks] and seq_lens int32
+// [T]; weight_format -1 (float weights) or the kernel_id of the one block format all four products' weights
+// are in. Writes each layer's new K/V into its cache and returns the final norm of the last layer's output
+// [T, hidden].
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -165,6 +165,16 @@ void rotate_head(scalar_t* x, const float* cos, const float* sin, int64_t half) 
   }
 }
 
+// One token's K or V row into its cache slot, rounded to the cache's dtype as torch's .to() rounds.
+template <typename scalar_t, typename kv_t>
+void store_row(kv_t* dst, const scalar_t* src, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, kv_t>) {
+    std::memcpy(dst, src, n * sizeof(kv_t));
+  } else {
+    for (int64_t j = 0; j < n; j += simd::kLanes) simd::store(dst + j, simd::load(src + j, n - j), n - j);
+  }
+}
+
 void check_heads(const torch::Tensor& t, const char* name, int64_t num_tokens, int64_t head_dim) {
   TORCH_CHECK(t.dim() == 3 && t.size(0) == num_tokens && t.size(2) == head_dim && t.stride(2) == 1 &&
               t.stride(1) == head_dim, name, " must be [T, heads, D] with contiguous heads");
@@ -174,7 +184,8 @@ void check_heads(const torch::Tensor& t, const char* name, int64_t num_tokens, i
 
 // positions [T] int64; q [T, H, D], k and v [T, Hk, D] (views with contiguous heads, e.g. of the qkv
 // output); cos_sin [P, 2, D] float32 (cos, sin by absolute position); kv_cache [2, blocks, bs, Hk, D];
-// slot_mapping [T] int64. Rotates q and k in place, then stores k and v at their slots.
+// slot_mapping [T] int64. Rotates q and k in place, then stores k and v at their slots. The cache has q's
+// dtype, or bf16 / half under float32 q (serval::dispatch_kv_type).
 void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                 torch::Tensor cos_sin, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
   const int64_t num_tokens = q.size(0), head_dim = q.size(2);
@@ -182,8 +193,8 @@ void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch:
   check_heads(k, "k", num_tokens, head_dim);
   check_heads(v, "v", num_tokens, head_dim);
   TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
-              v.scalar_type() == kv_cache.scalar_type(), "q, k, v and kv_cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "q, k and v must share a dtype");
   TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.dim() == 3 &&
               cos_sin.size(1) == 2 && cos_sin.size(2) == head_dim, "cos_sin must be contiguous float32 [P, 2, D]");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && kv_cache.size(3) == k.size(1) &&
@@ -203,23 +214,27 @@ void rotary_embedding_and_cache(torch::Tensor positions, torch::Tensor q, torch:
   const int64_t num_heads = q.size(1), num_kv_heads = k.size(1), half = head_dim / 2;
   const int64_t row_elems = num_kv_heads * head_dim;
   SERVAL_DISPATCH_MODEL_TYPES(q.scalar_type(), "rotary_embedding_and_cache", [&] {
-    scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    scalar_t* k_ptr = k.data_ptr<scalar_t>();
-    const scalar_t* v_ptr = v.data_ptr<scalar_t>();
-    scalar_t* k_cache = kv_cache.data_ptr<scalar_t>();
-    scalar_t* v_cache = k_cache + num_slots * row_elems;
-    const float* table = cos_sin.data_ptr<float>();
-    at::parallel_for(0, num_tokens, row_grain((num_heads + 2 * num_kv_heads) * head_dim), [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(2 * head_dim);
-      for (int64_t t = begin; t < end; ++t) {
-        const float* cos = table_row_in_dtype<scalar_t>(table + pos[t] * 2 * head_dim, 2 * head_dim, scratch.data());
-        const float* sin = cos + head_dim;
-        for (int64_t h = 0; h < num_heads; ++h) rotate_head(q_ptr + t * q.stride(0) + h * head_dim, cos, sin, half);
-        scalar_t* k_row = k_ptr + t * k.stride(0);
-        for (int64_t h = 0; h < num_kv_heads; ++h) rotate_head(k_row + h * head_dim, cos, sin, half);
-        std::memcpy(k_cache + slots[t] * row_elems, k_row, row_elems * sizeof(scalar_t));
-        std::memcpy(v_cache + slots[t] * row_elems, v_ptr + t * v.stride(0), row_elems * sizeof(scalar_t));
-      }
+    serval::dispatch_kv_type<scalar_t>(kv_cache.scalar_type(), "rotary_embedding_and_cache", [&](auto kv_tag) {
+      using kv_t = decltype(kv_tag);
+      scalar_t* q_ptr = q.data_ptr<scalar_t>();
+      scalar_t* k_ptr = k.data_ptr<scalar_t>();
+      const scalar_t* v_ptr = v.data_ptr<scalar_t>();
+      kv_t* k_cache = kv_cache.data_ptr<kv_t>();
+      kv_t* v_cache = k_cache + num_slots * row_elems;
+      const float* table = cos_sin.data_ptr<float>();
+      const int64_t grain = row_grain((num_heads + 2 * num_kv_heads) * head_dim);
+      at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(2 * head_dim);
+        for (int64_t t = begin; t < end; ++t) {
+          const float* cos = table_row_in_dtype<scalar_t>(table + pos[t] * 2 * head_dim, 2 * head_dim, scratch.data());
+          const float* sin = cos + head_dim;
+          for (int64_t h = 0; h < num_heads; ++h) rotate_head(q_ptr + t * q.stride(0) + h * head_dim, cos, sin, half);
+          scalar_t* k_row = k_ptr + t * k.stride(0);
+          for (int64_t h = 0; h < num_kv_heads; ++h) rotate_head(k_row + h * head_dim, cos, sin, half);
+          store_row(k_cache + slots[t] * row_elems, k_row, row_elems);
+          store_row(v_cache + slots[t] * row_elems, v_ptr + t * v.stride(0), row_elems);
+        }
+      });
     });
   });
 }

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/Dispatch.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -22,6 +23,22 @@
 #define SERVAL_DISPATCH_MODEL_TYPES(TYPE, NAME, ...)                                      \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace serval {
+// f(kv_t{}) with kv_t the KV cache's element type under activations of scalar_t: their own, or a 16-bit cache
+// under float32 ones (the engine's kv_cache_dtype). Other pairs raise.
+template <typename scalar_t, typename F>
+void dispatch_kv_type(at::ScalarType kv, const char* op, const F& f) {
+  constexpr at::ScalarType activations = c10::CppTypeToScalarType<scalar_t>::value;
+  if (kv == activations) return f(scalar_t{});
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (kv == at::kBFloat16) return f(c10::BFloat16{});
+    if (kv == at::kHalf) return f(c10::Half{});
+  }
+  TORCH_CHECK(false, op, ": a ", c10::toString(kv), " KV cache under ", c10::toString(activations),
+              " activations (a cache of another dtype needs float32 activations and a 16-bit cache)");
+}
+}  // namespace serval
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SERVAL_AVX512 1

@@ -79,7 +79,6 @@ class SelfAttention(nn.Module):
         return (
             self.backend.accepts_written_kv
             and fused_cpu_ops(q) is not None
-            and kv_cache.dtype == q.dtype
             and kv_cache.is_contiguous()
             and q.shape[0] == md.num_actual_tokens
             and md.slot_mapping.dtype == torch.int64

@@ -142,6 +142,27 @@ def test_rotary_embedding_and_cache(ops, dtype, head_dim, rope):
     assert torch.equal(got_cache, want_cache)  # k and v at their slots, nothing else touched
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_rotary_embedding_and_cache_rounds_into_a_16_bit_cache(ops, cache_dtype, head_dim):
+    """kv_cache_dtype under a float32 model: k and v stored as torch's .to() rounds them, q and k kept float32."""
+    num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 11, 4, 2, 4, 8
+    rotary = RotaryEmbedding(head_dim, {"rope_theta": 10000.0}, 256)
+    q, k, v = _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, torch.float32, seed=16)
+    positions = torch.randint(0, 256, (num_tokens,), generator=torch.Generator().manual_seed(17))
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(18))[:num_tokens]
+    want_q, want_k = rotary(positions, q, k)
+    want_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    got_cache = want_cache.clone()
+    TorchPagedAttention.write_kv(want_cache, want_k, v, slots)
+    ops.rotary_embedding_and_cache(positions, q, k, v, rotary.table(255, q.device), got_cache, slots)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and q.dtype == torch.float32
+    assert torch.equal(got_cache, want_cache)
+    with pytest.raises(RuntimeError, match="KV cache under BFloat16 activations"):
+        q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
+        ops.rotary_embedding_and_cache(positions, q16, k16, v16, rotary.table(255, q.device), got_cache.half(), slots)
+
+
 def test_rotary_embedding_and_cache_rejects_bad_slots_before_writing(ops):
     rotary = RotaryEmbedding(16, {"rope_theta": 10000.0}, 64)
     q, k, v = _qkv_views(3, 2, 1, 16, torch.float32, seed=9)
@@ -217,6 +238,24 @@ def test_paged_decode_attention_reads_strided_q_and_writes_into_out(dtype, head_
     torch.testing.assert_close(
         out[1:4].double(), _decode_reference(q_view, cache, tables, lens, 0.3), atol=tolerance, rtol=tolerance
     )
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 24])  # the fast path and the generic one
+def test_paged_decode_attention_float32_queries_over_a_16_bit_cache(cache_dtype, head_dim):
+    """kv_cache_dtype under a float32 model: the cache's rows widen exactly, so the result is the float32 kernel's
+    on the same values, bit for bit."""
+    cache, tables, lens = _paged_cache(DECODE_LENS, 16, 2, head_dim, cache_dtype, seed=14)
+    q = _randn(len(DECODE_LENS), 6, head_dim, dtype=torch.float32, seed=15)
+    kernels = load_cpu_kernels()
+    out = kernels.paged_decode_attention(q, cache, tables, lens, head_dim**-0.5, None)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, kernels.paged_decode_attention(q, cache.float(), tables, lens, head_dim**-0.5, None))
+    torch.testing.assert_close(
+        out.double(), _decode_reference(q, cache, tables, lens, head_dim**-0.5), atol=1e-5, rtol=1e-5
+    )
+    with pytest.raises(RuntimeError, match="KV cache under"):
+        kernels.paged_decode_attention(q.to(torch.bfloat16), cache.half(), tables, lens, 0.1, None)
 
 
 def test_use_cpu_kernels_switches_everything_off():
