@@ -11,7 +11,9 @@
 # Files: q4_1 = models/smollm2-135m-instruct.gguf (the registry's: Q4_1 linears, Q8_0 embedding); q8_0 =
 # Q8_0_GGUF (default /tmp/smollm2-135m-instruct.q8_0.gguf, written by llama.cpp's own converter from the float32
 # directory: ../shared/peers/gguf_from_hf.sh ... q8_0, made when missing). llama-server runs with --parallel set
-# to the load's concurrency. Serval serves configs/serve/default.yaml with model_source set to the file.
+# to the load's concurrency. Serval serves configs/serve/default.yaml with model_source set to the file and, on a
+# GGUF file, kv_cache_dtype KV_CACHE_DTYPE (default float16: llama-server's own default K and V type; "auto" for
+# the float32 cache); serval-f32 keeps the float32 directory's defaults.
 # Prints a line per run, the machine's read and copy bandwidths (2 threads, 256 MB) and, for B1, each step's
 # effective bandwidth (weight bytes / median TPOT); the JSON records are under RESULT_DIR.
 # ISA=avx2: every engine on its AVX2 code paths, an AVX2-only CPU's arithmetic measured on an AVX-512 one (its
@@ -25,6 +27,7 @@ FILES=${FILES:-q4_1 q8_0}
 LOADS=${LOADS:-B1 C32}
 ENGINES=${ENGINES:-serval llama serval-f32}
 ROUNDS=${ROUNDS:-1}
+KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-float16}
 MODEL_ID=smollm2-135m-instruct
 TOKENIZER=$PWD/models/$MODEL_ID
 Q8_0_GGUF=${Q8_0_GGUF:-/tmp/$MODEL_ID.q8_0.gguf}
@@ -64,8 +67,9 @@ load() {  # load NAME URL MODEL LOAD RUN
     --result-filename "$1-$4-$5.json" > "$OUT/$1-$4-$5.log" 2>&1
 }
 
-serval() {  # serval NAME MODEL_SOURCE RUN: the default app on MODEL_SOURCE, every load
-  sed "s|model_source: models/$MODEL_ID |model_source: $2 |" configs/serve/default.yaml > "$OUT/$1.yaml"
+serval() {  # serval NAME MODEL_SOURCE RUN [KV_CACHE_DTYPE]: the default app on MODEL_SOURCE, every load
+  sed -e "s|model_source: models/$MODEL_ID |model_source: $2 |" \
+    -e "s|^      engine_kwargs:\$|      engine_kwargs:\n        kv_cache_dtype: ${4:-auto}|" configs/serve/default.yaml > "$OUT/$1.yaml"
   .venv/bin/serval serve --config "$OUT/$1.yaml" --detach --replace > "$OUT/$1-serve-$3.log" 2>&1 \
     || { tail -20 "$OUT/$1-serve-$3.log"; .venv/bin/serval stop >/dev/null 2>&1; exit 1; }
   for l in $LOADS; do load "$1" http://127.0.0.1:8000 "$MODEL_ID" "$l" "$3"; done
@@ -91,7 +95,7 @@ for run in $(seq 1 "$ROUNDS"); do
   for f in $FILES; do
     for engine in $ENGINES; do
       case $engine in
-        serval) serval "serval-$f" "$(gguf_of "$f")" "$run" ;;
+        serval) serval "serval-$f" "$(gguf_of "$f")" "$run" "$KV_CACHE_DTYPE" ;;
         llama) llama "llama-$f" "$(gguf_of "$f")" "$run" ;;
         serval-f32) if [[ $f == "${FILES%% *}" ]]; then serval serval-f32 "models/$MODEL_ID" "$run"; fi ;;
       esac
