@@ -107,7 +107,11 @@ def _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
     )
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# The model's dtype and the KV cache's: its own, or a 16-bit cache under float32 (kv_cache_dtype).
+DTYPE_PAIRS = [(dtype, dtype) for dtype in DTYPES] + [(torch.float32, torch.bfloat16), (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize(
     "head_dim,rope",
     [
@@ -127,14 +131,15 @@ def _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed):
         ),
     ],
 )
-def test_rotary_embedding_and_cache(ops, dtype, head_dim, rope):
+def test_rotary_embedding_and_cache(ops, dtype, cache_dtype, head_dim, rope):
+    """q and k rotated in place as torch rotates them; k and v stored as torch's .to() rounds them to the cache."""
     num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 11, 4, 2, 4, 8
     rotary = RotaryEmbedding(head_dim, rope, 256)
     q, k, v = _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, seed=6)
     positions = torch.randint(0, 256, (num_tokens,), generator=torch.Generator().manual_seed(7))
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(8))[:num_tokens]
     want_q, want_k = rotary(positions, q, k)
-    want_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    want_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
     got_cache = want_cache.clone()
     TorchPagedAttention.write_kv(want_cache, want_k, v, slots)
     ops.rotary_embedding_and_cache(positions, q, k, v, rotary.table(255, q.device), got_cache, slots)
@@ -142,25 +147,14 @@ def test_rotary_embedding_and_cache(ops, dtype, head_dim, rope):
     assert torch.equal(got_cache, want_cache)  # k and v at their slots, nothing else touched
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 20])
-def test_rotary_embedding_and_cache_rounds_into_a_16_bit_cache(ops, cache_dtype, head_dim):
-    """kv_cache_dtype under a float32 model: k and v stored as torch's .to() rounds them, q and k kept float32."""
-    num_tokens, num_heads, num_kv_heads, block_size, num_blocks = 11, 4, 2, 4, 8
-    rotary = RotaryEmbedding(head_dim, {"rope_theta": 10000.0}, 256)
-    q, k, v = _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, torch.float32, seed=16)
-    positions = torch.randint(0, 256, (num_tokens,), generator=torch.Generator().manual_seed(17))
-    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(18))[:num_tokens]
-    want_q, want_k = rotary(positions, q, k)
-    want_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim).to(cache_dtype)
-    got_cache = want_cache.clone()
-    TorchPagedAttention.write_kv(want_cache, want_k, v, slots)
-    ops.rotary_embedding_and_cache(positions, q, k, v, rotary.table(255, q.device), got_cache, slots)
-    assert torch.equal(q, want_q) and torch.equal(k, want_k) and q.dtype == torch.float32
-    assert torch.equal(got_cache, want_cache)
-    with pytest.raises(RuntimeError, match="KV cache under BFloat16 activations"):
-        q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
-        ops.rotary_embedding_and_cache(positions, q16, k16, v16, rotary.table(255, q.device), got_cache.half(), slots)
+def test_rotary_embedding_and_cache_refuses_a_cache_of_another_dtype_under_16_bit_activations(ops):
+    rotary = RotaryEmbedding(16, {"rope_theta": 10000.0}, 64)
+    q, k, v = _qkv_views(3, 2, 1, 16, torch.bfloat16, seed=9)
+    with pytest.raises(RuntimeError, match="a Half KV cache under BFloat16 activations"):
+        ops.rotary_embedding_and_cache(
+            torch.tensor([0, 1, 2]), q, k, v, rotary.table(63, q.device), torch.zeros(2, 2, 4, 1, 16).half(),
+            torch.tensor([0, 1, 2]),
+        )
 
 
 def test_rotary_embedding_and_cache_rejects_bad_slots_before_writing(ops):
