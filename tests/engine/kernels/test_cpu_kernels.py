@@ -152,7 +152,12 @@ def test_rotary_embedding_and_cache_refuses_a_cache_of_another_dtype_under_16_bi
     q, k, v = _qkv_views(3, 2, 1, 16, torch.bfloat16, seed=9)
     with pytest.raises(RuntimeError, match="a Half KV cache under BFloat16 activations"):
         ops.rotary_embedding_and_cache(
-            torch.tensor([0, 1, 2]), q, k, v, rotary.table(63, q.device), torch.zeros(2, 2, 4, 1, 16).half(),
+            torch.tensor([0, 1, 2]),
+            q,
+            k,
+            v,
+            rotary.table(63, q.device),
+            torch.zeros(2, 2, 4, 1, 16).half(),
             torch.tensor([0, 1, 2]),
         )
 

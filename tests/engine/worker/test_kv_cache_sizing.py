@@ -59,8 +59,10 @@ def test_cuda_graph_sizes_past_max_num_seqs_are_refused(tiny_checkpoint):
 def _generate(llm, prompts, max_tokens=24):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outputs]
+    return [
+        (o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+        for o in outputs
+    ]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
