@@ -100,6 +100,7 @@ inline vint shift_right16(vint v) { return _mm512_srli_epi16(v, B); }
 template <int B>
 inline vint shift_left(vint v) { return _mm512_slli_epi32(v, B); }
 inline vint sub32(vint a, vint b) { return _mm512_sub_epi32(a, b); }
+inline vint sub16(vint a, int16_t x) { return _mm512_sub_epi16(a, _mm512_set1_epi16(x)); }
 inline vint set32(int32_t x) { return _mm512_set1_epi32(x); }
 inline simd::vfloat to_float(vint v) { return _mm512_cvtepi32_ps(v); }
 inline simd::vfloat halves(const uint8_t* p) {
@@ -140,6 +141,7 @@ inline vint and16(vint v, int16_t mask) { return _mm256_and_si256(v, _mm256_set1
 template <int B>
 inline vint shift_right16(vint v) { return _mm256_srli_epi16(v, B); }
 inline vint sub32(vint a, vint b) { return _mm256_sub_epi32(a, b); }
+inline vint sub16(vint a, int16_t x) { return _mm256_sub_epi16(a, _mm256_set1_epi16(x)); }
 inline vint set32(int32_t x) { return _mm256_set1_epi32(x); }
 inline simd::vfloat to_float(vint v) { return _mm256_cvtepi32_ps(v); }
 inline simd::vfloat halves(const uint8_t* p) {

@@ -15,8 +15,45 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "quant_activations.h"
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
 
 #if SERVAL_SIMD
 
@@ -155,6 +192,17 @@ inline void scale_block(const LaneSets<F, NV>& sets, const Activations& act, int
   }
 }
 
+// y[m0 .. m0 + MR, n0 .. n0 + NV * kRows) = acc + bias.
+template <int MR, int NV>
+inline void store_rows(const Problem& p, int64_t m0, int64_t n0, const simd::vfloat (&y)[MR][NV]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n = n0 + v * kRows;
+      const simd::vfloat out = p.bias == nullptr ? y[m][v] : simd::add(y[m][v], simd::load(p.bias + n));
+      simd::store(p.y + (m0 + m) * p.N + n, out);
+    }
+}
+
 // y[m0 .. m0 + MR, n0 .. n0 + NV * kRows), + bias.
 template <Format F, int MR, int NV>
 inline void micro(const Problem& p, const Activations& act, int64_t m0, int64_t n0) {
@@ -167,12 +215,7 @@ inline void micro(const Problem& p, const Activations& act, int64_t m0, int64_t 
     block_sums<F, MR, NV>(sets, act, m0, b, acc);
     scale_block<F, MR, NV>(sets, act, m0, b, acc, y);
   }
-  for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) {
-      const int64_t n = n0 + v * kRows;
-      const simd::vfloat out = p.bias == nullptr ? y[m][v] : simd::add(y[m][v], simd::load(p.bias + n));
-      simd::store(p.y + (m0 + m) * p.N + n, out);
-    }
+  store_rows<MR, NV>(p, m0, n0, y);
 }
 
 // Lane sets (kRows weight rows each) per micro-kernel: few rows of x stream the weights (more streams in
@@ -182,6 +225,106 @@ constexpr int lane_sets() {
   return MR == 1 && simd::kRegisters == 32 ? 4 : 2;
 }
 constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 3;  // MR for many rows of x: the fastest measured
+
+#if !SERVAL_QUANT_DIGITS
+// The pairs builds' many-rows tile: NV lane sets' weights widened once to signed int16 pairs (q, so no offset
+// correction), then read from cache by every row of x: two vpmaddwd and adds a step, nothing unpacked.
+// Step s = 0 .. 7 of a block holds weights 4s .. 4s + 3 of each row (Q4: quad s / 4, chunk s % 4), so its
+// activations are the block's values 4s .. 4s + 3 for every format.
+constexpr int kSteps = kBlock / 4;
+constexpr int64_t kWideRows = 24;  // fewer rows of x do not pay for the widening (measured)
+
+// Room for one tile of up to NV lane sets over K: its int16 pairs and its scales (and Q4_1's mins) as float.
+// Not zeroed: a tile writes every value it reads.
+template <int NV>
+struct TileBuffer {
+  std::unique_ptr<q::vint[]> pairs;
+  std::unique_ptr<float[]> scales;
+  explicit TileBuffer(int64_t K)
+      : pairs(new q::vint[K / kBlock * kSteps * NV * 2]), scales(new float[K / kBlock * NV * kRows * 2]) {}
+};
+
+template <Format F, int NV>
+struct WideTile {
+  q::vint* pairs;  // [block][step][lane set][even, odd]
+  float* d;        // [block][lane set][kRows]: the scales as float
+  float* m;        // the same for Q4_1's mins
+
+  template <int Room>
+  WideTile(const TileBuffer<Room>& buffer, const Problem& p, int64_t n0)
+      : pairs(buffer.pairs.get()), d(buffer.scales.get()), m(d + p.K / kBlock * NV * kRows) {
+    static_assert(NV <= Room);
+    const LaneSets<F, NV> sets(p, n0);
+    for (int64_t b = 0; b < p.K / kBlock; ++b)
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
+        simd::store(d + (b * NV + v) * kRows, q::halves(scales));
+        if constexpr (F == Format::kQ4_1) simd::store(m + (b * NV + v) * kRows, q::halves(scales + 2 * kGroup));
+        widen_quad<0>(sets, b, v);
+        if constexpr (q::quads(F) == 2) widen_quad<1>(sets, b, v);
+      }
+  }
+  template <int Quad>
+  void widen_quad(const LaneSets<F, NV>& sets, int64_t b, int v) {
+    for (int c = 0; c < q::chunks(F); ++c) {
+      q::vint* at = pairs + ((b * kSteps + Quad * 4 + c) * NV + v) * 2;
+      q::widen<F, Quad>(q::load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]), at, at + 1);
+      at[0] = q::sub16(at[0], q::offset(F));
+      at[1] = q::sub16(at[1], q::offset(F));
+    }
+  }
+  const q::vint* block(int64_t b) const { return pairs + b * kSteps * NV * 2; }
+};
+
+// y[m0 .. m0 + MR, the tile's rows) from the widened tile; the same sums and fused multiply-adds as micro's.
+template <Format F, int MR, int NV>
+inline void wide_micro(const Problem& p, const Activations& act, const WideTile<F, NV>& tile, int64_t m0,
+                       int64_t n0) {
+  simd::vfloat y[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) y[m][v] = simd::set1(0.f);
+  for (int64_t b = 0; b < act.blocks; ++b) {
+    const q::vint* w = tile.block(b);
+    const int8_t* a[MR];
+    q::vint acc[MR][NV];
+    for (int m = 0; m < MR; ++m) {
+      a[m] = act.block(m0 + m, b);
+      for (int v = 0; v < NV; ++v) acc[m][v] = q::zero();
+    }
+#pragma GCC unroll 8
+    for (int s = 0; s < kSteps; ++s)
+      for (int m = 0; m < MR; ++m) {
+        const q::vint a_even = q::bcast4(a[m] + 8 * s), a_odd = q::bcast4(a[m] + 8 * s + 4);
+        for (int v = 0; v < NV; ++v) {
+          acc[m][v] = q::dot2(q::dot2(acc[m][v], w[(s * NV + v) * 2], a_even), w[(s * NV + v) * 2 + 1], a_odd);
+          asm("" : "+x"(acc[m][v]));
+        }
+      }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t i = (m0 + m) * act.blocks + b;
+      const simd::vfloat da = simd::set1(act.d[i]);
+      for (int v = 0; v < NV; ++v) {
+        const int64_t at = (b * NV + v) * kRows;
+        y[m][v] = simd::fmadd(q::to_float(acc[m][v]), simd::mul(simd::load(tile.d + at), da), y[m][v]);
+        if constexpr (F == Format::kQ4_1)
+          y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(simd::load(tile.m + at), da),
+                                y[m][v]);
+      }
+    }
+  }
+  store_rows<MR, NV>(p, m0, n0, y);
+}
+
+// Rows [m_begin, m_end) of x against lane sets [v0, v0 + NV), through one widened tile.
+template <Format F, int NV, int Room>
+void wide_rows(const Problem& p, const Activations& act, const TileBuffer<Room>& buffer, int64_t m_begin,
+               int64_t m_end, int64_t v0) {
+  const WideTile<F, NV> tile(buffer, p, v0 * kRows);
+  int64_t m = m_begin;
+  for (; m + kTileRows <= m_end; m += kTileRows) wide_micro<F, kTileRows, NV>(p, act, tile, m, v0 * kRows);
+  for (; m < m_end; ++m) wide_micro<F, 1, NV>(p, act, tile, m, v0 * kRows);
+}
+#endif
 
 // Rows m0 .. m0 + MR of x against lane sets [v_begin, v_end).
 template <Format F, int MR>
@@ -213,9 +356,20 @@ void many_rows(const Problem& p, const Activations& act, int64_t sets) {
   const int64_t tiles = (sets + NV - 1) / NV, chunks = (p.M + chunk - 1) / chunk;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (NV * kRows * p.K * std::min(p.M, chunk)));
   at::parallel_for(0, tiles * chunks, grain, [&](int64_t begin, int64_t end) {
+#if !SERVAL_QUANT_DIGITS
+    const TileBuffer<NV> buffer(p.K);
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t v0 = task % tiles * NV, v1 = std::min(sets, v0 + NV);
       const int64_t m_begin = task / tiles * chunk, m_end = std::min(p.M, m_begin + chunk);
+#if !SERVAL_QUANT_DIGITS
+      if (m_end - m_begin >= kWideRows) {
+        if (v1 - v0 == NV) wide_rows<F, NV>(p, act, buffer, m_begin, m_end, v0);
+        else
+          for (int64_t v = v0; v < v1; ++v) wide_rows<F, 1>(p, act, buffer, m_begin, m_end, v);
+        continue;
+      }
+#endif
       int64_t m = m_begin;
       for (; m + kTileRows <= m_end; m += kTileRows) lane_range<F, kTileRows>(p, act, m, v0, v1);
       for (; m < m_end; ++m) lane_range<F, 1>(p, act, m, v0, v1);
