@@ -1,0 +1,164 @@
+// quant_linear's micro-kernels over the packed weights as they lie (quant_blocks.h): MR rows of x against NV lane
+// sets of kRows weight rows, a block's exact int32 sums in the registers, then its scales in float (the
+// arithmetic is quant_linear.cpp's). Few rows of x stream the weights through these once; many rows on a VNNI
+// build tile them (quant_linear.cpp's many_rows), on the pairs builds read a widened copy (quant_tile.h).
+#pragma once
+
+#include "quant_activations.h"
+
+#if SERVAL_SIMD
+
+namespace serval::quant {
+
+struct Problem {
+  const float* x;
+  const uint8_t* w;
+  const float* bias;  // nullptr: none
+  float* y;
+  int64_t M, K, N, row_bytes;
+};
+
+// NV lane sets of kRows weight rows each, from row n0 (a multiple of kRows) inside whole groups: set v's rows
+// n0 + v * kRows .. lie in one group, at lane offset `lane[v]` of each 64-byte chunk (4 bytes a row) and of
+// the scales (2 bytes a row).
+template <Format F, int NV>
+struct LaneSets {
+  const uint8_t* group[NV];
+  int64_t lane[NV];
+  LaneSets(const Problem& p, int64_t n0) {
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n = n0 + v * kRows;
+      group[v] = p.w + n / kGroup * kGroup * p.row_bytes;
+      lane[v] = n % kGroup;
+    }
+  }
+  // Set v's bytes of block b: its scales d (and Q4_1's mins m after them), then the quant chunks at +header.
+  const uint8_t* block(int v, int64_t b) const { return group[v] + b * kGroup * block_bytes(F); }
+  static constexpr int64_t kHeader = kGroup * header_bytes(F);
+};
+
+#if SERVAL_QUANT_DIGITS
+// acc[m][v] += digit D's (0: h, 1: l) dot products over chunk c (weights 4c .. 4c + 3, and for Q4 16 + 4c ..) for
+// x's row m0 + m and lane set v: vpdpbusd on the weights' bytes as they lie.
+template <Format F, int MR, int NV, int D>
+inline void digit_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b, int c,
+                       vint (&acc)[MR][NV]) {
+  vint u[NV];
+  for (int v = 0; v < NV; ++v) u[v] = load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]);
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* a = act.block(m0 + m, b) + D * kBlock + 4 * c;
+    for (int v = 0; v < NV; ++v) {
+      acc[m][v] = dot4(acc[m][v], quad_bytes<F, 0>(u[v]), bcast4(a));
+      if constexpr (quads(F) == 2) acc[m][v] = dot4(acc[m][v], quad_bytes<F, 1>(u[v]), bcast4(a + 16));
+    }
+  }
+}
+#else
+// acc[m][v] += quad `Quad`'s dot products over chunk c (weights 16 Quad + 4c .. + 3) for x's row m0 + m and lane set
+// v: each lane set's weights widened to int16 pairs once, then two int16-pair multiply-adds a row of x.
+template <Format F, int MR, int NV, int Quad>
+inline void quad_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b, int c,
+                      vint (&acc)[MR][NV]) {
+  vint a_even[MR], a_odd[MR];  // the rows' activations first: then one lane set's weights are live at a time
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* a = act.block(m0 + m, b) + 2 * (16 * Quad + 4 * c);
+    a_even[m] = bcast4(a);
+    a_odd[m] = bcast4(a + 4);
+  }
+  for (int v = 0; v < NV; ++v) {
+    vint even, odd;
+    widen<F, Quad>(load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]), &even, &odd);
+    for (int m = 0; m < MR; ++m) acc[m][v] = dot2(dot2(acc[m][v], even, a_even[m]), odd, a_odd[m]);
+  }
+}
+#endif
+
+// acc[m][v] = block b's integer dot products of x's row m0 + m with lane set v's rows (quant_activations.h's forms).
+template <Format F, int MR, int NV>
+inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
+                       vint (&acc)[MR][NV]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = zero();
+#if SERVAL_QUANT_DIGITS  // h, then l: two passes over the block (one with two sets of accumulators spills)
+  for (int c = 0; c < chunks(F); ++c) digit_sums<F, MR, NV, 0>(sets, act, m0, b, c, acc);
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = shift_left<kDigitShift>(acc[m][v]);
+  for (int c = 0; c < chunks(F); ++c) digit_sums<F, MR, NV, 1>(sets, act, m0, b, c, acc);
+#else
+  for (int c = 0; c < chunks(F); ++c) {
+    quad_sums<F, MR, NV, 0>(sets, act, m0, b, c, acc);
+    if constexpr (quads(F) == 2) quad_sums<F, MR, NV, 1>(sets, act, m0, b, c, acc);
+  }
+#endif
+}
+
+// y[m][v] += block b's sums in float: fma(sum - offset * s, d_w * d_a), then (Q4_1) fma(s, m_w * d_a).
+template <Format F, int MR, int NV>
+inline void scale_block(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
+                        const vint (&acc)[MR][NV], simd::vfloat (&y)[MR][NV]) {
+  simd::vfloat d_w[NV], m_w[NV];  // the weights' scales (Q4_1: and mins), widened once for the MR rows
+  for (int v = 0; v < NV; ++v) {
+    const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
+    d_w[v] = halves(scales);
+    if constexpr (F == Format::kQ4_1) m_w[v] = halves(scales + 2 * kGroup);
+  }
+  for (int m = 0; m < MR; ++m) {
+    const int64_t i = (m0 + m) * act.blocks + b;
+    const simd::vfloat da = simd::set1(act.d[i]);
+    const vint correction = set32(offset(F) * act.s[i]);
+    for (int v = 0; v < NV; ++v) {
+      const simd::vfloat sum = to_float(sub32(acc[m][v], correction));
+      y[m][v] = simd::fmadd(sum, simd::mul(d_w[v], da), y[m][v]);
+      if constexpr (F == Format::kQ4_1)
+        y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(m_w[v], da), y[m][v]);
+    }
+  }
+}
+
+// y[m0 .. m0 + MR, n0 .. n0 + NV * kRows) = acc + bias.
+template <int MR, int NV>
+inline void store_rows(const Problem& p, int64_t m0, int64_t n0, const simd::vfloat (&y)[MR][NV]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t n = n0 + v * kRows;
+      const simd::vfloat out = p.bias == nullptr ? y[m][v] : simd::add(y[m][v], simd::load(p.bias + n));
+      simd::store(p.y + (m0 + m) * p.N + n, out);
+    }
+}
+
+// y[m0 .. m0 + MR, n0 .. n0 + NV * kRows), + bias.
+template <Format F, int MR, int NV>
+inline void micro(const Problem& p, const Activations& act, int64_t m0, int64_t n0) {
+  const LaneSets<F, NV> sets(p, n0);
+  simd::vfloat y[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) y[m][v] = simd::set1(0.f);
+  for (int64_t b = 0; b < act.blocks; ++b) {
+    vint acc[MR][NV];
+    block_sums<F, MR, NV>(sets, act, m0, b, acc);
+    scale_block<F, MR, NV>(sets, act, m0, b, acc, y);
+  }
+  store_rows<MR, NV>(p, m0, n0, y);
+}
+
+// Lane sets (kRows weight rows each) per micro-kernel: few rows of x stream the weights (more streams in
+// flight); many rows keep MR x NV int32 and float accumulators in the registers.
+template <int MR>
+constexpr int lane_sets() {
+  return MR == 1 && simd::kRegisters == 32 ? 4 : 2;
+}
+constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 3;  // MR for many rows of x: the fastest measured
+constexpr int kTileSets = lane_sets<kTileRows>();  // NV for many rows of x
+
+// Rows m0 .. m0 + MR of x against lane sets [v_begin, v_end).
+template <Format F, int MR>
+void lane_range(const Problem& p, const Activations& act, int64_t m0, int64_t v_begin, int64_t v_end) {
+  constexpr int NV = lane_sets<MR>();
+  int64_t v = v_begin;
+  for (; v + NV <= v_end; v += NV) micro<F, MR, NV>(p, act, m0, v * kRows);
+  for (; v < v_end; ++v) micro<F, MR, 1>(p, act, m0, v * kRows);
+}
+
+}  // namespace serval::quant
+
+#endif  // SERVAL_SIMD

@@ -1,0 +1,125 @@
+// quant_linear's many-rows path on the pairs builds (AVX2, AVX-512 without VNNI), where each weight must be
+// unpacked to an int16 pair before vpmaddwd can use it: a task's tile of NV lane sets is widened once to signed
+// int16 pairs (q, not u, so no offset correction) and every row of x then reads it from cache. Two vpmaddwd and
+// two adds a step, nothing unpacked per row: 1.1-1.2x the packed micro-kernel from 32 rows (docs/lab-notes.md).
+// The sums are the same exact integers and the float steps quant_lanes.h's, so the same bits.
+#pragma once
+
+#include <limits>
+#include <memory>
+
+#include "quant_lanes.h"
+
+#if SERVAL_SIMD
+
+namespace serval::quant {
+
+// Step s = 0 .. 7 of a block holds weights 4s .. 4s + 3 of each row (Q4: quad s / 4, chunk s % 4), so its
+// activations are the block's values 4s .. 4s + 3 for every format.
+constexpr int kSteps = kBlock / 4;
+// The fewest rows of x that pay for widening a tile (measured); a VNNI build multiplies the bytes as they lie.
+constexpr int64_t kWideRows = SERVAL_QUANT_DIGITS ? std::numeric_limits<int64_t>::max() : 24;
+
+// Room for a thread's tiles of up to kTileSets lane sets over K: int16 pairs, and the scales (and Q4_1's mins)
+// as float. Allocated at the first tile and not zeroed: a tile writes every value it reads.
+struct TileBuffer {
+  std::unique_ptr<vint[]> pairs;
+  std::unique_ptr<float[]> scales;
+  void reserve(int64_t K) {
+    if (pairs) return;
+    pairs.reset(new vint[K / kBlock * kSteps * kTileSets * 2]);
+    scales.reset(new float[K / kBlock * kTileSets * kRows * 2]);
+  }
+};
+
+// NV lane sets' weights from row n0, widened into the buffer.
+template <Format F, int NV>
+struct WideTile {
+  vint* pairs;  // [block][step][lane set][even, odd]
+  float* d;     // [block][lane set][kRows]: the scales as float
+  float* m;     // the same for Q4_1's mins
+
+  WideTile(TileBuffer& buffer, const Problem& p, int64_t n0) {
+    static_assert(NV <= kTileSets);
+    buffer.reserve(p.K);
+    pairs = buffer.pairs.get(), d = buffer.scales.get(), m = d + p.K / kBlock * NV * kRows;
+    const LaneSets<F, NV> sets(p, n0);
+    for (int64_t b = 0; b < p.K / kBlock; ++b)
+      for (int v = 0; v < NV; ++v) {
+        const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
+        simd::store(d + (b * NV + v) * kRows, halves(scales));
+        if constexpr (F == Format::kQ4_1) simd::store(m + (b * NV + v) * kRows, halves(scales + 2 * kGroup));
+        widen_quad<0>(sets, b, v);
+        if constexpr (quads(F) == 2) widen_quad<1>(sets, b, v);
+      }
+  }
+  template <int Quad>
+  void widen_quad(const LaneSets<F, NV>& sets, int64_t b, int v) {
+    for (int c = 0; c < chunks(F); ++c) {
+      vint* at = pairs + ((b * kSteps + Quad * 4 + c) * NV + v) * 2;
+      widen<F, Quad>(load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]), at, at + 1);
+      at[0] = sub16(at[0], offset(F));
+      at[1] = sub16(at[1], offset(F));
+    }
+  }
+  const vint* block(int64_t b) const { return pairs + b * kSteps * NV * 2; }
+};
+
+// acc[m][v] = a block's exact int32 sums of x's row (its stored block a[m]) with lane set v (its pairs w).
+template <int MR, int NV>
+inline void tile_block_sums(const vint* w, const int8_t* const (&a)[MR], vint (&acc)[MR][NV]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = zero();
+#pragma GCC unroll 8
+  for (int s = 0; s < kSteps; ++s)
+    for (int m = 0; m < MR; ++m) {
+      const vint a_even = bcast4(a[m] + 8 * s), a_odd = bcast4(a[m] + 8 * s + 4);
+      for (int v = 0; v < NV; ++v) {
+        acc[m][v] = dot2(dot2(acc[m][v], w[(s * NV + v) * 2], a_even), w[(s * NV + v) * 2 + 1], a_odd);
+        // One register a sum: unrolled, GCC otherwise reassociates the adds into a tree, runs the multiplies
+        // ahead of them and spills their products (a third slower).
+        asm("" : "+v"(acc[m][v]));
+      }
+    }
+}
+
+// y[m0 .. m0 + MR, the tile's rows) = x's rows times the tile (+ bias); micro's fused multiply-adds.
+template <Format F, int MR, int NV>
+inline void wide_micro(const Problem& p, const Activations& act, const WideTile<F, NV>& tile, int64_t m0,
+                       int64_t n0) {
+  simd::vfloat y[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) y[m][v] = simd::set1(0.f);
+  for (int64_t b = 0; b < act.blocks; ++b) {
+    const int8_t* a[MR];
+    for (int m = 0; m < MR; ++m) a[m] = act.block(m0 + m, b);
+    vint acc[MR][NV];
+    tile_block_sums<MR, NV>(tile.block(b), a, acc);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t i = (m0 + m) * act.blocks + b;
+      const simd::vfloat da = simd::set1(act.d[i]);
+      for (int v = 0; v < NV; ++v) {
+        const int64_t at = (b * NV + v) * kRows;
+        y[m][v] = simd::fmadd(to_float(acc[m][v]), simd::mul(simd::load(tile.d + at), da), y[m][v]);
+        if constexpr (F == Format::kQ4_1)
+          y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(simd::load(tile.m + at), da),
+                                y[m][v]);
+      }
+    }
+  }
+  store_rows<MR, NV>(p, m0, n0, y);
+}
+
+// Rows [m_begin, m_end) of x against lane sets [v0, v0 + NV), through one widened tile.
+template <Format F, int NV>
+void wide_rows(const Problem& p, const Activations& act, TileBuffer& buffer, int64_t m_begin, int64_t m_end,
+               int64_t v0) {
+  const WideTile<F, NV> tile(buffer, p, v0 * kRows);
+  int64_t m = m_begin;
+  for (; m + kTileRows <= m_end; m += kTileRows) wide_micro<F, kTileRows, NV>(p, act, tile, m, v0 * kRows);
+  for (; m < m_end; ++m) wide_micro<F, 1, NV>(p, act, tile, m, v0 * kRows);
+}
+
+}  // namespace serval::quant
+
+#endif  // SERVAL_SIMD
