@@ -1,7 +1,8 @@
 // quant_linear's micro-kernels over the packed weights as they lie (quant_blocks.h): MR rows of x against NV lane
 // sets of kRows weight rows, a block's exact int32 sums in the registers, then its scales in float (the
-// arithmetic is quant_linear.cpp's). Few rows of x stream the weights through these once; many rows on a VNNI
-// build tile them (quant_linear.cpp's many_rows), on the pairs builds read a widened copy (quant_tile.h).
+// arithmetic is quant_linear.cpp's). Few rows of x stream the weights through these once; many rows reuse a tile
+// of them from cache (quant_linear.cpp's many_rows), or on the pairs builds, from 24 rows, a widened copy of it
+// (quant_tile.h).
 #pragma once
 
 #include "quant_activations.h"
@@ -10,6 +11,7 @@
 
 namespace serval::quant {
 
+// The op's operands as quant_linear.cpp checked them.
 struct Problem {
   const float* x;
   const uint8_t* w;

@@ -1,8 +1,8 @@
 // quant_linear's many-rows path on the pairs builds (AVX2, AVX-512 without VNNI), where each weight must be
 // unpacked to an int16 pair before vpmaddwd can use it: a task's tile of NV lane sets is widened once to signed
-// int16 pairs (q, not u, so no offset correction) and every row of x then reads it from cache. Two vpmaddwd and
-// two adds a step, nothing unpacked per row: 1.1-1.2x the packed micro-kernel from 32 rows (docs/lab-notes.md).
-// The sums are the same exact integers and the float steps quant_lanes.h's, so the same bits.
+// int16 pairs (q, not u, so no offset correction) and every row of x then reads it from cache: two vpmaddwd and
+// two adds a step, nothing unpacked per row (measured in docs/lab-notes.md). The sums are the same exact
+// integers and the float steps quant_lanes.h's, so the same bits.
 #pragma once
 
 #include <limits>
