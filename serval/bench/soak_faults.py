@@ -145,19 +145,13 @@ class ServeApp:
         """Each replica's ``stats()`` by replica id (``replica_calls``)."""
         return self.replica_calls("stats", num_replicas)
 
-    def replica_calls(self, method: str, num_replicas: int, max_calls: int = 60) -> dict[str, dict]:
-        """Each replica's answer to ``method()`` by replica id, calling the deployment handle until
-        ``num_replicas`` distinct replicas answered (Serve's router picks the replica; at most ``max_calls``)."""
+    def replica_calls(self, method: str, num_replicas: int) -> dict[str, dict]:
+        """Each replica's answer to ``method()`` by replica id (``replica_answers``)."""
         from ray import serve
 
-        handle = serve.get_deployment_handle(self.deployment, app_name=self.app_name)
-        answers: dict[str, dict] = {}
-        for _ in range(max_calls):
-            result = getattr(handle, method).remote().result(timeout_s=30)
-            answers[result["replica_id"]] = result
-            if len(answers) >= num_replicas:
-                break
-        return answers
+        return replica_answers(
+            serve.get_deployment_handle(self.deployment, app_name=self.app_name), method, num_replicas
+        )
 
     def wait_idle(self, timeout_s: float) -> dict:
         """Waits until every live replica is idle (no running or waiting request, every KV block free), then
@@ -187,6 +181,24 @@ def _ids(replicas: list[dict]) -> set[str]:
 def _steady(replicas: list[dict], count: int) -> bool:
     """Exactly ``count`` replicas, all RUNNING (none starting or stopping)."""
     return len(replicas) == count and all(replica.get("state") == "RUNNING" for replica in replicas)
+
+
+def replica_answers(handle, method: str, num_replicas: int, burst: int = 16, rounds: int = 4) -> dict[str, dict]:
+    """Each replica's answer to ``method()`` (a dict with ``replica_id``) by replica id, through a Serve
+    deployment handle, in rounds of ``burst`` concurrent calls until ``num_replicas`` replicas answered.
+
+    Concurrent, because Serve's router sends each call to the less loaded of two replicas: calls made one at
+    a time all reach an idle replica while another runs requests. A burst raises the idle one's queue in the
+    router's count until calls spill onto the busy ones.
+    """
+    answers: dict[str, dict] = {}
+    for _ in range(rounds):
+        for response in [getattr(handle, method).remote() for _ in range(burst)]:
+            result = response.result(timeout_s=30)
+            answers[result["replica_id"]] = result
+        if len(answers) >= num_replicas:
+            break
+    return answers
 
 
 def is_idle(stats: dict) -> bool:

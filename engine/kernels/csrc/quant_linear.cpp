@@ -23,7 +23,6 @@
 
 namespace {
 
-namespace simd = serval::simd;
 namespace q = serval::quant;
 using q::Activations;
 using q::Format;
