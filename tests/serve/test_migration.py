@@ -13,11 +13,10 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
+from ray import serve
 
 from serval.bench.soak_client import read_migrations
-from serval.bench.soak_faults import local_actors
 from tests.serve.cluster import deploy_and_wait, llm_config, serve_config, sse_lines
 
 # ~60-80 s on the shared 2-core machine: the Ray head and two replicas starting is most of it.
@@ -25,13 +24,13 @@ pytestmark = pytest.mark.slow
 
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
-MAX_TOKENS = 4000  # long enough for a stream to be in flight when the kill lands, on a fast CPU too
+MAX_TOKENS = 1800  # long enough for a stream to be in flight when the kill lands, on a fast CPU too
 PROMPT = "The colours of the rainbow are"
 MESSAGES = [{"role": "user", "content": "Count the colours of the rainbow."}]
 
 
 def app_config(checkpoint: str, migration_limit: int | None = None) -> dict:
-    config = llm_config(LLAMA, checkpoint, num_replicas=2, max_model_len=4096)
+    config = llm_config(LLAMA, checkpoint, num_replicas=2, max_model_len=2048)
     config["deployment_config"]["health_check_period_s"] = 1.0
     app = serve_config(0, [config])["applications"][0]
     if migration_limit is not None:
@@ -58,7 +57,6 @@ class Stream(threading.Thread):
     def __init__(self, head, kind: str) -> None:
         super().__init__(daemon=True)
         self.head, self.kind = head, kind
-        self.client = client(head)  # made here, not in run(): the streams then start together, not a second apart
         self.chunks: list = []
         self.error: BaseException | None = None
 
@@ -67,9 +65,9 @@ class Stream(threading.Thread):
         common |= {"stream_options": {"include_usage": True}, "extra_body": {"ignore_eos": True}}
         try:
             if self.kind == "completion":
-                stream = self.client.completions.create(prompt=PROMPT, logprobs=0, **common)
+                stream = client(self.head).completions.create(prompt=PROMPT, logprobs=0, **common)
             else:
-                stream = self.client.chat.completions.create(messages=MESSAGES, logprobs=True, **common)
+                stream = client(self.head).chat.completions.create(messages=MESSAGES, logprobs=True, **common)
             for chunk in stream:
                 self.chunks.append(chunk)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -95,28 +93,23 @@ class Stream(threading.Thread):
         return {chunk.id for chunk in self.chunks}
 
 
-def replica_processes(head) -> dict[psutil.Process, int]:
-    """Every process below a live replica (its engine core among them), with its replica's pid. Ray's state API
-    takes a second or more here: ask before the streams start, not while they run."""
-    processes = {}
-    for replica in local_actors(head.dashboard_url, f"ServeReplica:llm:{SERVER}"):
-        processes |= {child: replica["pid"] for child in psutil.Process(replica["pid"]).children(recursive=True)}
-    return processes
+def serving_replica_pid(timeout_s: float = 60.0) -> int:
+    """The pid of the first replica seen with requests running, through its stats: its engine core's parent.
 
-
-def serving_replica_pid(processes: dict[psutil.Process, int], window_s: float = 0.3) -> int:
-    """The pid of a replica whose engine is generating: the replica above the process (its engine core) that
-    used the most CPU in a short window, checked busy.
-
-    Asked of the engines, not of the clients: a replica generates faster than a loaded test process reads its
-    streams. And not through Serve's router, which sends a stats call to the less loaded replica, the idle one.
+    Asked of the engines, not of the clients: a replica generates faster than a loaded test process reads
+    its streams, so a client that has read a few chunks may be reading what an engine finished long ago.
     """
-    before = {process: sum(process.cpu_times()[:2]) for process in processes}
-    time.sleep(window_s)
-    used = {process: sum(process.cpu_times()[:2]) - start for process, start in before.items()}
-    busiest = max(used, key=used.__getitem__)
-    assert used[busiest] > window_s / 4, f"no engine core is busy: {used} (CPU seconds in {window_s} s)"
-    return processes[busiest]
+    handle = serve.get_deployment_handle(SERVER, app_name="llm")
+    stats: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = handle.stats.remote().result()
+        stats[result["replica_id"]] = result
+        if result["num_running_reqs"] > 0:
+            break
+        assert time.monotonic() < deadline, f"no replica was seen running requests: {stats}"
+    with open(f"/proc/{result['engine_core_pid']}/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("PPid:")))
 
 
 def wait_for_chunks(streams: list[Stream], count: int, timeout_s: float = 60.0) -> None:
@@ -136,12 +129,11 @@ def test_streams_survive_the_kill_of_their_replica(app):
         references[kind] = reference.result()
         assert references[kind]["usage"]["completion_tokens"] == MAX_TOKENS
         assert len(references[kind]["tokens"]) == MAX_TOKENS
-    processes = replica_processes(head)
     streams = [Stream(head, kind) for kind in ("completion", "chat", "completion", "chat")]
     for stream in streams:
         stream.start()
     wait_for_chunks(streams, 1)  # each has its first token; the kill lands where an engine is generating
-    os.kill(serving_replica_pid(processes), signal.SIGKILL)
+    os.kill(serving_replica_pid(), signal.SIGKILL)
     for stream in streams:
         stream.join(timeout=120)
         assert not stream.is_alive(), "a stream hung"
@@ -150,7 +142,7 @@ def test_streams_survive_the_kill_of_their_replica(app):
         assert len(stream.ids) == 1  # one id across replicas
     deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
     while (read_migrations(head.base_url) or {}).get("continued", 0) < 1:  # what `serval bench soak` records
-        assert time.monotonic() < deadline, f"serval_migrations did not count them: {read_migrations(head.base_url)}"
+        assert time.monotonic() < deadline, "serval_migrations did not count the migrated streams"
         time.sleep(2)
 
 
@@ -167,14 +159,13 @@ def test_without_migration_the_kill_ends_the_stream_with_an_error_event(app):
         with httpx.stream("POST", f"{head.base_url}/v1/completions", json=body, timeout=120) as response:
             events.extend(line for line in sse_lines(response) if line.startswith("data: "))
 
-    processes = replica_processes(head)
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.monotonic() + 60
     while len(events) < 3:
         assert time.monotonic() < deadline and reader.is_alive(), "the stream did not start"
         time.sleep(0.02)
-    os.kill(serving_replica_pid(processes), signal.SIGKILL)
+    os.kill(serving_replica_pid(), signal.SIGKILL)
     reader.join(timeout=60)
     assert not reader.is_alive()
     assert events[-1] == "data: [DONE]", events[-3:]

@@ -21,7 +21,6 @@ import httpx
 import pytest
 from ray import serve
 
-from serval.bench.soak_faults import replica_answers
 from serval.launcher import lifecycle as launcher
 from tests.serve.cluster import RayHead, app_status, deploy_and_wait, llm_config, serve_config, sse_lines
 from tests.serve.haproxy_log import HAProxyLog
@@ -115,24 +114,30 @@ class InFlightStreams:
         assert results == [(self.tokens, "length", True)] * len(self.futures)
 
 
-def replica_stats(num_replicas: int) -> dict[str, dict]:
-    """Stats per replica id, from every replica (``replica_answers``)."""
-    return replica_answers(serve.get_deployment_handle(SERVER, app_name="llm"), "stats", num_replicas)
+def replica_stats(num_calls: int = 40) -> dict[str, dict]:
+    """Stats per replica id, gathered by calling the deployment often enough to reach every replica."""
+    handle = serve.get_deployment_handle(SERVER, app_name="llm")
+    stats = {}
+    for _ in range(num_calls):
+        result = handle.stats.remote().result()
+        stats[result["replica_id"]] = result
+    return stats
 
 
 def running_per_replica(num_replicas: int, timeout_s: float = 30.0) -> dict[str, int]:
     """The most requests each replica was seen running, polled until ``num_replicas`` replicas were each seen
     running some (or ``timeout_s``): one snapshot can come after a replica's streams ended, on a fast CPU."""
+    handle = serve.get_deployment_handle(SERVER, app_name="llm")
     running: dict[str, int] = {}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not (len(running) == num_replicas and all(running.values())):
-        for replica_id, stats in replica_stats(num_replicas).items():
-            running[replica_id] = max(running.get(replica_id, 0), stats["num_running_reqs"])
+        result = handle.stats.remote().result()
+        running[result["replica_id"]] = max(running.get(result["replica_id"], 0), result["num_running_reqs"])
     return running
 
 
 def assert_every_replica_serves(base_url: str, pool: ThreadPoolExecutor, num_replicas: int) -> None:
-    before = {rid: s["num_finished_reqs_total"] for rid, s in replica_stats(num_replicas).items()}
+    before = {rid: s["num_finished_reqs_total"] for rid, s in replica_stats().items()}
 
     def complete(i: int) -> int:
         response = httpx.post(
@@ -143,7 +148,7 @@ def assert_every_replica_serves(base_url: str, pool: ThreadPoolExecutor, num_rep
         return response.status_code
 
     assert list(pool.map(complete, range(32))) == [200] * 32
-    after = replica_stats(num_replicas)
+    after = replica_stats()
     assert len(after) == num_replicas
     served = {rid: s["num_finished_reqs_total"] - before.get(rid, 0) for rid, s in after.items()}
     assert all(count > 0 for count in served.values()), served
