@@ -22,15 +22,16 @@ from engine.config import EngineConfig
 from engine.executor.base import Executor, StepFuture
 from engine.lora.loading import LoRALoading
 from engine.sched.request import Request
+from engine.sched.request_hold import RequestHold
 from engine.sched.scheduler import Scheduler, SchedulerStats
 from engine.sched.step_outputs import EngineCoreOutput, LoRAWorkerCounts, ModelRunnerOutput, SchedulerOutput
 from engine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
-# How long a core with only requests held for their grammar (or their LoRA adapter) blocks on the compile
-# (the load) per step; commands wait that long.
-GRAMMAR_WAIT_S = 0.02
+# How long a core with only held requests (for their grammar, their LoRA adapter) blocks on a hold per step;
+# commands wait that long.
+HOLD_WAIT_S = 0.02
 
 
 class EngineCore:
@@ -50,6 +51,10 @@ class EngineCore:
         )
         self.structured_outputs = StructuredOutputManager(config)
         self.lora_loading = LoRALoading(self.executor) if config.lora_config.enable_lora else None
+        # In the order a request passes them: its grammar compiles before its adapter is asked for.
+        self.holds: list[RequestHold] = [self.structured_outputs]
+        if self.lora_loading is not None:
+            self.holds.append(self.lora_loading)
         self.lora_counts: LoRAWorkerCounts | None = None  # the workers', as the last step brought them
         self.config = config
         self.max_concurrent_batches = self.executor.max_concurrent_batches
@@ -64,27 +69,22 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queues ``request``; one with structured outputs waits for its grammar, then one with a LoRA adapter
-        not loaded yet for its adapter (``engine.lora.loading``), first: neither ever blocks a step."""
-        if request.sampling_params.structured_outputs is None:
-            self._admit(request)
-        else:
-            self.structured_outputs.add_request(request)
+        not loaded yet for its adapter (``holds``), first: neither ever blocks a step."""
+        self._admit(request, 0)
 
-    def _admit(self, request: Request) -> None:
-        """A request past its grammar: to the scheduler, unless its adapter is still loading."""
-        if self.lora_loading is None or not self.lora_loading.hold(request):
+    def _admit(self, request: Request, first_hold: int) -> None:
+        """``request`` through the holds from ``first_hold`` on, then to the scheduler if none keeps it."""
+        if not any(hold.hold(request) for hold in self.holds[first_hold:]):
             self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> None:
-        request_ids = self.structured_outputs.abort_requests(request_ids)
-        if self.lora_loading is not None:
-            request_ids = self.lora_loading.abort_requests(request_ids)
+        for hold in self.holds:
+            request_ids = hold.abort_requests(request_ids)
         self.scheduler.abort_requests(request_ids)
 
     def _num_held_requests(self) -> int:
-        """Requests waiting for their grammar or their LoRA adapter (not yet in the scheduler)."""
-        held = self.structured_outputs.num_waiting_requests()
-        return held + (0 if self.lora_loading is None else self.lora_loading.num_waiting_requests())
+        """Requests waiting in a hold (for their grammar or their LoRA adapter), not yet in the scheduler."""
+        return sum(hold.num_waiting_requests() for hold in self.holds)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batches_in_flight) or self._num_held_requests() > 0
@@ -110,25 +110,19 @@ class EngineCore:
         return scheduler_output
 
     def _admit_held(self) -> list[EngineCoreOutput]:
-        """Admits held requests whose grammar and adapter are ready; returns the outputs of those that failed.
-
-        With nothing else to run, first waits a little for a compile or a load to end (not spinning meanwhile).
-        """
-        idle = not self.scheduler.has_unfinished_requests() and not self.batches_in_flight
+        """Passes each hold's ready requests on (to the next hold, or the scheduler); returns the outputs of
+        those that failed. With nothing else to run, first waits a little on a hold (not spinning meanwhile)."""
+        idle = not self.batches_in_flight
         failed = []
-        if self.structured_outputs.has_waiting_requests():
-            if idle:
-                self.structured_outputs.wait(GRAMMAR_WAIT_S)
-            ready, failed = self.structured_outputs.take_ready()
-            for request in ready:
-                self._admit(request)
-        if self.lora_loading is not None and self.lora_loading.has_waiting_requests():
+        for index, hold in enumerate(self.holds):
+            if not hold.has_waiting_requests():
+                continue
             if idle and not self.scheduler.has_unfinished_requests():
-                self.lora_loading.wait(GRAMMAR_WAIT_S)
-            ready, failed_loads = self.lora_loading.take_ready()
+                hold.wait(HOLD_WAIT_S)
+            ready, failed_here = hold.take_ready()
             for request in ready:
-                self.scheduler.add_request(request)
-            failed += failed_loads
+                self._admit(request, index + 1)
+            failed += failed_here
         return [
             EngineCoreOutput(r.request_id, [], r.get_finish_reason(), r.stop_reason, num_cached_tokens=0)
             for r in failed

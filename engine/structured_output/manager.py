@@ -52,9 +52,14 @@ class StructuredOutputManager(RequestHold):
 
     # -------------------------------------------------------------- requests
 
-    def add_request(self, request: Request) -> None:
-        """Starts compiling ``request``'s grammar (or finds it compiled) and holds the request meanwhile."""
-        self._waiting[request.request_id] = (request, self._compile(request.sampling_params.structured_outputs))
+    def hold(self, request: Request) -> bool:
+        """Starts compiling ``request``'s grammar (or finds it compiled) and holds the request meanwhile;
+        False for a request without structured outputs."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            return False
+        self._waiting[request.request_id] = (request, self._compile(constraint))
+        return True
 
     def take_ready(self) -> tuple[list[Request], list[Request]]:
         """(requests whose grammar is ready, each with its matcher; requests whose compile failed, finished)."""
