@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.metadata import PAD_SLOT_ID  # noqa: F401 - re-exported: callers of this kernel name it here
-
 
 @triton.jit
 def _write_kv_kernel(

@@ -15,6 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+from engine.attention.metadata import PAD_SLOT_ID  # noqa: E402
 from engine.kernels import triton_cache, triton_decode, triton_prefill  # noqa: E402 - after TRITON_INTERPRET
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,7 +36,7 @@ def test_write_kv_cache_equals_the_reference(block_size, num_kv_heads, head_dim,
     expected = cache.clone()
     num_tokens = 37
     slots = torch.randperm(11 * block_size, generator=generator)[:num_tokens] + block_size  # no null block
-    slots[::5] = triton_cache.PAD_SLOT_ID  # padded rows of a CUDA graph batch: skipped
+    slots[::5] = PAD_SLOT_ID  # padded rows of a CUDA graph batch: skipped
     slots = slots.to(DEVICE)
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
