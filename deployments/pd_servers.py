@@ -20,6 +20,7 @@ by Ray's reference counting.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -35,8 +36,7 @@ from engine.async_llm import AsyncLLM
 from engine.config import ModelConfig
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ServiceUnavailableError
-from engine.frontend.processor import PromptType
-from engine.lora.request import LoRARequest
+from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.metrics import EngineStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -69,8 +69,7 @@ class PrefillServer(LLMServer):
             {"prompt_token_ids": prompt_token_ids},
             PREFILL_PARAMS,
             request_id,
-            cache_salt=cache_salt,
-            kv_transfer_params={"do_remote_decode": True},
+            RequestOptions(cache_salt=cache_salt, kv_transfer_params={"do_remote_decode": True}),
         ):
             final = output
         if final is None or not final.kv_transfer_params:
@@ -114,29 +113,23 @@ class RemotePrefillEngine(EngineClient):
         prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
+        options: RequestOptions = PLAIN_REQUEST,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """``AsyncLLM.generate`` after a remote prefill of ``prompt["prompt_token_ids"]``.
+        """``AsyncLLM.generate`` after a remote prefill of ``prompt["prompt_token_ids"]``, ``options`` with the
+        prefill's ``kv_transfer_params``.
 
         Besides ``EngineClient.generate``'s errors: RemotePrefillError (503) when the prefill pool fails
         or times out, unless ``fallback_to_local_prefill`` has the local engine prefill instead; ValueError
         for a ``lora_request`` (a PD app serves no adapters: ``pd_config`` refuses a ``lora_config``, and the
-        prefill pool would compute the base model's KV).
+        prefill pool would compute the base model's KV) or ``kv_transfer_params`` (this client sets them).
         """
-        if lora_request is not None:
+        if options.lora_request is not None:
             raise ValueError("Disaggregated prefill/decode serves no LoRA adapters.")
-        kv_transfer_params = await self._remote_prefill(prompt["prompt_token_ids"], request_id, cache_salt)
-        async for output in self.engine.generate(
-            prompt,
-            sampling_params,
-            request_id,
-            priority=priority,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-        ):
+        if options.kv_transfer_params is not None:
+            raise ValueError("The decode side's kv_transfer_params come from its remote prefill.")
+        kv_transfer_params = await self._remote_prefill(prompt["prompt_token_ids"], request_id, options.cache_salt)
+        decode_options = dataclasses.replace(options, kv_transfer_params=kv_transfer_params)
+        async for output in self.engine.generate(prompt, sampling_params, request_id, decode_options):
             yield output
 
     async def _remote_prefill(

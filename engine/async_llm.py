@@ -30,10 +30,9 @@ from engine.engine_args import EngineArgs
 from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
 from engine.executor.base import Executor
 from engine.frontend.output_collector import RequestOutputCollector
-from engine.frontend.processor import PromptType
 from engine.frontend.processor_thread import AddCommand, ProcessorThread
+from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.llm_engine import LLMEngine
-from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
 from engine.model.source import load_tokenizer
 from engine.request_output import RequestOutput
@@ -128,11 +127,7 @@ class AsyncLLM(EngineClient):
         prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        lora_request: LoRARequest | None = None,
+        options: RequestOptions = PLAIN_REQUEST,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs as ``sampling_params.output_kind`` says; the last has finished=True.
 
@@ -140,13 +135,12 @@ class AsyncLLM(EngineClient):
         EngineDeadError are raised by the first ``__anext__``, before any output.
         Closing or cancelling the generator early aborts the request (its KV
         blocks are freed); ``abort(request_id)`` ends it with finish_reason "abort".
-        ``kv_transfer_params``: disaggregated prefill (``engine.sched.kv_transfer``); ``lora_request``: the
-        adapter (multi-LoRA, ``enable_lora``; checked like the rest of the input).
+        ``options``: the request's priority, cache salt, KV transfer (disaggregated prefill,
+        ``engine.sched.kv_transfer``) and adapter (multi-LoRA, ``enable_lora``), checked like the rest of the input.
         """
         collector = RequestOutputCollector(request_id, sampling_params, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()  # (prompt text, prompt token ids)
-        options = (priority, cache_salt, kv_transfer_params)
-        self._submit(AddCommand(request_id, prompt, sampling_params, *options, collector, future, lora_request))
+        self._submit(AddCommand(request_id, prompt, sampling_params, options, collector, future))
         is_finished = False
         try:
             collector.prompt, collector.prompt_token_ids = await asyncio.wrap_future(future)

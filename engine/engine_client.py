@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
+
 if TYPE_CHECKING:  # annotations only: the engine modules import this one
     from engine.config import ModelConfig
-    from engine.frontend.processor import PromptType
-    from engine.lora.request import LoRARequest
     from engine.metrics import EngineStats
     from engine.request_output import RequestOutput
     from engine.sampling_params import SamplingParams
@@ -73,14 +73,12 @@ class EngineClient(Protocol):
         prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
+        options: RequestOptions = PLAIN_REQUEST,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs as ``sampling_params.output_kind`` says; the last has finished=True.
-        ``lora_request``: the LoRA adapter to run with (None: the base model); a client that cannot serve
-        adapters raises ValueError for one.
+        ``options``: the request's priority, cache salt, KV transfer
+        and LoRA adapter, carried whole to the engine; a client that cannot serve adapters raises ValueError
+        for ``options.lora_request``, and one that does its own KV transfer for ``options.kv_transfer_params``.
 
         Nothing runs until the first ``__anext__``, which raises ValueError (bad
         input, ``request_id`` in use), EngineOverloadedError or EngineDeadError

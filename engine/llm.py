@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 
 from engine.engine_args import EngineArgs
-from engine.frontend.processor import PromptType
+from engine.inputs import PromptType, RequestOptions
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.metrics.reader import Metric, engine_metrics
@@ -69,13 +69,9 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(
-                    request_id,
-                    prompt,
-                    params.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-                    priority=priority[i] if priority else 0,
-                    lora_request=loras[i],
-                )
+                options = RequestOptions(priority=priority[i] if priority else 0, lora_request=loras[i])
+                final_only = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(request_id, prompt, final_only, options)
                 request_ids.append(request_id)
         except ValueError:
             self.llm_engine.abort_request(request_ids)

@@ -17,8 +17,9 @@ from engine.core.make_client import make_core_client
 from engine.engine_args import EngineArgs
 from engine.executor.base import Executor
 from engine.frontend.output_processor import OutputProcessor, ParentRequest
-from engine.frontend.processor import Processor, PromptType
-from engine.lora.request import LoRARequest, check_lora_supported
+from engine.frontend.processor import Processor
+from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
+from engine.lora.request import check_lora_supported
 from engine.metrics import EngineStats, EngineTotals, IterationStats, StatLogger
 from engine.model.architecture import Architecture
 from engine.model.source import load_tokenizer, open_model_source
@@ -76,28 +77,16 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        kv_transfer_params: dict | None = None,
-        lora_request: LoRARequest | None = None,
+        self, request_id: str, prompt: PromptType, params: SamplingParams, options: RequestOptions = PLAIN_REQUEST
     ) -> tuple[str | None, list[int]]:
-        """Queues a request (``n`` > 1 fans out into n core requests); returns its (prompt text, prompt
-        token ids). Raises ValueError on bad input.
-
-        ``kv_transfer_params`` (disaggregated prefill, see ``engine.sched.kv_transfer``) go to every child,
-        and ``lora_request`` (multi-LoRA: the adapter, checked here; None: the base model).
-        """
+        """Queues a request (``n`` > 1 fans out into n core requests, each with ``options``); returns its
+        (prompt text, prompt token ids). Raises ValueError on bad input (the adapter included)."""
         if request_id in self.core_ids_of:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         prompt_text, prompt_token_ids = self.processor.tokenize_prompt(prompt)
         children, parent = self._fan_out(request_id, params)
-        options = {"kv_transfer_params": kv_transfer_params, "lora_request": lora_request}
         requests = [  # validates everything before queueing anything
-            self.processor.make_request(core_id, prompt_token_ids, child_params, priority, cache_salt, **options)
+            self.processor.make_request(core_id, prompt_token_ids, child_params, options)
             for core_id, child_params in children
         ]
         arrival_time = time.monotonic() if self.stat_loggers else None

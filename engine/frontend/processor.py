@@ -12,13 +12,12 @@ import time
 from collections.abc import Mapping
 
 from engine.config import EngineConfig
+from engine.inputs import PromptType, RequestOptions
 from engine.lora.request import LoRARequest
 from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request, check_prompt_fits
-
-PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} / {"prompt": "text"}
 
 
 class Processor:
@@ -75,19 +74,12 @@ class Processor:
         check_constraint(params.structured_outputs, self.config.structured_outputs_config)
 
     def make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
-        kv_transfer_params: dict | None = None,
-        lora_request: LoRARequest | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, options: RequestOptions
     ) -> Request:
+        """The core's request, ``options`` carried whole into it; raises ValueError on bad input."""
         self.validate(prompt_token_ids, params)
-        if lora_request is not None:
-            self.validate_lora(lora_request)
+        if options.lora_request is not None:
+            self.validate_lora(options.lora_request)
         if params.bad_words and params.bad_words_token_ids is None:
             # Workers ban token ids and never load a tokenizer: the words become ids here, once.
             params = params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
@@ -98,11 +90,11 @@ class Processor:
             prompt_token_ids,
             params,
             self.eos_token_id,
-            priority=priority,
-            arrival_time=arrival_time or time.time(),
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-            lora_request=lora_request,
+            priority=options.priority,
+            arrival_time=time.time(),
+            cache_salt=options.cache_salt,
+            kv_transfer_params=options.kv_transfer_params,
+            lora_request=options.lora_request,
         )
 
     def validate_lora(self, lora_request: LoRARequest) -> None:

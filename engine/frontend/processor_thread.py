@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from engine.core.core_proc import CoreStep
 from engine.engine_client import EngineDeadError, EngineOverloadedError
 from engine.frontend.output_collector import RequestOutputCollector
-from engine.frontend.processor import PromptType
+from engine.inputs import PromptType, RequestOptions
 from engine.llm_engine import LLMEngine
-from engine.lora.request import LoRARequest
 from engine.metrics import EngineStats
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -77,13 +76,10 @@ class AddCommand:
     request_id: str
     prompt: PromptType
     params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    kv_transfer_params: dict | None
+    options: RequestOptions
     collector: RequestOutputCollector
     # (prompt text, prompt token ids) once queued in the engine, or the ValueError that refused it.
     future: concurrent.futures.Future
-    lora_request: LoRARequest | None = None  # multi-LoRA: the request's adapter
 
     @property
     def num_reqs(self) -> int:
@@ -272,15 +268,7 @@ class ProcessorThread:
         if not command.future.set_running_or_notify_cancel():
             return  # the caller went away before the request was queued
         try:
-            prompt = self.engine.add_request(
-                command.request_id,
-                command.prompt,
-                command.params,
-                command.priority,
-                command.cache_salt,
-                command.kv_transfer_params,
-                command.lora_request,
-            )
+            prompt = self.engine.add_request(command.request_id, command.prompt, command.params, command.options)
         except Exception as error:  # bad input: refuse this request, keep serving the others
             command.future.set_exception(error)
             return

@@ -14,6 +14,7 @@ import pytest
 
 from engine.config import KVTransferConfig
 from engine.engine_args import EngineArgs
+from engine.inputs import RequestOptions
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -48,7 +49,9 @@ class _Engine:
         """Adds the requests, steps until all finish (checking block integrity every step); final outputs."""
         engine = self.llm_engine
         for request_id, (token_ids, params, kv_params) in requests.items():
-            engine.add_request(request_id, token_prompt(token_ids), params, kv_transfer_params=kv_params)
+            engine.add_request(
+                request_id, token_prompt(token_ids), params, RequestOptions(kv_transfer_params=kv_params)
+            )
         finals = {}
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -154,7 +157,9 @@ def test_an_aborted_decode_frees_its_loaded_blocks(local_ray, model, prompts):
     kv_params = _prefill(prefill, prompts)
     engine = decode.llm_engine
     for rid, ids in prompts.items():
-        engine.add_request(rid, token_prompt(ids), _greedy(MAX_TOKENS), kv_transfer_params=kv_params[rid])
+        engine.add_request(
+            rid, token_prompt(ids), _greedy(MAX_TOKENS), RequestOptions(kv_transfer_params=kv_params[rid])
+        )
     engine.step()  # admitted, KV loaded
     assert decode.connector.stats.num_loads > 0
     engine.abort_request(list(prompts))
@@ -230,7 +235,9 @@ def test_cores_in_actors_pass_handles_by_ray_calls_and_leak_no_object(local_ray,
         return AsyncLLM(args.create_engine_config(), num_cpus=1)
 
     async def final(llm: AsyncLLM, rid: str, ids: list[int], max_tokens: int, kv_params: dict):
-        async for output in llm.generate(token_prompt(ids), _greedy(max_tokens), rid, kv_transfer_params=kv_params):
+        async for output in llm.generate(
+            token_prompt(ids), _greedy(max_tokens), rid, RequestOptions(kv_transfer_params=kv_params)
+        ):
             last = output
         return last
 

@@ -1,4 +1,5 @@
-"""``CallOptions``: how one endpoint call is served, besides its request (one frozen value, every endpoint).
+"""``CallOptions``: how one endpoint call is served, besides its request (one frozen value, every endpoint);
+``request_options``: the ``RequestOptions`` its engine requests run with.
 
 A router fills in what it knows (a prompt it tokenized to route, a stream to continue, whether to track the
 stream for migration); ``OpenAIServing`` adds the LoRA adapter the request's ``model`` names. The default,
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.entrypoints.openai.continuation import Continuation
+from engine.entrypoints.openai.protocol import SamplingRequest
+from engine.inputs import RequestOptions
 from engine.lora.request import LoRARequest
 
 
@@ -44,3 +47,9 @@ class CallOptions:
 
 # A plain call (render and tokenize here, start afresh, untracked, the base model): every endpoint's default.
 PLAIN_CALL = CallOptions()
+
+
+def request_options(request: SamplingRequest, options: CallOptions) -> RequestOptions:
+    """What the engine requests of a call run with, built once as the call is served: the body's priority and
+    cache salt, the call's adapter (vLLM's per-request fields of ``EngineCoreRequest``)."""
+    return RequestOptions(priority=request.priority, cache_salt=request.cache_salt, lora_request=options.lora_request)

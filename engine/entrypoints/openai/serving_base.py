@@ -19,7 +19,7 @@ from engine.entrypoints.openai.continuation import ResumedRequest, resumed_outpu
 from engine.entrypoints.openai.errors import from_exception
 from engine.entrypoints.openai.protocol import SamplingRequest
 from engine.entrypoints.openai.streaming import ResponseStream, collect_final_outputs, merge_streams, stream_events
-from engine.lora.request import LoRARequest
+from engine.inputs import RequestOptions
 from engine.model.source import sampling_defaults
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -71,24 +71,12 @@ class ServingBase:
             )
 
     def start_requests(
-        self,
-        request_id: str,
-        prompts: Sequence[Mapping],
-        params: SamplingParams,
-        request: SamplingRequest,
-        lora_request: LoRARequest | None,
+        self, request_id: str, prompts: Sequence[Mapping], params: SamplingParams, options: RequestOptions
     ) -> list[AsyncGenerator[RequestOutput, None]]:
-        """One engine request per prompt, ids ``<request_id>-<i>``, each with ``lora_request`` (the adapter the
-        request's ``model`` named; None: the base model); nothing runs until iterated."""
+        """One engine request per prompt, ids ``<request_id>-<i>``, each with ``options`` (``request_options``:
+        the call's priority, cache salt and adapter); nothing runs until iterated."""
         return [
-            self.engine.generate(
-                prompt,
-                params,
-                f"{request_id}-{index}",
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                lora_request=lora_request,
-            )
+            self.engine.generate(prompt, params, f"{request_id}-{index}", options)
             for index, prompt in enumerate(prompts)
         ]
 
@@ -97,17 +85,16 @@ class ServingBase:
         request_id: str,
         prompts: Sequence[Mapping],
         params: SamplingParams,
-        request: SamplingRequest,
         resumed: ResumedRequest | None,
-        lora_request: LoRARequest | None,
+        options: RequestOptions,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         """``start_requests``, or for a continued stream its one engine request (none once it had finished)."""
         if resumed is None:
-            return self.start_requests(request_id, prompts, params, request, lora_request)
+            return self.start_requests(request_id, prompts, params, options)
         if resumed.params is None:
             return []
         [generator] = self.start_requests(
-            f"{request_id}-r{resumed.num_generated}", [resumed.prompt], resumed.params, request, lora_request
+            f"{request_id}-r{resumed.num_generated}", [resumed.prompt], resumed.params, options
         )
         return [resumed_outputs(generator, resumed, self.tokenizer)]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions
+from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions, request_options
 from engine.entrypoints.openai.chat_template import render_chat
 from engine.entrypoints.openai.continuation import ResumedRequest, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
@@ -67,7 +67,7 @@ class ChatServing(ServingBase):
             return
         request_id = f"chatcmpl-{random_uuid()}"
         prompts = [{"prompt": text, "prompt_token_ids": token_ids}]
-        generators = self.start_or_resume(request_id, prompts, params, request, resumed, options.lora_request)
+        generators = self.start_or_resume(request_id, prompts, params, resumed, request_options(request, options))
         async with contextlib.aclosing(
             self.respond(
                 generators,

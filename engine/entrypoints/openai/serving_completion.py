@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions, PrecomputedPrompt
+from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions, PrecomputedPrompt, request_options
 from engine.entrypoints.openai.continuation import ResumedRequest, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import completion_logprobs
@@ -49,7 +49,7 @@ class CompletionServing(ServingBase):
             yield from_exception(exc)
             return
         request_id = f"cmpl-{random_uuid()}"
-        generators = self.start_or_resume(request_id, prompts, params, request, resumed, options.lora_request)
+        generators = self.start_or_resume(request_id, prompts, params, resumed, request_options(request, options))
         async with contextlib.aclosing(
             self.respond(
                 generators,

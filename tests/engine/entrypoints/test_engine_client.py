@@ -19,6 +19,7 @@ import pytest
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import CompletionRequest
+from engine.inputs import RequestOptions
 from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 from tests.conftest import REPO_ROOT
@@ -99,7 +100,7 @@ def test_remote_prefill_engine_refuses_a_lora_request_before_any_prefill(engine)
     # No prefill server: a prefill attempt would fail with AttributeError, not the ValueError (400) expected.
     client = RemotePrefillEngine(engine, prefill_server=None, options=PDOptions(), metrics=_NoMetrics())
     stream = client.generate(
-        {"prompt_token_ids": [5, 6]}, SamplingParams(), "r", lora_request=LoRARequest("a", 1, "/a")
+        {"prompt_token_ids": [5, 6]}, SamplingParams(), "r", RequestOptions(lora_request=LoRARequest("a", 1, "/a"))
     )
     with pytest.raises(ValueError, match="serves no LoRA adapters"):
         asyncio.run(anext(stream))

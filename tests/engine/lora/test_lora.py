@@ -13,6 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.engine_args import EngineArgs
 from engine.frontend.processor import Processor
+from engine.inputs import RequestOptions
 from engine.lora.request import LoRARequest
 from engine.model.architecture import Architecture
 from serval.tools.make_adapter import make_lora_adapter
@@ -163,7 +164,7 @@ def test_lora_refuses_speculative_decoding_at_start_and_needs_enable_lora(base, 
     config = EngineArgs(model=base).create_engine_config()
     processor = Processor(config, None, 512, [1], arch=Architecture.from_model(base))
     with pytest.raises(ValueError, match="start it with enable_lora=True"):
-        processor.make_request("r", [5, 6, 7], GREEDY, lora_request=loras["a"])
+        processor.make_request("r", [5, 6, 7], GREEDY, RequestOptions(lora_request=loras["a"]))
 
 
 def test_async_llm_carries_the_adapter_to_a_core_process(base, loras):
@@ -171,7 +172,7 @@ def test_async_llm_carries_the_adapter_to_a_core_process(base, loras):
         engine = make_async_llm(base, enable_lora=True, max_loras=1, engine_core_process=True)
         try:
             prompt = _prompt(7)
-            stream = engine.generate({"prompt_token_ids": prompt}, GREEDY, "x", lora_request=loras["b"])
+            stream = engine.generate({"prompt_token_ids": prompt}, GREEDY, "x", RequestOptions(lora_request=loras["b"]))
             outputs = [output async for output in stream]
             _check(outputs[-1], _reference(base, loras["b"], prompt))
         finally:
