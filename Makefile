@@ -36,20 +36,16 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 # Serval's native CPU kernels (engine/kernels/), compiled here rather than in the first replica's constructor,
 # and again whenever their sources change; cached under ~/.cache/torch_extensions. Without a compiler Serval
 # uses plain torch (the loader's warning says why). `make serve` does not wait for the compiler (minutes on a
-# fresh machine): it starts the build in the background (at nice 19: the server's start goes first) and the
-# replicas use plain torch until it is done.
+# fresh machine): `serval serve` starts the build in the background where they are not built (at nice 19:
+# the server's start goes first) and the replicas use plain torch until it is done.
 KERNELS := $(VENV)/.kernels-built
-KERNELS_LOG := $(VENV)/kernels-build.log
 $(KERNELS): $(STAMP) engine/kernels/cpu.py $(wildcard engine/kernels/csrc/*)
 	@if [ "$(KERNELS_BUILD)" = background ]; then \
-	  echo "Building Serval's native CPU kernels in the background (log: $(KERNELS_LOG)); until they are built" \
-	    "the replicas use plain torch ops (make serve says so)"; \
-	  setsid nice -n 19 $(PY) -m engine.kernels.cpu </dev/null >$(KERNELS_LOG) 2>&1 & \
+	  echo "(serval serve builds Serval's native CPU kernels in the background if they are not built)"; \
 	else \
 	  echo "Building Serval's native CPU kernels (engine/kernels/csrc; about a minute the first time) ..."; \
-	  $(PY) -m engine.kernels.cpu; \
+	  $(PY) -m engine.kernels.cpu && touch $@; \
 	fi
-	@touch $@
 
 venv: $(STAMP) $(KERNELS)
 

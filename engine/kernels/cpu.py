@@ -14,10 +14,12 @@ when ``x`` can use them, else None.
 switches every native op off, so the plain-torch path can run and be tested
 anywhere.
 
-``python -m engine.kernels.cpu`` builds them (``make venv``; ``make serve`` runs it in the
-background, so that the server need not wait minutes for a compiler). A process with
-``SERVAL_CPU_KERNELS_NO_WAIT=1`` (the launcher's Ray head) does not wait for a build another
-process is running: it uses plain torch, and the kernels from its next start on.
+``python -m engine.kernels.cpu`` builds them (``make venv``); ``start_background_build()`` runs it
+detached at nice 19 (``serval serve`` does, before it deploys, where they are not built), so that the
+server need not wait minutes for a compiler. A process with ``SERVAL_CPU_KERNELS_NO_WAIT=1`` (the
+launcher's Ray head and so its replicas and engine cores) neither waits for a build another process
+holds the lock of nor starts a second one: it uses plain torch, and a process started after the build
+ends loads the kernels; one already running keeps plain torch until it restarts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import functools
 import hashlib
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,6 +102,41 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
+def _is_built_from(directory: Path, digest: str) -> bool:
+    stamp = directory / "sources.sha1"
+    return (directory / f"{_MODULE_NAME}.so").exists() and stamp.exists() and stamp.read_text() == digest
+
+
+def is_built() -> bool:
+    """Whether the module is built from this checkout's sources and flags (a load then needs no compiler)."""
+    return _is_built_from(build_directory(), _sources_digest())
+
+
+def build_lock() -> Path:
+    """The file torch's loader holds while it builds the module (another loader waits until it is gone)."""
+    return build_directory() / "lock"
+
+
+def build_log() -> Path:
+    """Where ``start_background_build``'s build writes its output."""
+    return build_directory() / "background-build.log"
+
+
+def start_background_build() -> subprocess.Popen:
+    """Starts ``python -m engine.kernels.cpu`` detached (a session of its own: it outlives its caller and a
+    Ctrl-C in the caller's terminal), at nice 19 (what serves goes first), its output in ``build_log()``.
+
+    Returns at once; the build takes the lock a few seconds later, once torch is imported."""
+    with build_log().open("wb") as log:
+        return subprocess.Popen(
+            ["nice", "-n", "19", sys.executable, "-m", "engine.kernels.cpu"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 def _load_built(directory: Path, digest: str):
     """The module already built from these sources, imported without torch's loader; None if there is none.
 
@@ -106,8 +144,7 @@ def _load_built(directory: Path, digest: str):
     building, and a process killed while holding it (a replica or engine core SIGKILLed at start-up)
     leaves every later load waiting on it forever; a load of what is built needs no lock.
     """
-    stamp = directory / "sources.sha1"
-    if not (directory / f"{_MODULE_NAME}.so").exists() or not stamp.exists() or stamp.read_text() != digest:
+    if not _is_built_from(directory, digest):
         return None
     from torch.utils.cpp_extension import _import_module_from_library
 
@@ -123,7 +160,11 @@ def _build():
         return built
     lock = directory / "lock"
     if os.environ.get(_NO_WAIT_ENV) == "1" and lock.exists():
-        logger.warning("Serval's CPU kernels are being built by another process (%s); using plain torch.", lock)
+        logger.warning(
+            "Serval's native CPU kernels are being built by another process (%s): this process uses plain torch"
+            " ops; those started after the build ends use the kernels.",
+            lock,
+        )
         return None
     try:
         import ninja  # the pip package carries the binary torch's loader looks for on PATH
@@ -144,6 +185,11 @@ def _build():
     except Exception as error:  # no compiler, no ninja, ...: plain torch still works
         logger.warning("Serval's CPU kernels could not be built (%s); using plain torch.", error)
         return None
+
+
+def is_enabled() -> bool:
+    """Whether native ops are on (``SERVAL_DISABLE_CPU_KERNELS``, ``use_cpu_kernels``)."""
+    return _is_enabled
 
 
 def load_cpu_kernels():

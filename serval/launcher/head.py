@@ -48,7 +48,7 @@ def ray_env() -> dict[str, str]:
         "RAY_SERVE_SLOW_STARTUP_WARNING_S": os.environ.get("RAY_SERVE_SLOW_STARTUP_WARNING_S", "10"),
         "RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S": os.environ.get("RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S", "10"),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),
-        # Replicas serve on plain torch ops while a kernel build runs (`make serve` starts it in the background).
+        # Replicas serve on plain torch ops while a kernel build runs (`serval serve` starts it in the background).
         "SERVAL_CPU_KERNELS_NO_WAIT": "1",
     }
 

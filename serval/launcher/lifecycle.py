@@ -32,6 +32,7 @@ from serval.launcher.head import (  # noqa: F401 -- re-exported: the launcher's 
     ray_env,
     start_ray_head,
 )
+from serval.launcher.kernels import KernelBuild
 from serval.launcher.logs import LogFollower
 from serval.launcher.serve_client import deploy, serve_details  # noqa: F401 -- re-exported, as above
 
@@ -56,6 +57,10 @@ class Cluster:
 
     def session_dir(self) -> Path | None:
         return processes.session_dir(self.gcs_port) if self.gcs_port else None
+
+    def is_local(self) -> bool:
+        """Whether the head runs on this machine (its GCS port is known only then)."""
+        return self.gcs_port is not None
 
 
 def load_config(config_path: str) -> dict:
@@ -103,8 +108,10 @@ def wait_until_running(
     config_path: str = "the config",
     fixed_cluster: bool = False,
     clock: timings.StartClock | None = None,
+    kernels: KernelBuild | None = None,
 ):
-    """Polls Serve's status until every app is RUNNING, printing Serve's messages as they change; returns
+    """Polls Serve's status until every app is RUNNING, printing Serve's messages as they change (and
+    the end of the native kernels' build: ``kernels``, default: as found on this machine now); returns
     the last ``ServeInstanceDetails``.
 
     Raises RuntimeError as soon as the reason is final (a failed deploy; with ``fixed_cluster``, a
@@ -113,11 +120,14 @@ def wait_until_running(
     """
     start, last, last_print = time.monotonic(), "", 0.0
     nodes = serve_client.cluster_nodes(dashboard) if fixed_cluster else []
+    kernels = kernels or KernelBuild.observe()
     while True:
         details = serve_client.instance_details(dashboard)
         if clock is not None:
             clock.observe(details, time.time())
-        activities = status.replica_activities(details, app_names, status.kernel_build_state())
+        if built := kernels.poll():
+            print(built, flush=True)
+        activities = status.replica_activities(details, app_names, kernels.activity())
         text = "\n".join(status.progress_lines(details, app_names, activities))
         elapsed = time.monotonic() - start
         if text != last or elapsed - last_print >= HEARTBEAT_S:
@@ -147,11 +157,15 @@ def refusal(config: dict, config_path: str, cluster: Cluster, replace: bool) -> 
     return status.unfit_reason(status.config_needs(config), nodes, config_path)
 
 
-def deploy_and_report(config: dict, config_path: str, cluster: Cluster, marks: dict, timeout_s: float) -> int:
-    """Deploys ``config`` beside the cluster's other apps, waits until RUNNING, prints the start-up times,
-    the endpoint and a self-check; 0, or 1 after printing why it is not RUNNING."""
+def deploy_and_report(
+    config: dict, config_path: str, cluster: Cluster, marks: dict, timeout_s: float, kernels: KernelBuild
+) -> int:
+    """Deploys ``config`` beside the cluster's other apps (once ``kernels``' build, if running, holds its
+    lock), waits until RUNNING, prints the start-up times, the endpoint and a self-check; 0, or 1 after
+    printing why it is not RUNNING."""
     names = [app["name"] for app in config["applications"]]
     clock = timings.StartClock(names)
+    kernels.wait_until_locked()
     print(f"Deploying {config_path} ...", flush=True)
     marks["deploy"] = time.time()
     try:
@@ -159,22 +173,23 @@ def deploy_and_report(config: dict, config_path: str, cluster: Cluster, marks: d
         deploy(
             serve_client.with_running_apps(config, serve_client.instance_details(cluster.dashboard)), cluster.dashboard
         )
-        wait_until_running(cluster.dashboard, names, timeout_s, config_path, cluster.fixed, clock)
+        wait_until_running(cluster.dashboard, names, timeout_s, config_path, cluster.fixed, clock, kernels)
     except (RuntimeError, TimeoutError) as error:
         print(error, file=sys.stderr, flush=True)
         return 1
     marks["running"] = time.time()
-    if kernel_state := status.kernel_build_state():
-        print(f"Note: {kernel_state}.", flush=True)
     report.print_usage(config, cluster.dashboard)
     print(report.self_check(config), flush=True)
-    lines = timings.start_up_lines(cluster.session_dir(), marks, cluster.started, clock)
+    if built := kernels.poll():
+        print(built, flush=True)
+    lines = timings.start_up_lines(cluster.session_dir(), marks, cluster.started, clock, kernels.report_line())
     print("\n".join(lines), flush=True)
     return 0
 
 
-def follow(cluster: Cluster, names: list[str]) -> int:
-    """Prints Serve's logs until interrupted (KeyboardInterrupt) or the apps are gone (returns 1)."""
+def follow(cluster: Cluster, names: list[str], kernels: KernelBuild) -> int:
+    """Prints Serve's logs (and the end of ``kernels``' build) until interrupted (KeyboardInterrupt) or the
+    apps are gone (returns 1)."""
     session = cluster.session_dir()
     if session is None:
         print("Serving until Ctrl-C. Serve's logs: on the cluster's head node, under its session's logs/serve/.")
@@ -185,6 +200,8 @@ def follow(cluster: Cluster, names: list[str]) -> int:
     while True:
         if follower:
             follower.print_new()
+        if built := kernels.poll():
+            print(built, flush=True)
         if time.monotonic() - checked > LIVENESS_S:
             checked = time.monotonic()
             try:
@@ -201,7 +218,10 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def _start_or_join(cluster: Cluster, head_options: dict, marks: dict) -> None:
+def _start_or_join(cluster: Cluster, head_options: dict, marks: dict) -> KernelBuild:
+    """Starts the kernels' build where the cluster is this machine and they are not built (it runs while the
+    head starts), then the head, or joins the cluster; returns the build."""
+    kernels = KernelBuild.start(cluster.is_local())
     if cluster.started:
         start_ray_head(
             cluster.gcs_port, cluster.dashboard_port, metrics_export_port=cluster.metrics_port, **head_options
@@ -210,6 +230,7 @@ def _start_or_join(cluster: Cluster, head_options: dict, marks: dict) -> None:
     else:
         print(f"Using the Ray cluster at {cluster.dashboard} (it stays up when this server stops).", flush=True)
     marks["head"] = time.time()
+    return kernels
 
 
 def serve(
@@ -233,13 +254,13 @@ def serve(
     previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
-        _start_or_join(cluster, head_options, marks)
+        kernels = _start_or_join(cluster, head_options, marks)
         if reason := refusal(config, config_path, cluster, replace):
             print(f"serval serve: not deploying {config_path}: {reason}.", file=sys.stderr, flush=True)
             return 2
-        code = deploy_and_report(config, config_path, cluster, marks, timeout_s)
+        code = deploy_and_report(config, config_path, cluster, marks, timeout_s, kernels)
         if code == 0 and not detach:
-            code = follow(cluster, names)
+            code = follow(cluster, names, kernels)
     except KeyboardInterrupt:
         print("\nStopping ...", flush=True)
     except (ConnectionError, RuntimeError, subprocess.CalledProcessError) as error:

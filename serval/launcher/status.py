@@ -15,10 +15,8 @@ Pure functions over plain data (the Serve config as loaded from YAML, Serve's ty
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from ray.serve.schema import (
     ApplicationStatus,
@@ -28,15 +26,10 @@ from ray.serve.schema import (
     ServeInstanceDetails,
 )
 
-from serval.launcher import processes as ray_processes
-
 INGRESS_NAME = "OpenAiIngress"  # deployments.app.INGRESS_DEPLOYMENT_NAME (not imported: it pulls in the engine)
 TERMINAL_FAILURES = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
 MESSAGE_LINES = 6  # lines of a deployment's message shown while waiting (a traceback's last ones)
 FAILURE_LINES = 20  # lines of each message shown when the deploy failed
-KERNEL_BUILDERS = ("cc1plus", "/ninja ")  # processes of a torch C++ extension build
-CHECKOUT_CSRC = Path(__file__).resolve().parents[2] / "engine" / "kernels" / "csrc"  # this checkout's kernels
-KERNELS_LOG = Path(__file__).resolve().parents[2] / ".venv" / "kernels-build.log"  # make serve's background build
 
 
 @dataclass(frozen=True)
@@ -224,47 +217,11 @@ def final_reason(
     return unfit_reason(status_needs(details, app_names), nodes, config_path)
 
 
-def _builds_of(lock: Path, csrc: Path) -> bool:
-    """Whether the build dir holding ``lock`` compiles the sources under ``csrc`` (its build.ninja names them)."""
-    try:
-        return str(csrc) in (lock.parent / "build.ninja").read_text(errors="replace")
-    except OSError:
-        return True  # no build.ninja yet: cannot tell, so it may be ours
-
-
-def kernel_build_state(
-    extensions_root: Path | None = None, commands: list[str] | None = None, csrc: Path = CHECKOUT_CSRC
-) -> str | None:
-    """What blocks a process of this checkout (``csrc``: its kernel sources) that loads Serval's native
-    CPU kernels right now, or None.
-
-    torch's extension loader builds under a ``lock`` file in the build dir; every other loader waits
-    until the file is gone, forever if the builder was killed midway. ``commands``: the machine's
-    command lines (default: read from /proc).
-    """
-    root = extensions_root or Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache/torch_extensions")
-    locks = [lock for lock in sorted(root.glob("*/serval_cpu_kernels_*/lock")) if _builds_of(lock, csrc)]
-    if not locks:
-        return None
-    if commands is None:
-        commands = [command for _, command in ray_processes.command_lines().values()]
-    compiling = [c for c in commands if str(csrc) in c and any(b in c + " " for b in KERNEL_BUILDERS)]
-    if compiling:
-        return (
-            "Serval's native CPU kernels are being compiled in the background (once per checkout, minutes on a"
-            f" busy machine; log: {KERNELS_LOG}): replicas started meanwhile run on"
-            " plain torch ops, slower; `make stop && make serve` once it is done uses the kernels"
-        )
-    return (
-        f"{locks[0]} is left from a kernel build that was killed midway: replicas run on plain torch ops"
-        f" while it is there. Remove the file (rm {locks[0]}); the next load rebuilds"
-    )
-
-
 def replica_activities(
     details: ServeInstanceDetails, app_names: list[str], kernel_state: str | None = None
 ) -> dict[str, str]:
-    """deployment -> what its starting replicas wait on that Serve does not say (``kernel_state``)."""
+    """deployment -> what its starting replicas should know that Serve does not say (``kernel_state``:
+    ``kernels.KernelBuild.activity``)."""
     if kernel_state is None:
         return {}
     return {

@@ -97,6 +97,7 @@ def start_up_lines(
     marks: dict[str, float],
     head_started: bool,
     clock: StartClock | None,
+    kernels_line: str | None = None,
 ) -> list[str]:
     """The report printed once every app is RUNNING: the total, then one short line per phase.
 
@@ -104,7 +105,8 @@ def start_up_lines(
     ``deploy`` (the config was sent), ``running``. ``head_started``: this launcher started the head
     (else it used one already running and that phase is not shown). ``clock``: what the wait saw of the
     replicas (the earliest actor start: before it, Serve's controller, proxy, and the apps' import and
-    build; then each replica's start, slowest first).
+    build; then each replica's start, slowest first). ``kernels_line``: the native kernels' compile time
+    (``kernels.KernelBuild.report_line``), last.
     """
     lines = [f"Up in {marks['running'] - marks['start']:.1f} s:"]
     if head_started:
@@ -119,4 +121,4 @@ def start_up_lines(
         ]
     else:  # no metrics to read: the deploy as one phase
         lines.append(f"  deploy until RUNNING: {marks['running'] - marks['deploy']:.1f} s")
-    return lines
+    return lines + ([kernels_line] if kernels_line else [])

@@ -1,7 +1,7 @@
 """The launcher's pieces without a cluster: what a config needs against what the cluster has, what it
 prints while Serve deploys (from Serve's typed status) and when it gives up, the start-up timings from
-Serve's histograms, the kernel-build and HAProxy drain probes, and stopping one head's processes by id
-(psutil; never ``ray stop``)."""
+Serve's status, the native kernels' build as the launcher sees it, the HAProxy drain probe, and stopping
+one head's processes by id (psutil; never ``ray stop``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from serval.launcher import head as launcher
 from serval.launcher import processes as ray_processes
 from serval.launcher import status as launcher_status
 from serval.launcher import timings as launcher_timings
+from serval.launcher.kernels import KernelBuild, Kernels
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
 TWO_CPUS = [{"CPU": 2.0, "memory": 1e10}]
@@ -151,23 +152,52 @@ def test_final_reasons_a_failed_deploy_and_resources_that_never_fit():
     assert "2.1 CPUs" in launcher_status.final_reason(unfit, ["llm"], TWO_CPUS, "c.yaml")
 
 
-def test_kernel_build_state_tells_a_running_build_from_a_stale_lock(tmp_path):
-    csrc = tmp_path / "checkout" / "engine" / "kernels" / "csrc"
-    assert launcher_status.kernel_build_state(tmp_path, commands=[], csrc=csrc) is None
-    lock = tmp_path / "py311_cpu" / "serval_cpu_kernels_0123abcd" / "lock"
-    lock.parent.mkdir(parents=True)
-    lock.touch()
-    (lock.parent / "build.ninja").write_text(f"build x.o: compile {csrc}/bindings.cpp\n")
-    compiler = f"/usr/lib/gcc/x86_64-linux-gnu/12/cc1plus -I {csrc} -O3"
-    building = launcher_status.kernel_build_state(tmp_path, commands=[compiler], csrc=csrc)
-    assert "being compiled" in building
-    stale = launcher_status.kernel_build_state(tmp_path, commands=["python -m something"], csrc=csrc)
-    assert str(lock) in stale and "rm " in stale
-    # Another checkout's build (its own sources, its own lock) does not block this one's replicas.
-    other = tmp_path / "elsewhere" / "csrc"
-    assert launcher_status.kernel_build_state(tmp_path, commands=[compiler], csrc=other) is None
+def hold_lock(lock: Path) -> int:
+    """The lock taken as torch's loader takes it for a build (created exclusively, kept open)."""
+    return os.open(lock, os.O_CREAT | os.O_EXCL)
+
+
+def test_the_kernels_state_tells_a_running_build_from_a_stale_lock(monkeypatch, tmp_path):
+    from engine.kernels import cpu
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # a private cache: the real one is left alone
+    assert KernelBuild.observe().state == Kernels.MISSING and KernelBuild.observe().activity() is None
+    assert KernelBuild.observe(local=False).report_line() is None  # a cluster elsewhere: nothing to say here
+    lock = cpu.build_lock()
+    held = hold_lock(lock)
+    building = KernelBuild.observe()
+    assert building.state == Kernels.BUILDING and "being compiled" in building.activity()
+    assert "compiling in the background for " in building.report_line() and str(lock) in building.report_line()
+    os.close(held)  # the builder died without removing its lock
+    stale = KernelBuild.observe()
+    assert stale.state == Kernels.STALE_LOCK and str(lock) in stale.activity() and "rm " in stale.activity()
     status = app_status("DEPLOYING", **{"A": deployment("UPDATING"), "B": deployment("HEALTHY", states=("RUNNING",))})
-    assert launcher_status.replica_activities(status, ["llm"], stale) == {"A": stale}
+    assert launcher_status.replica_activities(status, ["llm"], stale.activity()) == {"A": stale.activity()}
+    lock.unlink()
+    assert launcher_status.replica_activities(status, ["llm"], KernelBuild.observe().activity()) == {}
+
+
+def test_the_end_of_another_process_build_is_reported_once_with_its_time(monkeypatch, tmp_path):
+    """The build's time runs from when it took its lock; it has ended when the lock is gone and the module
+    built from these sources is there (a stand-in file here: nothing loads it)."""
+    from engine.kernels import cpu
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = cpu.build_lock()
+    held = hold_lock(lock)
+    os.utime(lock, (time.time() - 42, time.time() - 42))
+    build = KernelBuild.observe()
+    assert build.poll() is None and build.state == Kernels.BUILDING  # still holding its lock
+    (lock.parent / f"{cpu._MODULE_NAME}.so").write_bytes(b"")
+    (lock.parent / "sources.sha1").write_text(cpu._sources_digest())
+    os.close(held)
+    lock.unlink()
+    line = build.poll()
+    assert line.startswith("Serval's native CPU kernels built in 42 s: replicas started from now on use them")
+    assert "those running keep plain torch ops until they restart" in line
+    assert build.poll() is None and build.state == Kernels.DONE and build.activity() is None
+    assert build.report_line() == "  native CPU kernels: compiled in 42 s, in the background"
+    assert KernelBuild.observe().report_line() == "  native CPU kernels: already built (0 s compiling)"
 
 
 class FakeHAProxy:
@@ -269,6 +299,8 @@ def test_start_up_lines_split_the_deploy_by_what_serves_status_showed(tmp_path):
         "  deploy until RUNNING: 38.5 s",
     ]
     assert launcher_timings.start_up_lines(None, marks, True, None)[1] == "  Ray head: 29.0 s"
+    compiled = "  native CPU kernels: compiled in 84 s, in the background"
+    assert launcher_timings.start_up_lines(None, marks, True, None, compiled)[-1] == compiled  # the last line
 
 
 def test_a_failed_ray_start_is_cleaned_up_and_run_once_more_unless_another_head_has_the_port(tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""The native kernels' loader under ``make serve``: a process with ``SERVAL_CPU_KERNELS_NO_WAIT=1`` does
-not wait for a build another process holds the lock of (the background build ``make serve`` starts);
+"""The native kernels' loader under ``serval serve``: a process with ``SERVAL_CPU_KERNELS_NO_WAIT=1`` does
+not wait for a build another process holds the lock of (the background build ``serval serve`` starts);
 it runs on plain torch. Without it the loader would wait for that build, as torch's loader does."""
 
 from __future__ import annotations
@@ -51,3 +51,30 @@ def test_a_lesser_target_builds_as_its_own_module():
     native, avx2 = name_and_flags(), name_and_flags(SERVAL_CPU_MARCH="x86-64-v3")
     assert native[0] == cpu._MODULE_NAME and "-march=native" in native
     assert avx2[0] != native[0] and "-march=x86-64-v3" in avx2 and "-march=native" not in avx2
+
+
+def test_the_background_build_runs_detached_at_nice_19_and_logs_to_its_file(monkeypatch, tmp_path):
+    """``serval serve`` starts it where nothing is built: in a session of its own (a Ctrl-C in the terminal
+    does not end it), at nice 19, its output in ``build_log()``. Here it compiles for a CPU no compiler
+    knows, so that it fails in seconds, as a build on a machine without a usable compiler does."""
+    import os
+    import time
+
+    import psutil
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("SERVAL_CPU_MARCH", "no-such-cpu")  # read by the build's own process
+    assert not cpu.is_built() and not cpu.build_lock().exists()
+    build = cpu.start_background_build()
+    try:
+        child = psutil.Process(build.pid)
+        while "engine.kernels.cpu" not in " ".join(child.cmdline()):  # `nice` execs the interpreter
+            assert build.poll() is None, cpu.build_log().read_text()
+            time.sleep(0.01)
+        assert child.nice() == 19 and os.getsid(build.pid) == build.pid != os.getsid(0)
+        assert build.wait(timeout=240) == 0  # a build that fails is no error: the ops stay plain torch
+    finally:
+        build.kill()
+    log = cpu.build_log().read_text()
+    assert "-march=no-such-cpu" in log and "not built: Serval runs with plain torch ops" in log
+    assert not cpu.is_built()
