@@ -8,7 +8,10 @@ The root's modules, the entry points and the types their callers import:
 
 - ``llm``: ``LLM``, the offline API (vLLM's shape).
 - ``async_llm``: ``AsyncLLM``, the asyncio front end for serving (an ``EngineClient``).
+- ``processor_thread``: ``ProcessorThread``, the thread behind ``AsyncLLM`` that alone runs its
+  ``LLMEngine`` front end, fed by its ``Inbox`` (commands from the event loop, the core client's steps).
 - ``llm_engine``: ``LLMEngine``, the synchronous front end: processor, core client, output processor.
+- ``inputs``: ``PromptType`` and ``RequestOptions``, what a caller hands the engine with each request.
 - ``engine_client``: ``EngineClient``, what a server may call on an engine; ``EngineDeadError``,
   ``EngineOverloadedError``.
 - ``config``: the frozen, validated configs, one per concern, bundled in ``EngineConfig``.

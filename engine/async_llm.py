@@ -5,7 +5,7 @@
         print(output.outputs[0].text, end="")
 
 Three places work on a request: the server's event loop (``generate`` and its stream); the front end's
-thread (``engine.frontend.processor_thread``), which alone touches the ``LLMEngine`` front end (tokenize,
+thread (``engine.processor_thread``), which alone touches the ``LLMEngine`` front end (tokenize,
 detokenize, publish stats); and the engine core, which steps on its own where ``serving_placement`` puts it
 (``engine.core.core_client``): by default another process (a child, or a Ray actor beside this process when
 it drives Ray worker actors or moves KV blocks through Ray), so that it does not share this process's GIL
@@ -30,11 +30,10 @@ from engine.engine_args import EngineArgs
 from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
 from engine.executor.base import Executor
 from engine.frontend.output_collector import RequestOutputCollector
-from engine.frontend.processor_thread import AddCommand, ProcessorThread
 from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
-from engine.model.source import load_tokenizer
+from engine.processor_thread import AddCommand, ProcessorThread
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_events import KVEventBatch
@@ -83,10 +82,14 @@ class AsyncLLM(EngineClient):
         config = with_torch_threads(config, num_cpus, placement)
         self.config = config
         engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers, placement=placement, kv_events=kv_events)
-        # The engine's tokenizer belongs to the front end's thread; the event loop (chat templates) gets its own.
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+        # One tokenizer per replica, shared by the event loop (chat templates, /tokenize) and the front end's
+        # thread. Safe: both only read it (encode, decode, DecodeStream, chat templates). A fast tokenizer
+        # changes its Rust state only to turn truncation or padding on or off, which nothing here asks for;
+        # the one encode below settles a tokenizer file that comes with either on, before the thread starts.
+        self.tokenizer = engine.tokenizer
+        self.tokenizer.encode("")
         self._vocab_size = engine.vocab_size
-        self._collectors: dict[str, RequestOutputCollector] = {}  # streams open on the event loop
+        self._core = engine.engine_core  # only its any-thread members (engine.core.core_client): health, pid
         self._frontend = ProcessorThread(engine)
 
     @classmethod
@@ -117,7 +120,7 @@ class AsyncLLM(EngineClient):
     @property
     def engine_core_pid(self) -> int | None:
         """The engine-core process's id, or None when the core runs in this process."""
-        return self._frontend.engine.engine_core.pid
+        return self._core.pid
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -140,7 +143,7 @@ class AsyncLLM(EngineClient):
         """
         collector = RequestOutputCollector(request_id, sampling_params, asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()  # (prompt text, prompt token ids)
-        self._submit(AddCommand(request_id, prompt, sampling_params, options, collector, future))
+        self._frontend.submit_add(AddCommand(request_id, prompt, sampling_params, options, collector, future))
         is_finished = False
         try:
             collector.prompt, collector.prompt_token_ids = await asyncio.wrap_future(future)
@@ -149,17 +152,8 @@ class AsyncLLM(EngineClient):
                 is_finished = output.finished
                 yield output
         finally:
-            if self._collectors.get(request_id) is collector:
-                del self._collectors[request_id]
             if not is_finished:  # the consumer left early (or the add failed): abort iff it was queued
                 future.add_done_callback(lambda done: self._abort_if_added(done, request_id))
-
-    def _submit(self, command: AddCommand) -> None:
-        """Queues the add of ``generate`` (raising as it says) and opens its stream."""
-        if command.request_id in self._collectors:
-            raise ValueError(f"Request id {command.request_id!r} is already in use.")
-        self._frontend.submit_add(command)
-        self._collectors[command.request_id] = command.collector
 
     def _abort_if_added(self, future: concurrent.futures.Future, request_id: str) -> None:
         # Runs on whichever thread completes the future (possibly the front end's thread): submit_abort is thread-safe.
@@ -168,21 +162,18 @@ class AsyncLLM(EngineClient):
 
     async def abort(self, request_id: str) -> None:
         """Stops a request before the next step; its stream ends with finish_reason "abort". No-op if unknown."""
-        collector = self._collectors.pop(request_id, None)
-        if collector is not None:
-            collector.put_abort()
         self._frontend.submit_abort(request_id)
 
     async def check_health(self) -> None:
         """Raises EngineDeadError if the front end died or the engine was shut down, or the
         executor's error if a worker is gone (pinging workers may block: done off the event loop)."""
         self._frontend.check_alive()
-        await asyncio.to_thread(self._frontend.engine.check_health)
+        await asyncio.to_thread(self._core.check_health)
 
     async def check_integrity(self) -> None:
         """Raises AssertionError unless the engine's KV cache accounts for every block exactly once (free list,
         reference counts, prefix-cache index: ``KVCacheManager.check_integrity``), checked between steps."""
-        await asyncio.to_thread(self._frontend.engine.engine_core.check_integrity)
+        await asyncio.to_thread(self._core.check_integrity)
 
     def take_kv_events(self) -> KVEventBatch:
         """The prefix cache's changes since the last call (``engine.sched.kv_events``); cheap, any thread."""

@@ -2,7 +2,7 @@
 
 Its core runs wherever ``placement`` says (``engine.core.core_client``). ``LLM`` (offline) keeps the core
 INLINE and turns it with ``step()``; serving (``AsyncLLM``) runs it on its own, and the front end's thread
-(``engine.frontend.processor_thread``) hands each ``CoreStep`` to ``process_core_step``: the one way a
+(``engine.processor_thread``) hands each ``CoreStep`` to ``process_core_step``: the one way a
 step's results come in.
 """
 
@@ -16,7 +16,7 @@ from engine.core.core_proc import CoreStep
 from engine.core.make_client import make_core_client
 from engine.engine_args import EngineArgs
 from engine.executor.base import Executor
-from engine.frontend.output_processor import OutputProcessor, ParentRequest
+from engine.frontend.output_processor import OutputProcessor, OutputStream
 from engine.frontend.processor import Processor
 from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.lora.request import check_lora_supported
@@ -69,7 +69,6 @@ class LLMEngine:
             config, self.tokenizer, arch.vocab_size, resolve_eos_token_ids(model_dir, arch), arch=arch
         )
         self.output_processor = OutputProcessor(self.tokenizer, config.scheduler_config.stream_interval)
-        self.core_ids_of: dict[str, list[str]] = {}  # user request id -> the core's ids (n of them)
         self.totals = EngineTotals()
 
     @classmethod
@@ -77,87 +76,65 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, options: RequestOptions = PLAIN_REQUEST
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        options: RequestOptions = PLAIN_REQUEST,
+        stream: OutputStream | None = None,
     ) -> tuple[str | None, list[int]]:
         """Queues a request (``n`` > 1 fans out into n core requests, each with ``options``); returns its
-        (prompt text, prompt token ids). Raises ValueError on bad input (the adapter included)."""
-        if request_id in self.core_ids_of:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
+        (prompt text, prompt token ids). Raises ValueError on bad input (the adapter included) or an id in
+        use, having queued nothing. ``stream``: where its outputs go (None: ``step``/``process_core_step``
+        return them)."""
+        children = self._fan_out(request_id, params)
+        self.output_processor.check_ids_free(request_id, [core_id for core_id, _ in children])
         prompt_text, prompt_token_ids = self.processor.tokenize_prompt(prompt)
-        children, parent = self._fan_out(request_id, params)
         requests = [  # validates everything before queueing anything
             self.processor.make_request(core_id, prompt_token_ids, child_params, options)
             for core_id, child_params in children
         ]
         arrival_time = time.monotonic() if self.stat_loggers else None
-        for index, request in enumerate(requests):
+        self.output_processor.add_request(request_id, prompt_text, prompt_token_ids, children, arrival_time, stream)
+        for request in requests:
             self.engine_core.add_request(request)
-            self.output_processor.add_request(
-                request.request_id,
-                request_id,
-                index,
-                prompt_text,
-                prompt_token_ids,
-                children[index][1],
-                parent,
-                arrival_time,
-            )
-        self.core_ids_of[request_id] = [request.request_id for request in requests]
         self.totals.num_prompt_tokens += len(prompt_token_ids)
         return prompt_text, prompt_token_ids
 
-    def _fan_out(
-        self, request_id: str, params: SamplingParams
-    ) -> tuple[list[tuple[str, SamplingParams]], ParentRequest | None]:
-        """The request's (core id, params) children and, for ``n`` > 1, their parent; changes nothing.
-
-        Raises ValueError if a child's id is already in flight.
-        """
+    @staticmethod
+    def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+        """The request's (core id, params) children, in completion order."""
         if params.n == 1:
-            children = [(request_id, params)]
-            parent = None
-        else:
-            # vLLM's convention: child i of a seeded request uses seed + i.
-            children = [
-                (f"{i}_{request_id}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
-                for i in range(params.n)
-            ]
-            parent = ParentRequest(request_id, params.n)
-        # n > 1 children are named "i_<id>": they must not take over another request's id (nor the reverse).
-        for core_id, _ in children:
-            if core_id in self.output_processor.states:
-                raise ValueError(f"Request id {request_id!r} would reuse the in-flight request id {core_id!r}.")
-        return children, parent
-
-    def abort_request(self, request_ids: list[str]) -> None:
-        """Ends these requests at once, freeing their blocks; unknown or finished ids are skipped."""
-        core_ids_per_request = [
-            self.core_ids_of.pop(request_id) for request_id in request_ids if request_id in self.core_ids_of
+            return [(request_id, params)]
+        # vLLM's convention: child i of a seeded request uses seed + i.
+        return [
+            (f"{i}_{request_id}", params.clone(n=1, seed=None if params.seed is None else params.seed + i))
+            for i in range(params.n)
         ]
-        self.totals.num_aborted_reqs += len(core_ids_per_request)
-        core_ids = [core_id for request_core_ids in core_ids_per_request for core_id in request_core_ids]
-        for core_id in core_ids:
-            self.output_processor.abort(core_id)
-        self.engine_core.abort_requests(core_ids)
+
+    def abort_request(self, request_ids: list[str]) -> list[OutputStream | None]:
+        """Ends these requests at once, freeing their blocks; unknown or finished ids are skipped. Returns
+        the streams of those it ended."""
+        aborted = [request for request in map(self.output_processor.abort, request_ids) if request is not None]
+        self.totals.num_aborted_reqs += len(aborted)
+        self.engine_core.abort_requests([core_id for request in aborted for core_id in request.states])
+        return [request.stream for request in aborted]
 
     def step(self) -> list[RequestOutput]:
         """An INLINE core: turns its loop once here; returns the outputs its step gave."""
         return self.process_core_step(self.engine_core.step())
 
     def process_core_step(self, core_step: CoreStep) -> list[RequestOutput]:
-        """One step of the core: its outputs as RequestOutputs, its state for the stats."""
+        """One step of the core: its outputs as RequestOutputs (those of requests with a stream put there),
+        its state for the stats."""
         iteration_stats = IterationStats()  # latencies only with stat loggers; the token count always
         core_outputs = self.engine_core.take_step(core_step)
         outputs, stopped_by_string = self.output_processor.process_outputs(core_outputs, iteration_stats)
-        iteration_stats.num_finished_reqs = sum(output.finished for output in outputs)
         self.totals.record_step(iteration_stats)
         if self.stat_loggers:
             self._record_stats(iteration_stats)
         if stopped_by_string:
             self.engine_core.abort_requests(stopped_by_string)
-        for output in outputs:
-            if output.finished:
-                self.core_ids_of.pop(output.request_id, None)
         return outputs
 
     def _record_stats(self, iteration_stats: IterationStats) -> None:
@@ -177,6 +154,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def streams(self) -> dict[str, OutputStream | None]:
+        """Each request in flight: its id -> its stream."""
+        return self.output_processor.streams()
 
     def get_stats(self) -> EngineStats:
         """A snapshot of the scheduler's state, the KV pool and ``totals``; it shares nothing mutable."""

@@ -1,14 +1,16 @@
 """Turns the core's token-level outputs into user-facing RequestOutputs.
 
-Per request it keeps the detokenizer (text, stop strings), the logprobs
-gathered so far and, for ``n`` > 1, the parent that joins the ``n`` child
-completions. A stop string ends a request here, in the front end: its id is
-returned so the caller aborts it in the core and the blocks are freed.
+It holds the front end's one map of requests in flight (``requests``), keyed by every id a request holds:
+the caller's, and for ``n`` > 1 its children's core ids ("i_<id>"). Per request it keeps the detokenizer
+(text, stop strings), the logprobs gathered so far, the join of the ``n`` completions and the stream its
+outputs go to. A stop string ends a request here, in the front end: its id is returned so the caller aborts
+it in the core and the blocks are freed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.metrics.stats import IterationStats, RequestTimes
@@ -17,12 +19,20 @@ from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sched.step_outputs import EngineCoreOutput, LogprobsLists
 
 
+class OutputStream(Protocol):
+    """Where a request's outputs go as they are made (the front end's thread), instead of being returned."""
+
+    def put(self, output: RequestOutput) -> None: ...
+
+
 @dataclass
-class ParentRequest:
-    """Joins the ``n`` children of one user request."""
+class UserRequest:
+    """One request as its caller made it: ``n`` completions, one core request (``RequestState``) each."""
 
     request_id: str
     num_children: int
+    stream: OutputStream | None  # None: outputs are returned by ``process_outputs``
+    states: dict[str, RequestState] = field(default_factory=dict)  # unfinished children by core id
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
 
@@ -30,13 +40,12 @@ class ParentRequest:
 @dataclass
 class RequestState:
     request_id: str  # the core's id (a child's id for n > 1)
-    user_request_id: str
+    request: UserRequest
     index: int  # which of the n completions
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
-    parent: ParentRequest | None = None
     token_ids: list[int] = field(default_factory=list)
     num_sent_tokens: int = 0  # DELTA: tokens already handed out
     num_streamed_tokens: int = 0  # tokens in the latest output handed out (any kind)
@@ -58,48 +67,89 @@ class OutputProcessor:
         # then once per stream_interval new tokens, and at its end. Fewer, larger outputs cost the serving
         # path (detokenizing, SSE, every hop to the client) less per token.
         self.stream_interval = stream_interval
-        self.states: dict[str, RequestState] = {}
+        # Every id a request in flight holds -> that request: its own id, and its unfinished children's.
+        self.requests: dict[str, UserRequest] = {}
+
+    def check_ids_free(self, request_id: str, core_ids: list[str]) -> None:
+        """Raises ValueError unless a new request ``request_id`` with children ``core_ids`` takes no id a
+        request in flight holds (the front end's one uniqueness check)."""
+        holder = self.requests.get(request_id)
+        if holder is not None and holder.request_id == request_id:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        for core_id in core_ids:
+            if core_id in self.requests:
+                raise ValueError(f"Request id {request_id!r} would reuse the in-flight request id {core_id!r}.")
 
     def add_request(
         self,
         request_id: str,
-        user_request_id: str,
-        index: int,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
-        parent: ParentRequest | None,
+        children: list[tuple[str, SamplingParams]],
         arrival_time: float | None = None,
+        stream: OutputStream | None = None,
     ) -> None:
-        """``arrival_time`` (time.monotonic()) turns on latency statistics for this request."""
+        """A request of ``children`` (core id, params), in completion order; after ``check_ids_free``.
+        ``arrival_time`` (time.monotonic()) turns on latency statistics for it; ``stream``: where its
+        outputs go (None: ``process_outputs`` returns them)."""
+        request = UserRequest(request_id, len(children), stream)
+        for index, (core_id, params) in enumerate(children):
+            request.states[core_id] = self._make_state(request, core_id, index, prompt, prompt_token_ids, params)
+            if arrival_time is not None:
+                request.states[core_id].times = RequestTimes(arrival_time, len(prompt_token_ids))
+            self.requests[core_id] = request
+        self.requests[request_id] = request
+
+    def _make_state(
+        self, request: UserRequest, core_id: str, index: int, prompt, prompt_token_ids: list[int], params
+    ) -> RequestState:
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
-        state = RequestState(request_id, user_request_id, index, prompt, prompt_token_ids, params, detokenizer, parent)
-        if arrival_time is not None:
-            state.times = RequestTimes(arrival_time, len(prompt_token_ids))
+        state = RequestState(core_id, request, index, prompt, prompt_token_ids, params, detokenizer)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]  # the first prompt token has no context
-        self.states[request_id] = state
+        return state
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+        return bool(self.requests)
 
-    def abort(self, request_id: str) -> RequestState | None:
-        return self.states.pop(request_id, None)
+    def streams(self) -> dict[str, OutputStream | None]:
+        """Each request in flight: its id -> its stream."""
+        return {key: request.stream for key, request in self.requests.items() if key == request.request_id}
+
+    def abort(self, request_id: str) -> UserRequest | None:
+        """Forgets the request of this id (None if none is in flight); its ``states`` name the core requests
+        still running."""
+        request = self.requests.get(request_id)
+        if request is None or request.request_id != request_id:
+            return None
+        for core_id in [request_id, *request.states]:
+            self.requests.pop(core_id, None)
+        return request
+
+    def _finish(self, state: RequestState) -> None:
+        request = state.request
+        del request.states[state.request_id]
+        if state.request_id != request.request_id:
+            del self.requests[state.request_id]
+        if not request.states:
+            del self.requests[request.request_id]
 
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput], iteration_stats: IterationStats | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
-        """(outputs to deliver, ids the core must abort because a stop string ended them).
+        """(outputs of the requests without a stream, ids the core must abort because a stop string ended
+        them); a request with a stream has its outputs put there, in order.
 
-        With ``iteration_stats``, every request's new tokens are counted there, and the step's
-        latencies of requests that keep statistics go there.
+        With ``iteration_stats``, every request's new tokens and every finished request are counted there,
+        and the step's latencies of requests that keep statistics go there.
         """
         request_outputs: list[RequestOutput] = []
         to_abort: list[str] = []
         for core_output in core_outputs:
-            state = self.states.get(core_output.request_id)
+            request = self.requests.get(core_output.request_id)
+            state = request.states.get(core_output.request_id) if request is not None else None
             if state is None:  # aborted by the user meanwhile
                 continue
             if self._update(state, core_output):
@@ -111,10 +161,16 @@ class OutputProcessor:
                 if state.finish_reason is not None and state.times is not None:
                     iteration_stats.record_finished(state.times, state.finish_reason)
             if state.finish_reason is not None:
-                del self.states[state.request_id]
+                self._finish(state)
             request_output = self._make_output(state)
-            if request_output is not None:
+            if request_output is None:
+                continue
+            if iteration_stats is not None:
+                iteration_stats.num_finished_reqs += request_output.finished
+            if state.request.stream is None:
                 request_outputs.append(request_output)
+            else:
+                state.request.stream.put(request_output)
         return request_outputs, to_abort
 
     def _update(self, state: RequestState, core_output: EngineCoreOutput) -> bool:
@@ -193,21 +249,18 @@ class OutputProcessor:
             return None
         state.num_streamed_tokens = len(state.token_ids)
         completion = self._make_completion(state, delta=kind == RequestOutputKind.DELTA)
-        parent = state.parent
-        if parent is None:
-            outputs, all_finished = [completion], finished
+        request = state.request
+        request.completions[state.index] = completion
+        request.num_finished += finished
+        all_finished = request.num_finished == request.num_children
+        if kind != RequestOutputKind.FINAL_ONLY:
+            outputs = [completion]
+        elif all_finished:
+            outputs = [request.completions[i] for i in sorted(request.completions)]
         else:
-            parent.completions[state.index] = completion
-            parent.num_finished += finished
-            all_finished = parent.num_finished == parent.num_children
-            if kind == RequestOutputKind.FINAL_ONLY:
-                if not all_finished:
-                    return None
-                outputs = [parent.completions[i] for i in sorted(parent.completions)]
-            else:
-                outputs = [completion]
+            return None
         return RequestOutput(
-            request_id=state.user_request_id,
+            request_id=state.request.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             outputs=outputs,

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping
 
 from engine.config import EngineConfig
-from engine.inputs import PromptType, RequestOptions
+from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.lora.request import LoRARequest
 from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
@@ -74,7 +74,11 @@ class Processor:
         check_constraint(params.structured_outputs, self.config.structured_outputs_config)
 
     def make_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, options: RequestOptions
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        options: RequestOptions = PLAIN_REQUEST,
     ) -> Request:
         """The core's request, ``options`` carried whole into it; raises ValueError on bad input."""
         self.validate(prompt_token_ids, params)

@@ -52,7 +52,7 @@ def test_metadata_is_reused_only_while_the_rows_cannot_change():
 
 def _run(params: SamplingParams, steps: list[list[int]]) -> list:
     processor = OutputProcessor(tokenizer())
-    processor.add_request("r", "r", 0, "Hello", tokenizer().encode("Hello"), params, None)
+    processor.add_request("r", "Hello", tokenizer().encode("Hello"), [("r", params)])
     outputs = []
     for i, token_ids in enumerate(steps):
         finish = "length" if i == len(steps) - 1 else None

@@ -4,8 +4,11 @@ It tokenizes requests in, detokenizes the core's steps out, and publishes the en
 never steps the model (the core steps on its own: ``engine.core.core_client``). It waits on one ``Inbox``
 with two lanes: commands from the event loops (add, abort, stop), applied in order, and the core's
 ``CoreStep``\\ s, handed on in order. A request joins the core's running batch when its add is applied here
-(continuous batching). Each step's outputs go back to their requests' event loops as one batch per loop
-(one ``call_soon_threadsafe``), into each request's ``RequestOutputCollector``.
+(continuous batching). The output processor puts each output into its request's ``LoopStream``, which
+batches it by event loop; once the step is processed each batch goes to its loop in one
+``call_soon_threadsafe``, into the requests' ``RequestOutputCollector``\\ s. An applied abort ends its
+stream the same way (finish_reason "abort"). The requests in flight are the ``LLMEngine``'s own map
+(``OutputProcessor.requests``); this thread keeps none.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ class AbortCommand:
     num_reqs = 0
 
     def apply(self, thread: ProcessorThread) -> bool:
-        thread._abort(self.request_id)
+        thread._abort([self.request_id])
         return True
 
     def refuse(self, error: BaseException) -> None:
@@ -120,6 +123,19 @@ class StopCommand:
         pass
 
 
+class LoopStream:
+    """A request's ``OutputStream`` on the front end's thread: each output, with its collector, joins its event
+    loop's batch in ``outbox`` until the step is processed (``ProcessorThread._publish``)."""
+
+    def __init__(self, collector: RequestOutputCollector, outbox: dict) -> None:
+        self.collector = collector
+        self._outbox = outbox  # event loop -> [(collector, output)]
+
+    def put(self, output: RequestOutput) -> None:
+        _copy_shared_lists(output)
+        self._outbox.setdefault(self.collector.loop, []).append((self.collector, output))
+
+
 def _deliver(batch: list[tuple[RequestOutputCollector, RequestOutput]]) -> None:
     """Runs on the event loop: one step's outputs into their collectors.
 
@@ -132,6 +148,12 @@ def _deliver(batch: list[tuple[RequestOutputCollector, RequestOutput]]) -> None:
             collector.put(output)
         else:
             collector.put_error(ValueError(str(failed.stop_reason)))
+
+
+def _end_aborted(collectors: list[RequestOutputCollector]) -> None:
+    """Runs on the event loop: ends each aborted stream with its final "abort" output."""
+    for collector in collectors:
+        collector.put_abort()
 
 
 def _fail(collectors: list[RequestOutputCollector], reason: str, cause: BaseException | None) -> None:
@@ -169,7 +191,7 @@ class ProcessorThread:
         self._dead_reason: str | None = None
         self._dead_cause: BaseException | None = None
         self._num_unapplied_reqs = 0  # core requests (n per add) in the inbox, not yet in the scheduler
-        self._collector_of: dict[str, RequestOutputCollector] = {}  # this thread only: requests in the engine
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # this thread only: the step's outputs per loop
         self.stats: EngineStats = engine.get_stats()  # the latest snapshot; replaced whole, never mutated
         self._kv_events = KVEventBatch()  # the prefix cache's changes not taken yet (guarded by _lock)
         engine.engine_core.attach(self._inbox)
@@ -247,56 +269,52 @@ class ProcessorThread:
         if not is_running:
             return False
         for step in steps:
-            self._publish(self.engine.process_core_step(step))
+            self.engine.process_core_step(step)  # its outputs go to the outbox (each request's LoopStream)
+            self._publish()
         if core_died is not None:
             raise RuntimeError(core_died)
         return True
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs to their streams."""
-        batches = self._route(outputs)
+    def _publish(self) -> None:
+        """One step's outputs (in the outbox) to their streams."""
         kv_events = self.engine.take_kv_events()
         # Stats first: a consumer that sees a step's output sees that step's stats too.
         with self._lock:
             self.stats = self.engine.get_stats()
             if kv_events:
                 self._kv_events.merge(kv_events)
+        batches = dict(self._outbox)  # each LoopStream holds this very dict: emptied in place
+        self._outbox.clear()
         for loop, batch in batches.items():
             self._post(loop, _deliver, batch)
 
     def _add(self, command: AddCommand) -> None:
         if not command.future.set_running_or_notify_cancel():
             return  # the caller went away before the request was queued
+        stream = LoopStream(command.collector, self._outbox)
         try:
-            prompt = self.engine.add_request(command.request_id, command.prompt, command.params, command.options)
+            prompt = self.engine.add_request(
+                command.request_id, command.prompt, command.params, command.options, stream
+            )
         except Exception as error:  # bad input: refuse this request, keep serving the others
             command.future.set_exception(error)
             return
-        self._collector_of[command.request_id] = command.collector
         command.future.set_result(prompt)
 
-    def _abort(self, request_id: str) -> None:
-        self.engine.abort_request([request_id])
-        self._collector_of.pop(request_id, None)
-
-    def _route(self, outputs: list[RequestOutput]) -> dict[asyncio.AbstractEventLoop, list]:
-        """One step's outputs grouped by their requests' event loops (one callback per loop)."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for output in outputs:
-            collector = self._collector_of[output.request_id]
-            if output.finished:
-                del self._collector_of[output.request_id]
-            _copy_shared_lists(output)
-            batches.setdefault(collector.loop, []).append((collector, output))
-        return batches
+    def _abort(self, request_ids: list[str]) -> None:
+        """Aborts these requests in the engine and ends their streams ("abort")."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutputCollector]] = {}
+        for stream in self.engine.abort_request(request_ids):
+            by_loop.setdefault(stream.collector.loop, []).append(stream.collector)
+        for loop, collectors in by_loop.items():
+            self._post(loop, _end_aborted, collectors)
 
     def _post(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
         try:
             loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # that event loop is closed: nobody reads these streams any more
-            orphans = [request_id for request_id, collector in self._collector_of.items() if collector.loop is loop]
-            for request_id in orphans:
-                self._abort(request_id)
+            streams = self.engine.streams()
+            self.engine.abort_request([rid for rid, stream in streams.items() if stream.collector.loop is loop])
 
     def _die(self, reason: str, cause: BaseException | None) -> None:
         """Fails everything queued and in flight, then releases the engine."""
@@ -310,7 +328,7 @@ class ProcessorThread:
         self._fail_streams(reason, cause)
         try:
             if cause is None:  # a clean stop: leave the core consistent before releasing it
-                self.engine.abort_request(list(self.engine.core_ids_of))
+                self.engine.abort_request(list(self.engine.streams()))
             self.engine.shutdown()
         except Exception:
             logger.exception("Releasing the engine failed.")
@@ -318,11 +336,10 @@ class ProcessorThread:
     def _fail_streams(self, reason: str, cause: BaseException | None) -> None:
         """Ends every stream in flight with EngineDeadError (one callback per event loop)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutputCollector]] = {}
-        for collector in self._collector_of.values():
-            by_loop.setdefault(collector.loop, []).append(collector)
+        for stream in self.engine.streams().values():
+            by_loop.setdefault(stream.collector.loop, []).append(stream.collector)
         for loop, collectors in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_fail, collectors, reason, cause)
             except RuntimeError:
                 pass  # that loop is closed: nobody is waiting there
-        self._collector_of.clear()
