@@ -7,7 +7,7 @@ stop``) on a Ray cluster, built on Ray's own tools: ``ray start`` for a local he
 - ``serve_client``: Serve's REST API through Ray's client; ``haproxy``: the HAProxy ingress's drain.
 - ``status``: what a deploy needs and waits on (the resource-fit check, the reason it is stuck);
   ``timings``: where the start-up time went; ``report``: the endpoint and a self-check; ``logs``: Serve's
-  logs on the terminal.
+  logs on the terminal; ``kernels``: the native CPU kernels' build in the background on a first start.
 
 Ray reads ``RAY_AUTH_MODE`` once, when a process first asks it about authentication: the launcher's
 heads use token authentication unless the caller chose otherwise, and its clients must present the

@@ -1,5 +1,7 @@
 """A Serve config on a Ray cluster, with ``vllm serve``'s lifecycle (``serval serve``, ``make serve``).
 
+Where the native CPU kernels are not built on this machine, it first starts their build in the background
+(``kernels``: the replicas serve on plain torch ops meanwhile, and the build's end is reported).
 In the foreground (the default) the launcher starts a Ray head on 127.0.0.1 (unless a cluster is named:
 ``--address`` / ``RAY_ADDRESS``, or one already answers on the dashboard port), deploys the config beside
 the cluster's other apps, waits until it is RUNNING while printing Serve's messages, then how long each
