@@ -221,7 +221,7 @@ def replica_activities(
     details: ServeInstanceDetails, app_names: list[str], kernel_state: str | None = None
 ) -> dict[str, str]:
     """deployment -> what its starting replicas should know that Serve does not say (``kernel_state``:
-    ``kernels.KernelBuild.activity``)."""
+    ``kernels.KernelBuild.activity``), for the deployments that run a model (not the router in front)."""
     if kernel_state is None:
         return {}
     return {
@@ -229,5 +229,5 @@ def replica_activities(
         for app_name in app_names
         if app_name in details.applications
         for name, deployment in details.applications[app_name].deployments.items()
-        if any(replica.state == ReplicaState.STARTING for replica in deployment.replicas)
+        if name != INGRESS_NAME and any(replica.state == ReplicaState.STARTING for replica in deployment.replicas)
     }
