@@ -156,9 +156,15 @@ def read_migrations(base_url: str, headers=None) -> dict[str, float] | None:
         text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=30).text
     except httpx.HTTPError:
         return None
+    return migration_counts(text)
+
+
+def migration_counts(text: str, metric: str = MIGRATIONS_METRIC) -> dict[str, float]:
+    """``metric``'s counts by kind, summed over its other labels, in a Prometheus text page (``metric``:
+    ``ray_serval_migrations`` on a node's own metrics endpoint, where Ray's prefix is still on)."""
     counts: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith(MIGRATIONS_METRIC) and 'kind="' in line:
+        if line.startswith(metric) and 'kind="' in line:
             kind = line.split('kind="', 1)[1].split('"', 1)[0]
             counts[kind] = counts.get(kind, 0.0) + float(line.rsplit(" ", 1)[1])
     return counts

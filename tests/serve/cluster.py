@@ -10,6 +10,7 @@ import re
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -101,6 +102,52 @@ def deploy_and_wait(head: RayHead, config: dict, timeout_s: float = 300.0) -> No
 
 def app_status(head: RayHead, app_name: str = "llm") -> dict:
     return launcher.serve_details(head.dashboard_url)["applications"][app_name]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One RUNNING replica of a deployment: its id, its process and its Ray actor."""
+
+    replica_id: str
+    pid: int
+    actor: Any  # the replica's Ray actor handle (Serve's ReplicaActor)
+
+
+def running_replicas(head: RayHead, deployment: str, app_name: str = "llm") -> list[Replica]:
+    """The RUNNING replicas of ``deployment`` per Serve's status, with their actors (looked up once: ask
+    before the traffic that is measured, not during it)."""
+    import ray
+    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    replicas = app_status(head, app_name)["deployments"][deployment]["replicas"]
+    return [
+        Replica(
+            r["replica_id"],
+            r["pid"],
+            ray.get_actor(f"{REPLICA_ID_FULL_ID_STR_PREFIX}{app_name}#{deployment}#{r['replica_id']}", SERVE_NAMESPACE),
+        )
+        for r in replicas
+        if r["state"] == "RUNNING"
+    ]
+
+
+def replica_loads(replicas: list[Replica], timeout_s: float = 30.0) -> dict[str, dict[str, int]]:
+    """Each LLM-server replica's engine load, ``{"num_running": ..., "num_waiting": ...}`` by replica id, asked
+    of every replica's actor at once (the replica's ``record_routing_stats``, what Serve's controller polls):
+    the engine's snapshot after its latest step.
+
+    Not through a deployment handle: Serve's router sends each call to the less loaded of two replicas, so
+    calls made that way reach an idle replica while another runs the streams under test.
+    """
+    import ray
+
+    calls = {replica.replica_id: replica.actor.record_routing_stats.remote() for replica in replicas}
+    loads = {}
+    for replica_id, call in calls.items():
+        published = ray.get(call, timeout=timeout_s)
+        loads[replica_id] = {key: published[key] for key in ("num_running", "num_waiting")}
+    return loads
 
 
 def serve_shutdown(head: RayHead) -> None:

@@ -1,36 +1,54 @@
 """Request migration on a real cluster: two tiny-llama LLM-server replicas behind the OpenAiIngress. The replica
 serving greedy streams (completions and chat, through the openai client) is SIGKILLed mid-stream: every stream
 ends with [DONE] and no error, with the text, tokens and usage of an uninterrupted run, and the ingress counts
-the migrations; with ``migration_limit: 0`` the same kill ends the stream with an error event, not a cut."""
+exactly the streams the killed replica held as migrations; with ``migration_limit: 0`` the same kill ends the
+stream with an error event, not a cut.
+
+No race decides what is proved: the replica killed is the one whose engine holds the most requests, asked of
+each replica (not through Serve's router), and the engines are held still around the kill
+(``kill_mid_stream``), so every request is in flight when it lands, on a fast CPU or a loaded one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
+import psutil
 import pytest
-from ray import serve
+import ray
 
-from serval.bench.soak_client import read_migrations
-from tests.serve.cluster import deploy_and_wait, llm_config, serve_config, sse_lines
+from serval.bench.soak_client import MIGRATIONS_METRIC, migration_counts, read_migrations
+from tests.conftest import wait_until
+from tests.serve.cluster import (
+    LOOPBACK,
+    Replica,
+    deploy_and_wait,
+    llm_config,
+    replica_loads,
+    running_replicas,
+    serve_config,
+    sse_lines,
+)
 
 # ~60-80 s on the shared 2-core machine: the Ray head and two replicas starting is most of it.
 pytestmark = pytest.mark.slow
 
 LLAMA = "tiny-llama"
 SERVER = f"LLMServer:{LLAMA}"
-MAX_TOKENS = 1800  # long enough for a stream to be in flight when the kill lands, on a fast CPU too
+MAX_TOKENS = 600  # the engines make a few tokens of each before the kill (kill_mid_stream), far fewer
 PROMPT = "The colours of the rainbow are"
 MESSAGES = [{"role": "user", "content": "Count the colours of the rainbow."}]
 
 
 def app_config(checkpoint: str, migration_limit: int | None = None) -> dict:
-    config = llm_config(LLAMA, checkpoint, num_replicas=2, max_model_len=2048)
+    config = llm_config(LLAMA, checkpoint, num_replicas=2, max_model_len=1024)
     config["deployment_config"]["health_check_period_s"] = 1.0
     app = serve_config(0, [config])["applications"][0]
     if migration_limit is not None:
@@ -57,6 +75,7 @@ class Stream(threading.Thread):
     def __init__(self, head, kind: str) -> None:
         super().__init__(daemon=True)
         self.head, self.kind = head, kind
+        self.client = client(head)  # made here, not in run(): the streams then start together
         self.chunks: list = []
         self.error: BaseException | None = None
 
@@ -65,9 +84,9 @@ class Stream(threading.Thread):
         common |= {"stream_options": {"include_usage": True}, "extra_body": {"ignore_eos": True}}
         try:
             if self.kind == "completion":
-                stream = client(self.head).completions.create(prompt=PROMPT, logprobs=0, **common)
+                stream = self.client.completions.create(prompt=PROMPT, logprobs=0, **common)
             else:
-                stream = client(self.head).chat.completions.create(messages=MESSAGES, logprobs=True, **common)
+                stream = self.client.chat.completions.create(messages=MESSAGES, logprobs=True, **common)
             for chunk in stream:
                 self.chunks.append(chunk)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -93,57 +112,135 @@ class Stream(threading.Thread):
         return {chunk.id for chunk in self.chunks}
 
 
-def serving_replica_pid(timeout_s: float = 60.0) -> int:
-    """The pid of the first replica seen with requests running, through its stats: its engine core's parent.
+class EnginePause:
+    """Every replica's engine core (the processes below each replica) stopped (SIGSTOP), continued (SIGCONT)
+    or let run for a moment (``step``): a stopped engine makes no token and finishes no request, while its
+    replica serves on (the tokens already made still reach their clients)."""
 
-    Asked of the engines, not of the clients: a replica generates faster than a loaded test process reads
-    its streams, so a client that has read a few chunks may be reading what an engine finished long ago.
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.processes = [
+            child for replica in replicas for child in psutil.Process(replica.pid).children(recursive=True)
+        ]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.send_signal(signal.SIGSTOP)
+
+    def cont(self) -> None:
+        for process in self.processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGCONT)
+
+    def step(self, cpu_s: float = 0.004, timeout_s: float = 0.2) -> None:
+        """Continues the engines until one has used ``cpu_s`` of CPU (a few steps of the tiny model), or
+        for ``timeout_s`` (an idle engine uses none), then stops them: a measure of work, not of time, on
+        a machine whose load decides how much CPU a moment holds."""
+        start = {process: self._cpu(process) for process in self.processes}
+        self.cont()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and all(self._cpu(p) - t < cpu_s for p, t in start.items()):
+            time.sleep(0.001)
+        self.stop()
+
+    @staticmethod
+    def _cpu(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+
+def kill_mid_stream(
+    replicas: list[Replica], start: Callable[[], None], num_requests: int, reached: Callable[[], bool]
+) -> int:
+    """``start()``s ``num_requests`` requests and SIGKILLs the replica whose engine holds the most of them
+    while every one is in flight and has reached its client (``reached()``); returns how many it held.
+
+    By construction, whatever the speed and the load of the CPU: from before the start to the kill the
+    engines only run in short steps of CPU work (``EnginePause.step``) with pauses between them for the
+    requests and their first tokens to travel, far too little work to finish a request. The killed
+    replica's engine core, continued, sees its parent gone and exits.
     """
-    handle = serve.get_deployment_handle(SERVER, app_name="llm")
-    stats: dict[str, dict] = {}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = handle.stats.remote().result()
-        stats[result["replica_id"]] = result
-        if result["num_running_reqs"] > 0:
-            break
-        assert time.monotonic() < deadline, f"no replica was seen running requests: {stats}"
-    with open(f"/proc/{result['engine_core_pid']}/status") as f:
-        return int(next(line.split()[1] for line in f if line.startswith("PPid:")))
+    pause = EnginePause(replicas)
+    pause.stop()
+    try:
+        start()
+        deadline = time.monotonic() + 60
+        while True:
+            loads = replica_loads(replicas)
+            # Every request running has its first token made: stopped, the engines let it reach its client.
+            if sum(load["num_running"] for load in loads.values()) == num_requests and wait_until(reached, 1.0):
+                break
+            assert time.monotonic() < deadline, f"the requests did not all run and reach their clients: {loads}"
+            pause.step()
+            time.sleep(0.02)
+        held = {replica_id: load["num_running"] + load["num_waiting"] for replica_id, load in loads.items()}
+        victim = max(replicas, key=lambda replica: held[replica.replica_id])
+        os.kill(victim.pid, signal.SIGKILL)
+    finally:
+        pause.cont()
+    return held[victim.replica_id]
 
 
-def wait_for_chunks(streams: list[Stream], count: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(len(s.chunks) >= count or s.error or not s.is_alive() for s in streams):
-        assert time.monotonic() < deadline, "the streams did not start"
-        time.sleep(0.02)
-    assert all(s.is_alive() for s in streams), "a stream ended before the kill: MAX_TOKENS is too small here"
+def node_migrations(head) -> dict[str, float]:
+    """``serval_migrations`` by kind as the node's metrics agent serves it (Ray's ``ray_`` prefix on), read
+    from the node's own endpoint: where the ingress replica's counter arrives, every export period."""
+    text = httpx.get(f"http://{LOOPBACK}:{head.metrics_port}/metrics", timeout=60).text
+    return migration_counts(text, f"ray_{MIGRATIONS_METRIC}")
+
+
+def counted_since(before: dict[str, float], now: dict[str, float] | None) -> dict[str, float]:
+    return {kind: count - before.get(kind, 0.0) for kind, count in (now or {}).items() if count != before.get(kind)}
+
+
+def migrations_read(head) -> tuple[dict[str, float], dict[str, float]]:
+    """``serval_migrations`` by kind on the node's metrics endpoint and in the app's ``/metrics`` (what
+    ``serval bench soak`` records; the ingress gathers it from every node's endpoint)."""
+    return node_migrations(head), read_migrations(head.base_url) or {}
+
+
+def assert_counted(head, before: tuple[dict, dict], expected: dict[str, float]) -> None:
+    """Waits until both reads (``migrations_read``) show ``expected`` more migrations than ``before``: the
+    ingress's counter reaches the node's metrics agent at its next export (every
+    ``metrics_report_interval_ms``), so six periods without it fail."""
+    deadline = time.monotonic() + 6 * ray._config.metrics_report_interval_ms() / 1000
+    while (counted := tuple(map(counted_since, before, migrations_read(head)))) != (expected, expected):
+        assert time.monotonic() < deadline, f"serval_migrations counted {counted} (node, app), not {expected}"
+        time.sleep(0.5)
+
+
+def reference_results(head) -> dict[str, dict]:
+    """Each kind's uninterrupted stream (the two at once): what a migrated stream must equal."""
+    references = {kind: Stream(head, kind) for kind in ("completion", "chat")}
+    for reference in references.values():
+        reference.start()
+    results = {}
+    for kind, reference in references.items():
+        reference.join(timeout=300)
+        results[kind] = reference.result()
+        assert results[kind]["usage"]["completion_tokens"] == MAX_TOKENS
+        assert len(results[kind]["tokens"]) == MAX_TOKENS
+    return results
 
 
 def test_streams_survive_the_kill_of_their_replica(app):
     head, _ = app
-    references = {}
-    for kind in ("completion", "chat"):
-        reference = Stream(head, kind)
-        reference.run()
-        references[kind] = reference.result()
-        assert references[kind]["usage"]["completion_tokens"] == MAX_TOKENS
-        assert len(references[kind]["tokens"]) == MAX_TOKENS
+    references = reference_results(head)
+    replicas = running_replicas(head, SERVER)
+    assert len(replicas) == 2
+    before = migrations_read(head)
     streams = [Stream(head, kind) for kind in ("completion", "chat", "completion", "chat")]
+    # Each stream has reached its client when the kill lands: the ingress continues it, not resends it.
+    num_killed = kill_mid_stream(
+        replicas, lambda: [s.start() for s in streams], len(streams), lambda: all(s.chunks for s in streams)
+    )
+    assert all(stream.is_alive() for stream in streams)
+    expected = {"continued": float(num_killed)}
     for stream in streams:
-        stream.start()
-    wait_for_chunks(streams, 1)  # each has its first token; the kill lands where an engine is generating
-    os.kill(serving_replica_pid(), signal.SIGKILL)
-    for stream in streams:
-        stream.join(timeout=120)
+        stream.join(timeout=300)
         assert not stream.is_alive(), "a stream hung"
     for stream in streams:
         assert stream.result() == references[stream.kind]  # text, tokens, finish reason and exact usage
         assert len(stream.ids) == 1  # one id across replicas
-    deadline = time.monotonic() + 60  # Ray's metrics agent exports every few seconds
-    while (read_migrations(head.base_url) or {}).get("continued", 0) < 1:  # what `serval bench soak` records
-        assert time.monotonic() < deadline, "serval_migrations did not count the migrated streams"
-        time.sleep(2)
+    assert_counted(head, before, expected)
 
 
 def test_without_migration_the_kill_ends_the_stream_with_an_error_event(app):
@@ -151,6 +248,7 @@ def test_without_migration_the_kill_ends_the_stream_with_an_error_event(app):
     config = serve_config(head.http_port, [])
     config["applications"] = [app_config(checkpoint, migration_limit=0)]
     deploy_and_wait(head, config)
+    replicas = running_replicas(head, SERVER)
     events: list[str] = []
     body = {"model": LLAMA, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     body["ignore_eos"] = True
@@ -160,12 +258,7 @@ def test_without_migration_the_kill_ends_the_stream_with_an_error_event(app):
             events.extend(line for line in sse_lines(response) if line.startswith("data: "))
 
     reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 60
-    while len(events) < 3:
-        assert time.monotonic() < deadline and reader.is_alive(), "the stream did not start"
-        time.sleep(0.02)
-    os.kill(serving_replica_pid(), signal.SIGKILL)
+    assert kill_mid_stream(replicas, reader.start, 1, lambda: len(events) >= 3) == 1
     reader.join(timeout=60)
     assert not reader.is_alive()
     assert events[-1] == "data: [DONE]", events[-3:]
