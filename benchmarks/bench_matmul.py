@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import load_cpu_kernels
-from engine.model.layers.cpu_prepack import can_prepack, linear, pack_weight
+from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS, CPUFloat32Product, PackedProduct, float_product, pack_weight
 
 # (in_features, out_features) of the projections: qkv, o, gate_up, down, lm_head.
 SHAPES = {
@@ -59,18 +59,18 @@ def _row(in_features: int, out_features: int, rows: int, skinny) -> str:
     """One shape at one row count: each variant's GFLOP/s (nan where it does not apply)."""
     weight32 = torch.randn(out_features, in_features) * 0.05
     weight16 = weight32.bfloat16()
-    packed16 = pack_weight(weight16) if can_prepack(weight16) else None
-    packed32 = pack_weight(weight32)
+    packed16 = float_product(weight16)  # the bf16 layers' product: packed only with bf16 matrix instructions
+    packed32 = CPUFloat32Product(weight32, pack_weight(weight32), None)
     x32 = torch.randn(rows, in_features)
     x16 = x32.bfloat16()
     flops = 2.0 * rows * in_features * out_features
     nan = float("nan")
     results = [
         gflops(lambda: F.linear(x32, weight32), flops),
-        gflops(lambda: linear(x32, weight32, None, packed32), flops),
+        gflops(lambda: packed32(x32, None, NO_NATIVE_ROWS), flops),
         gflops(lambda: skinny(x32, weight32), flops) if skinny is not None and rows <= 8 else nan,
         gflops(lambda: F.linear(x16, weight16), flops),
-        gflops(lambda: linear(x16, weight16, None, packed16), flops) if packed16 is not None else nan,
+        gflops(lambda: packed16(x16, None, NO_NATIVE_ROWS), flops) if isinstance(packed16, PackedProduct) else nan,
     ]
     return f"{in_features:>5}x{out_features:<6} {rows:>5} " + " ".join(f"{r:>7.1f}" for r in results)
 

@@ -4,8 +4,10 @@
 
 * ``x``: [M, K] float16, bfloat16 or float32 (a CUDA tensor; a CPU one under ``TRITON_INTERPRET=1``),
   its last dimension contiguous (else it is copied).
-* ``w``: uint8 [N, qtype.row_bytes(K)], a row of K / 32 blocks per output feature, in GGUF's layout
-  (:mod:`engine.model.quantization.blocks`); a row or whole-block ``narrow`` of a larger weight is fine.
+* ``qtype``: the weight's ``BlockFormat`` (``engine.model.quantization.blocks.QuantType`` is one; the kernel
+  imports nothing of the model's).
+* ``w``: uint8 [N, qtype.row_bytes(K)], a row of K / 32 blocks per output feature, in GGUF's layout; a row or
+  whole-block ``narrow`` of a larger weight is fine.
 * ``bias``: None or [N], any float dtype.
 * returns ``y`` [M, N] in ``x``'s dtype, accumulated in float32.
 * raises ``ValueError`` when K is not a multiple of 32, when ``w`` is not a 2-D uint8 tensor of
@@ -23,15 +25,28 @@ are chosen by M: a decode configuration (M <= 16: narrow tiles, many programs) a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.triton_common import MIN_DOT_ROWS, dot_options
-from engine.model.quantization.blocks import BLOCK, QuantType
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK = 32  # weights per block, in every format the kernel reads
+
+
+class BlockFormat(Protocol):
+    """What the kernel reads of a block format: its name, kernel id (0 Q8_0, 1 Q4_0, 2 Q4_1), a block's bytes and
+    its header's (fp16 scale, and min), a row's bytes."""
+
+    value: str
+    kernel_id: int
+    block_bytes: int
+    header_bytes: int
+
+    def row_bytes(self, k: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -146,7 +161,7 @@ def _quant_linear_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows_m < M)[:, None] & (cols_n < N)[None, :])
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, qtype: QuantType, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, qtype: BlockFormat, bias: torch.Tensor | None) -> None:
     """Raises ValueError unless the operands fit the module docstring's contract."""
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"quant_linear needs x [M, K] of float16, bfloat16 or float32, got {x.dtype} {list(x.shape)}")
@@ -163,7 +178,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, qtype: QuantType, bias: torch.Tenso
         raise ValueError(f"quant_linear's tensors are on different devices: {sorted(map(str, devices))}")
 
 
-def quant_linear(x: torch.Tensor, w: torch.Tensor, qtype: QuantType, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(
+    x: torch.Tensor, w: torch.Tensor, qtype: BlockFormat, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ dequantize(w, qtype).T + bias`` in ``x``'s dtype (module docstring: the contract)."""
     _check(x, w, qtype, bias)
     x = x if x.stride(1) == 1 else x.contiguous()

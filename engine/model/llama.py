@@ -20,6 +20,7 @@ from engine.attention.metadata import AttentionMetadata
 from engine.distributed.parallel_state import get_pp_indices
 from engine.model.architecture import Architecture
 from engine.model.layers.attention import SelfAttention
+from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS, native_rows_of_step
 from engine.model.layers.linear import LMHead, VocabEmbedding
 from engine.model.layers.mlp import SwiGLUMLP
 from engine.model.layers.norm import RMSNorm
@@ -60,7 +61,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions, hidden, residual, kv_cache, attn_metadata, cos_sin
+        self, positions, hidden, residual, kv_cache, attn_metadata, cos_sin, native_rows=NO_NATIVE_ROWS
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) -> (mlp output, residual stream before it); the next norm adds them (vLLM's layout)."""
         if residual is None:
@@ -68,9 +69,19 @@ class DecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata, cos_sin)
+        hidden = self.self_attn(positions, hidden, kv_cache, attn_metadata, cos_sin, native_rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, native_rows), residual
+
+    def native_decode_unfit(self) -> str | None:
+        """Why ``engine.worker.native_decode``'s stack (rms norms, qkv with at most a bias, rope, paged
+        attention, o_proj, SwiGLU, no other bias) does not compute this layer; None when it does."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is not None:
+            return "has q/k norms"
+        if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            return "has o_proj or MLP biases"
+        return None
 
 
 class PPMissingLayer(nn.Module):
@@ -115,12 +126,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None):
         cos_sin = self.rotary.cos_sin_for(positions, attn_metadata.max_seq_len - 1)  # [T, 2, D]
+        native_rows = native_rows_of_step(attn_metadata.max_verify_query_len)  # a verify step's few rows
         if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         else:
             hidden, residual = intermediate
         for layer, kv_cache in zip(self.local_layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, cos_sin)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, cos_sin, native_rows)
         if self.norm is None:
             return hidden, residual
         return self.norm(hidden, residual)[0]
@@ -136,8 +148,11 @@ class LlamaForCausalLM(nn.Module):
       ignores them and takes ``intermediate = (hidden, residual)`` from the previous stage instead. The
       last stage returns hidden states [T, hidden_size]; any other stage returns ``(hidden, residual)``,
       each [T, hidden_size], for the next one.
-    * ``compute_logits(hidden [n, hidden_size]) -> [n, vocab_size]`` float32 (last stage only; with
-      ``tp_size > 1`` a collective that every TP rank of the stage must call).
+    * ``compute_logits(hidden [n, hidden_size], native_rows=NO_NATIVE_ROWS) -> [n, vocab_size]`` float32
+      (last stage only; with ``tp_size > 1`` a collective that every TP rank of the stage must call);
+      ``native_rows``: the step's fact for the LM head's product (``cpu_prepack``).
+    * ``native_decode_unfit()``: why ``engine.worker.native_decode``'s stack cannot run this model's
+      decode steps, None when it can.
     * ``arch_config``: the ``Architecture``; ``num_local_layers``: the layers this stage holds.
     * ``wants_weight(name)``: whether this rank loads checkpoint tensor ``name`` (others are never read).
     """
@@ -182,8 +197,17 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, native_rows: range = NO_NATIVE_ROWS) -> torch.Tensor:
+        return self.lm_head(hidden, native_rows).float()
+
+    def native_decode_unfit(self) -> str | None:
+        if self.tp_size > 1 or self.pp_size > 1:
+            return f"tensor or pipeline parallel (tp {self.tp_size}, pp {self.pp_size})"
+        for index, layer in enumerate(self.model.local_layers):
+            reason = layer.native_decode_unfit()
+            if reason is not None:
+                return f"layer {index} {reason}"
+        return None
 
     def get_kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache on this rank."""

@@ -18,7 +18,7 @@ import torch
 from engine.attention.backend import resolve_backend_name
 from engine.config import EngineConfig
 from engine.model import get_model
-from engine.model.layers.cpu_prepack import skinny_products
+from engine.model.layers.cpu_prepack import SPECULATIVE_ROWS
 from engine.model.layers.linear_method import process_weights_after_loading
 from engine.sample.sampler import argmax
 from engine.spec_decode.proposer import ProposerInputs
@@ -122,11 +122,10 @@ class DraftModelProposer:
             dict(zip(sequences, starts)),
         )
         # Its catch-ups after a verify step (the accepted drafts and the token after: at most k + 1) run like
-        # a verify step's queries.
+        # a verify step's queries; so do its products of a few rows (cpu_prepack.native_rows_of_step).
         inputs.attn_metadata.max_verify_query_len = self.config.speculative_config.num_speculative_tokens + 1
-        with skinny_products():
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, None)
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [num_sequences, vocab]
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, None)
+        logits = self.model.compute_logits(hidden[inputs.sample_indices], SPECULATIVE_ROWS)  # [sequences, vocab]
         return argmax(logits.float()).tolist()
 
     def _cache_of(self, state: CachedRequestState) -> _DraftCache:

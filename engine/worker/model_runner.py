@@ -27,8 +27,7 @@ from engine.distributed.parallel_state import get_parallel_state, recv_from_prev
 from engine.kv_transfer import KVConnectorWorker
 from engine.lora.manager import LoRAManager
 from engine.model import get_model
-from engine.model.layers.cpu_decode import CPUDecodeStack
-from engine.model.layers.cpu_prepack import skinny_products
+from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS
 from engine.model.layers.linear_method import process_weights_after_loading
 from engine.sample import Sampler
 from engine.sample.grammar_bitmask import apply_grammar_bitmask_rows, grammar_rows
@@ -37,6 +36,7 @@ from engine.sched.kv_transfer import KVTransferOutput
 from engine.sched.step_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
 from engine.worker.input_batch import InputBatch
+from engine.worker.native_decode import NativeDecodeStep, native_decode_step
 from engine.worker.profiling import profile_forward
 from engine.worker.request_state import CachedRequestState
 from engine.worker.sampling_inputs import SamplingMetadataCache, prompt_chunks
@@ -50,7 +50,8 @@ class ModelRunner:
     A step goes through fixed stages, each owned by its own unit: the deltas
     and the flattened batch (``InputBatch``), KV loads before the forward and
     saves after it (``KVConnectorWorker``), the forward (eager, or a replayed
-    ``DecodeGraphRunner`` graph), prompt logprobs (``PromptLogprobs``), logits at
+    ``DecodeGraphRunner`` graph on CUDA, or the ``NativeDecodeStep`` on CPU,
+    chosen at load), prompt logprobs (``PromptLogprobs``), logits at
     each sampled request's last token, the grammar bitmask of
     structured-output requests (``apply_grammar_bitmask``), then the
     ``Sampler`` (or, in a step where requests verify drafts, the
@@ -82,7 +83,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only, set up with the caches
         self.spec_decode: SpecDecodeRunner | None = None  # speculative decoding, on the output rank only
         self.lora: LoRAManager | None = None  # multi-LoRA (enable_lora) only
-        self.cpu_decode: CPUDecodeStack | None = None  # decode-only CPU steps in one native call, where it fits
+        self.native_decode: NativeDecodeStep | None = None  # decode-only CPU steps in one native call, where it fits
         # Disaggregated prefill: loads remote KV before a step's forward, saves finished prompts after it.
         self.kv_connector = (
             None
@@ -106,11 +107,11 @@ class ModelRunner:
             pp_size=parallel.pp_size,
             quantization=self.config.model_config.quantization,
         )
-        process_weights_after_loading(self.model)  # oneDNN layouts once, not per call
-        if self.config.lora_config.enable_lora:
+        process_weights_after_loading(self.model)  # each layer's product chosen once, its layouts made
+        enable_lora = self.config.lora_config.enable_lora
+        self.native_decode = native_decode_step(self.model, enable_lora)  # chosen once; logs why not
+        if enable_lora:
             self.lora = LoRAManager(self.model, self.config.lora_config, self.dtype, self.device)
-        else:  # LoRA's deltas are Python-side: adapters keep the layers' path
-            self.cpu_decode = CPUDecodeStack.build(self.model)
         self.vocab_size = self.model.arch_config.vocab_size
         self.hidden_size = self.model.arch_config.hidden_size
         self.eos_token_ids = list(self.model.arch_config.eos_token_ids)
@@ -172,7 +173,7 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if parallel.is_output_rank else None
         inputs = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
-        fused = self.cpu_decode is not None and self.cpu_decode.can_run(inputs, self.requests)
+        fused = self.native_decode is not None and self.native_decode.can_run(inputs, self.requests)
         output = self._forward(inputs, fused)
         self.input_batch.advance(inputs)  # the step's KV is in the cache now
         if not parallel.is_last_stage:
@@ -212,12 +213,13 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs, fused: bool = False):
         """This rank's stage on the step's batch: a replayed CUDA graph for a small decode-only step, the
-        native ``CPUDecodeStack`` for a decode-only CPU step (``fused``), else eagerly.
+        ``NativeDecodeStep`` for a decode-only CPU step (``fused``), else eagerly (a verify step's products
+        learn it from ``attn_metadata.max_verify_query_len``: ``cpu_prepack.native_rows_of_step``).
 
         A stage after the first takes (hidden, residual) from the one before it.
         """
         if fused:
-            return self.cpu_decode.run(inputs, self.kv_caches)
+            return self.native_decode.run(inputs, self.kv_caches)
         intermediate = None
         if not self.parallel_state.is_first_stage:
             intermediate = recv_from_prev_stage(
@@ -227,8 +229,7 @@ class ModelRunner:
             self.lora.prepare([self.requests[r].lora_request for r in inputs.req_ids], inputs.query_lens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(inputs.attn_metadata):
             return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        with skinny_products(any(inputs.num_draft_tokens)):  # a verify step: its few rows per request
-            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor, fused: bool) -> torch.Tensor | None:
         """Logits at the sampled rows [num_sampled, vocab], None when nothing is sampled. With tp_size > 1 a
@@ -236,10 +237,8 @@ class ModelRunner:
         product, as its layers did."""
         if not inputs.sampled_req_ids:
             return None
-        if not fused:
-            return self.model.compute_logits(hidden[inputs.sample_indices])
-        with skinny_products(rows=range(1, self.cpu_decode.native_rows + 1)):
-            return self.model.compute_logits(hidden[inputs.sample_indices])
+        native_rows = self.native_decode.logits_rows if fused else NO_NATIVE_ROWS
+        return self.model.compute_logits(hidden[inputs.sample_indices], native_rows)
 
     def _sample(
         self, inputs: StepInputs, logits: torch.Tensor, scheduler_output: SchedulerOutput

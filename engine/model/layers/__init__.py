@@ -5,6 +5,6 @@
 - ``mlp``: ``SwiGLUMLP``, gate and up packed as ``gate_up_proj``.
 - ``norm``: ``RMSNorm``, with vLLM's fused add + norm.
 - ``rotary``: ``RotaryEmbedding`` (default, linear, dynamic NTK, llama3, yarn).
-- ``cpu_prepack``: linear weights prepared once after loading on CPU (oneDNN-packed; float32 copies on AVX2).
-- ``cpu_decode``: ``CPUDecodeStack``, a decode-only CPU step's layer stack in one native call.
+- ``linear_method``: ``LinearMethod``, how a layer stores its weight; it chooses the layer's product at load.
+- ``cpu_prepack``: the float products, chosen once per layer (oneDNN-packed on CPU; float32 copies on AVX2).
 """

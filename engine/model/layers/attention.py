@@ -8,6 +8,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.cpu import fused_cpu_ops
+from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS
 from engine.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding
@@ -54,10 +55,12 @@ class SelfAttention(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         cos_sin: torch.Tensor | None = None,
+        native_rows: range = NO_NATIVE_ROWS,
     ) -> torch.Tensor:
+        """``native_rows``: the step's fact for the products (``cpu_prepack``)."""
         t = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden, native_rows).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -73,7 +76,7 @@ class SelfAttention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k, cos_sin)
             out = self.backend.forward(kv_cache, q, k, v, attn_metadata, self.scale)  # [T, H*D]
-        return self.o_proj(out)
+        return self.o_proj(out, native_rows)
 
     def _can_fuse_rope_and_cache(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> bool:
         return (

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engine.distributed.parallel_state import tp_all_gather, tp_all_reduce
+from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS
 from engine.model.layers.linear_method import UNQUANTIZED, LinearMethod
 
 
@@ -47,10 +48,13 @@ class LinearBase(nn.Module):
 
     ``lora``: multi-LoRA (``engine.lora.layers.LinearLoRA``) adds each token's adapter delta to y;
     None (LoRA off) costs one attribute test per call. ``quant_method`` stores W and computes the product
-    (``engine.model.layers.linear_method``); ``quantize_as`` gives the layer another before loading.
+    (``engine.model.layers.linear_method``) through the layer's ``product``, chosen when the weights are
+    processed; ``quantize_as`` gives the layer another method before loading. ``forward(x, native_rows)``:
+    ``native_rows`` is the step's fact ``cpu_prepack`` documents.
     """
 
     lora = None
+    multiplies = True
     quant_method: LinearMethod = UNQUANTIZED
 
     def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int):
@@ -59,18 +63,19 @@ class LinearBase(nn.Module):
         self.in_features, self.out_features = in_local, out_local
         self.weight = self.quant_method.create_weight(out_local, in_local, self.weight_loader)
         self.bias = _param((out_local,), self.weight_loader) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
+        self.product = self.quant_method.torch_product(self.weight)  # chosen by process_weights_after_loading
 
     def quantize_as(self, method: LinearMethod) -> None:
         """Store the weight as ``method`` does (before the checkpoint loads)."""
         self.quant_method = method
         self.weight = method.create_weight(self.out_features, self.in_features, self.weight_loader)
+        self.product = method.torch_product(self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
+    def forward(self, x: torch.Tensor, native_rows: range = NO_NATIVE_ROWS) -> torch.Tensor:
+        y = self.quant_method.apply(self, x, self.bias, native_rows)
         return y if self.lora is None else self.lora.apply(x, y)
 
 
@@ -167,19 +172,21 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, native_rows: range = NO_NATIVE_ROWS) -> torch.Tensor:
         if self.tp_size == 1:
-            y = self.quant_method.apply(self, x, self.bias)
+            y = self.quant_method.apply(self, x, self.bias, native_rows)
             return y if self.lora is None else self.lora.apply(x, y)
-        y = tp_all_reduce(self.quant_method.apply(self, x, None))
+        y = tp_all_reduce(self.quant_method.apply(self, x, None, native_rows))
         if self.lora is not None:  # after the reduction: the LoRA delta reduces its own shrink
             y = self.lora.apply(x, y)
         return y if self.bias is None else y + self.bias
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding, vocab split across ranks (rows [r*V/tp, (r+1)*V/tp)); ``quant_method`` as LinearBase's."""
+    """Token embedding, vocab split across ranks (rows [r*V/tp, (r+1)*V/tp)); ``quant_method`` as LinearBase's
+    (it only looks rows up: no float product of its own)."""
 
+    multiplies = False
     quant_method: LinearMethod = UNQUANTIZED
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
@@ -190,10 +197,12 @@ class VocabEmbedding(nn.Module):
         self.vocab_start = tp_rank * self.local_vocab
         self.hidden_size = hidden_size
         self.weight = self.quant_method.create_weight(self.local_vocab, hidden_size, self.weight_loader)
+        self.product = self.quant_method.torch_product(self.weight)
 
     def quantize_as(self, method: LinearMethod) -> None:
         self.quant_method = method
         self.weight = method.create_weight(self.local_vocab, self.hidden_size, self.weight_loader)
+        self.product = method.torch_product(self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded.narrow(0, self.vocab_start, self.local_vocab))
@@ -211,8 +220,10 @@ class LMHead(nn.Module):
     """Vocab-parallel output projection; the ranks' logit shards are concatenated along vocab.
 
     With tied embeddings it reuses ``embedding.weight`` (the same Parameter) and the embedding's
-    ``quant_method``.
+    ``quant_method``; its ``product`` is its own.
     """
+
+    multiplies = True
 
     def __init__(
         self,
@@ -228,7 +239,7 @@ class LMHead(nn.Module):
         # Untied: an embedding of its own holds the vocab-sharding weight_loader (not a submodule).
         self._rows = [tied_to or VocabEmbedding(vocab_size, hidden_size, tp_rank, tp_size)]
         self.weight = self._rows[0].weight
-        self.packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
+        self.product = self.quant_method.torch_product(self.weight)  # chosen by process_weights_after_loading
 
     @property
     def quant_method(self) -> LinearMethod:
@@ -239,7 +250,8 @@ class LMHead(nn.Module):
         if not self.is_tied:
             self._rows[0].quantize_as(method)
         self.weight = self._rows[0].weight
+        self.product = self.quant_method.torch_product(self.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.quant_method.apply(self, hidden, None)
+    def forward(self, hidden: torch.Tensor, native_rows: range = NO_NATIVE_ROWS) -> torch.Tensor:
+        logits = self.quant_method.apply(self, hidden, None, native_rows)
         return logits if self.tp_size == 1 else tp_all_gather(logits)  # [T, V/tp] -> [T, V]

@@ -6,9 +6,16 @@ methods, so a format plugs in without the layers (or TP sharding, LoRA on top, t
 * ``create_weight(out_features, in_features, weight_loader)``: the stored weight, an ``nn.Parameter`` whose
   first dimension is the output rows (so a column shard is a ``narrow(0, ...)``) and whose second is
   linear in the input columns (a row-parallel shard of whole blocks is a ``narrow(1, ...)`` of it).
-* ``process_weights_after_loading(layer)``: once, after the checkpoint is in (prepacked layouts).
-* ``apply(layer, x, bias)``: ``x [T, in] -> [T, out]``, ``x @ W.T + bias``.
+* ``torch_product(weight)``: the plain-torch product, the layer's ``product`` until its weights are processed.
+* ``process_weights_after_loading(layer)``: once, after the checkpoint is in: the one place the layer's
+  ``product`` is chosen, from the weight's device and format and the CPU's ISA (prepacked layouts made then).
+* ``apply(layer, x, bias, native_rows)``: ``x [T, in] -> [T, out]``, ``x @ W.T + bias``: the layer's product,
+  nothing decided per call; ``native_rows`` is the step's fact ``cpu_prepack`` documents.
 * ``embed(layer, ids)``: rows of ``W`` for token ids, in the layer's compute dtype.
+
+A product is a callable ``(x, bias, native_rows) -> y`` with ``weight``, ``packed`` (a packed copy it reads, or
+None) and ``native_format`` (how ``engine.worker.native_decode``'s stack computes it, None where it cannot).
+A layer that only looks rows up (``VocabEmbedding``: ``multiplies`` False) gets no float product of its own.
 
 ``UNQUANTIZED`` (float weights, ``cpu_prepack``'s products) is every layer's method unless the model's
 quantization plan (``engine.model.quantization.plan``) gives it another.
@@ -23,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers.cpu_prepack import can_prepack, computes_in_fp32, linear, pack_weight
+from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS, TorchProduct, float_product
 
 
 class LinearMethod(abc.ABC):
@@ -35,10 +42,15 @@ class LinearMethod(abc.ABC):
     def create_weight(self, out_features: int, in_features: int, weight_loader: Callable) -> nn.Parameter: ...
 
     @abc.abstractmethod
-    def process_weights_after_loading(self, layer: nn.Module) -> None: ...
+    def torch_product(self, weight: nn.Parameter): ...
 
     @abc.abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def process_weights_after_loading(self, layer: nn.Module) -> None: ...
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, native_rows: range = NO_NATIVE_ROWS
+    ) -> torch.Tensor:
+        return layer.product(x, bias, native_rows)
 
     @abc.abstractmethod
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor: ...
@@ -52,17 +64,13 @@ class UnquantizedLinearMethod(LinearMethod):
         p.weight_loader = weight_loader
         return p
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """A oneDNN layout (or a float32 copy of a bf16 weight) for CPU products: see ``cpu_prepack``."""
-        if not hasattr(layer, "packed_weight"):
-            return
-        if can_prepack(layer.weight):
-            layer.packed_weight = pack_weight(layer.weight)
-        elif computes_in_fp32(layer.weight):
-            layer.packed_weight = pack_weight(layer.weight.float())
+    def torch_product(self, weight: nn.Parameter) -> TorchProduct:
+        return TorchProduct(weight)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return linear(x, layer.weight, bias, layer.packed_weight)
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """``cpu_prepack.float_product``: a oneDNN layout (or a float32 copy of a bf16 weight) on CPU."""
+        if layer.multiplies:
+            layer.product = float_product(layer.weight)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight)
@@ -72,9 +80,9 @@ UNQUANTIZED = UnquantizedLinearMethod()
 
 
 def process_weights_after_loading(model: nn.Module) -> int:
-    """Runs every layer's ``quant_method.process_weights_after_loading`` once; returns how many packed."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
-    return sum(getattr(m, "packed_weight", None) is not None for m in model.modules())
+    """Runs every layer's ``quant_method.process_weights_after_loading`` once; returns how many keep a packed
+    copy of their weight."""
+    layers = [module for module in model.modules() if getattr(module, "quant_method", None) is not None]
+    for layer in layers:
+        layer.quant_method.process_weights_after_loading(layer)
+    return sum(layer.product.packed is not None for layer in layers)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.cpu import fused_cpu_ops
+from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS
 from engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -30,10 +31,11 @@ class SwiGLUMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * I_local]
+    def forward(self, x: torch.Tensor, native_rows: range = NO_NATIVE_ROWS) -> torch.Tensor:
+        """``native_rows``: the step's fact for the products (``cpu_prepack``)."""
+        gate_up = self.gate_up_proj(x, native_rows)  # [T, 2 * I_local]
         ops = fused_cpu_ops(gate_up)
         if ops is not None:  # one vectorized pass, bit-identical to the torch ops below in bf16
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return self.down_proj(ops.silu_and_mul(gate_up), native_rows)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, native_rows)

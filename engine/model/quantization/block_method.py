@@ -2,19 +2,22 @@
 
 The weight is a uint8 ``nn.Parameter`` [out, row_bytes(in)] (``blocks``): a column-parallel shard is a
 narrow of its rows, a row-parallel one a narrow of whole blocks, so the layers' weight loaders shard it
-unchanged. Products:
+unchanged. Its product, chosen once by ``process_weights_after_loading`` from the weight's device and the
+native kernels there:
 
-* CPU: the native ``quant_linear`` (``engine/kernels/csrc/quant_linear.cpp``) on the weight repacked once
-  after loading (``packed.pack``: 16 rows interleaved, the same bytes): activations quantized per block to
-  14 bits and exact integer dot products; each output row depends only on its input row, bit for
-  bit, so batching and prefix caching change no token. Activations of another dtype compute in float32 and
-  round back.
-* CUDA: the Triton kernel (``engine.kernels.triton_quant``), activations in their own dtype.
-* Where neither is available (no compiler, native ops switched off): the torch reference, the weight
-  dequantized per call; exact, slow.
+* ``NativeBlockProduct`` (CPU with the native kernels): ``quant_linear``
+  (``engine/kernels/csrc/quant_linear.cpp``) on the weight repacked once after loading (``packed.pack``: 16
+  rows interleaved, the same bytes): activations quantized per block to 14 bits and exact integer dot
+  products; each output row depends only on its input row, bit for bit, so batching and prefix caching
+  change no token. Activations of another dtype compute in float32 and round back.
+* ``TritonBlockProduct`` (CUDA): the Triton kernel (``engine.kernels.triton_quant``), activations in their
+  own dtype.
+* ``TorchBlockProduct`` (elsewhere: no compiler, native ops switched off; every layer before its weights are
+  processed): the torch reference, the weight dequantized per call; exact, slow.
 
-Embedding rows are dequantized for the ids asked (the model's dtype). A tied head and embedding share one
-Parameter, so the packing is marked on it (``packed``) and done once.
+Embedding rows are dequantized for the ids asked (the model's dtype), read through the product (the packed
+layout or the file's). A tied head and embedding share one Parameter, so the packing is marked on it
+(``packed``) and done once.
 """
 
 from __future__ import annotations
@@ -29,6 +32,49 @@ from engine.kernels.cpu import load_cpu_kernels
 from engine.model.layers.linear_method import LinearMethod
 from engine.model.quantization.blocks import QuantType, dequantize
 from engine.model.quantization.packed import pack, unpack_rows
+
+
+class TorchBlockProduct:
+    """The reference: ``x @ dequantize(w).T``, the weight in the file's layout (``linear_method``'s product)."""
+
+    native_format: int | None = None
+    packed = None
+
+    def __init__(self, weight: torch.Tensor, qtype: QuantType) -> None:
+        self.weight, self.qtype = weight, qtype
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, native_rows: range) -> torch.Tensor:
+        return F.linear(x, dequantize(self.weight, self.qtype).to(x.dtype), bias)
+
+    def file_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight in the file's layout (uint8 [T, row_bytes])."""
+        return self.weight.index_select(0, ids.reshape(-1))
+
+
+class TritonBlockProduct(TorchBlockProduct):
+    def __init__(self, weight: torch.Tensor, qtype: QuantType) -> None:
+        super().__init__(weight, qtype)
+        from engine.kernels.triton_quant import quant_linear  # Triton: imported on a GPU only
+
+        self.quant_linear = quant_linear
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, native_rows: range) -> torch.Tensor:
+        return self.quant_linear(x, self.weight, self.qtype, bias)
+
+
+class NativeBlockProduct(TorchBlockProduct):
+    """``quant_linear`` on the packed layout; the native decode stack runs it by the format's kernel id."""
+
+    def __init__(self, weight: torch.Tensor, qtype: QuantType, kernels) -> None:
+        super().__init__(weight, qtype)
+        self.kernels, self.native_format = kernels, qtype.kernel_id
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, native_rows: range) -> torch.Tensor:
+        bias = None if bias is None else bias.float()
+        return self.kernels.quant_linear(x.float(), self.weight, self.native_format, bias).to(x.dtype)
+
+    def file_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return unpack_rows(self.weight, ids, self.qtype)
 
 
 class BlockQuantLinearMethod(LinearMethod):
@@ -49,38 +95,28 @@ class BlockQuantLinearMethod(LinearMethod):
         p.weight_loader = weight_loader
         return p
 
+    def torch_product(self, weight: nn.Parameter) -> TorchBlockProduct:
+        return TorchBlockProduct(weight, self.qtype)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """On the CPU with the native kernels, the packed layout (once per Parameter); else as stored."""
+        """The product (module docstring); on the CPU with the native kernels, the packed layout first (once
+        per Parameter: a tied head finds it packed by its embedding)."""
         weight = layer.weight
-        if getattr(weight, "packed", False) or weight.device.type != "cpu" or _native() is None:
-            return
-        weight.data = pack(weight.data, self.qtype)
-        weight.packed = True
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if getattr(layer.weight, "packed", False):
-            y = _native().quant_linear(x.float(), layer.weight, self.qtype.kernel_id, _float(bias))
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
-        if x.device.type == "cuda":
-            from engine.kernels.triton_quant import quant_linear
-
-            return quant_linear(x, layer.weight, self.qtype, bias)
-        return F.linear(x, dequantize(layer.weight, self.qtype).to(x.dtype), bias)
+        kernels = load_cpu_kernels() if weight.device.type == "cpu" else None
+        if not hasattr(kernels, "quant_linear"):
+            kernels = None
+        if getattr(weight, "packed", False) and kernels is None:
+            raise RuntimeError(f"a {self.qtype.value} weight packed for the native kernels, which are off now")
+        if kernels is not None:
+            if not getattr(weight, "packed", False):
+                weight.data = pack(weight.data, self.qtype)
+                weight.packed = True
+            layer.product = NativeBlockProduct(weight, self.qtype, kernels)
+        elif weight.device.type == "cuda":
+            layer.product = TritonBlockProduct(weight, self.qtype)
+        else:
+            layer.product = TorchBlockProduct(weight, self.qtype)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        if getattr(layer.weight, "packed", False):
-            rows = unpack_rows(layer.weight, ids, self.qtype)
-        else:
-            rows = layer.weight.index_select(0, ids.reshape(-1))
-        values = dequantize(rows, self.qtype).to(self.compute_dtype)
+        values = dequantize(layer.product.file_rows(ids), self.qtype).to(self.compute_dtype)
         return values.reshape(*ids.shape, -1)
-
-
-def _native():
-    """The native CPU kernels where they have ``quant_linear``, else None."""
-    kernels = load_cpu_kernels()
-    return kernels if kernels is not None and hasattr(kernels, "quant_linear") else None
-
-
-def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.float()

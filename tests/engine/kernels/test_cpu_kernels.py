@@ -277,15 +277,17 @@ def test_skinny_linear_matches_f_linear(ops, rows, in_features, out_features):
     torch.testing.assert_close(ops.skinny_linear(strided, weight), F.linear(strided, weight), atol=1e-4, rtol=1e-5)
 
 
-def test_a_layer_takes_skinny_linear_for_2_to_8_rows_inside_skinny_products_only(ops):
-    from engine.model.layers.cpu_prepack import linear, skinny_products
+def test_a_float32_product_takes_skinny_linear_for_the_rows_its_step_names_only(ops):
+    from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS, SPECULATIVE_ROWS, CPUFloat32Product, float_product
 
     weight = _randn(64, 32, dtype=torch.float32, seed=4)
+    chosen = float_product(weight)  # what a float32 CPU layer gets at load: the packed copy, the native kernel
+    assert isinstance(chosen, CPUFloat32Product) and chosen.packed is not None and chosen.skinny_linear is not None
+    product = CPUFloat32Product(weight, None, ops.skinny_linear)  # unpacked: the rows past 2 show the choice too
     for rows in (1, 2, 8, 9):
         x = _randn(rows, 32, dtype=torch.float32, seed=rows)
-        with skinny_products():
-            want = ops.skinny_linear(x, weight) if 2 <= rows <= 8 else F.linear(x, weight)
-            assert torch.equal(linear(x, weight, None, None), want), rows
-        assert torch.equal(linear(x, weight, None, None), F.linear(x, weight)), rows  # MKL outside
+        want = ops.skinny_linear(x, weight) if 2 <= rows <= 8 else F.linear(x, weight)
+        assert torch.equal(product(x, None, SPECULATIVE_ROWS), want), rows
+        assert torch.equal(product(x, None, NO_NATIVE_ROWS), F.linear(x, weight)), rows  # MKL outside
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
         ops.skinny_linear(_randn(9, 32, dtype=torch.float32), weight)

@@ -375,23 +375,23 @@ def test_tensor_parallel_weight_loader_slices(tmp_path, tp_rank):
 def test_prepacked_bf16_linears_match_plain_linears(tmp_path):
     """The oneDNN-prepacked bf16 path gives what F.linear gives (it only changes the weight layout); on a
     CPU without oneDNN bf16, the layer computes in float32 from a float32 copy of its weight."""
-    from engine.model.layers.cpu_prepack import can_prepack
+    from engine.kernels.cpu import has_bf16_matmul
     from engine.model.layers.linear import LinearBase
     from engine.model.layers.linear_method import process_weights_after_loading
 
     layer = LinearBase(64, 96, bias=True, tp_rank=0, tp_size=1).to(torch.bfloat16)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    if not can_prepack(layer.weight):
+    if not has_bf16_matmul():
         # No bf16 matrix instructions on this CPU (no AVX-512 BF16 / AMX): float32 products, bf16 output.
         x = torch.randn(7, 64, dtype=torch.bfloat16)
-        assert process_weights_after_loading(layer) == 1 and layer.packed_weight.dtype == torch.float32
+        assert process_weights_after_loading(layer) == 1 and layer.product.packed.dtype == torch.float32
         expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
         assert layer(x).dtype == torch.bfloat16 and torch.equal(layer(x), expected)
         return
     for num_rows in (1, 7, 64, 300):
         x = torch.randn(num_rows, 64, dtype=torch.bfloat16)
         expected = layer(x)
-        assert process_weights_after_loading(layer) == 1 and layer.packed_weight is not None
+        assert process_weights_after_loading(layer) == 1 and layer.product.packed is not None
         torch.testing.assert_close(layer(x).float(), expected.float(), atol=2e-2, rtol=2e-2)
-        layer.packed_weight = None
+        layer.product = layer.quant_method.torch_product(layer.weight)  # back to F.linear

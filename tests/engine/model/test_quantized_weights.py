@@ -24,6 +24,7 @@ from engine import LLM
 from engine.kernels.cpu import use_cpu_kernels
 from engine.model.layers.linear import LinearBase
 from engine.model.layers.linear_method import process_weights_after_loading
+from engine.model.quantization.block_method import NativeBlockProduct, TorchBlockProduct
 from engine.model.quantization.blocks import QuantType, dequantize, quantize
 from engine.model.registry import get_model
 from tests.conftest import SMOLLM2_PATH, assert_pool_clean, greedy
@@ -75,6 +76,21 @@ def test_each_layer_computes_its_dequantized_product(quantized, native):
     ids = torch.tensor([[0, 17, 49151], [5, 5, 2]])
     rows = dequantize(quantized.model.embed_tokens.weight, QuantType.Q8_0)[ids]
     assert torch.equal(model.model.embed_tokens(ids), rows)
+
+
+def test_a_block_layers_product_is_chosen_once_when_its_weights_are_processed():
+    model = get_model(str(GGUF))
+    down, head = model.model.local_layers[2].mlp.down_proj, model.lm_head
+    assert type(down.product) is TorchBlockProduct and type(head.product) is TorchBlockProduct  # until processed
+    x = torch.randn(3, 1536)
+    reference = down(x)
+    process_weights_after_loading(model)
+    assert type(down.product) is NativeBlockProduct and down.product.native_format == QuantType.Q4_1.kernel_id
+    assert type(head.product) is NativeBlockProduct and head.product.native_format == QuantType.Q8_0.kernel_id
+    native = down(x)
+    assert not torch.equal(native, reference)  # 14-bit activations: the native kernel's product, not torch's
+    with use_cpu_kernels(False):  # nothing is decided per call: the product stays the one chosen at load
+        assert torch.equal(down(x), native)
 
 
 def _layer_modules(model):

@@ -1,0 +1,128 @@
+"""The native decode step (engine/worker/native_decode.py): it takes decode-only CPU steps of the models it
+was written for, and what it computes equals the layers' path (greedy tokens; logprobs to float rounding);
+whether it runs a model is decided once, at load, and a model it cannot run is told with the reason."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels.cpu import load_cpu_kernels
+from engine.model.layers.linear import LinearBase
+from engine.model.layers.linear_method import process_weights_after_loading
+from engine.model.quantization.block_method import BlockQuantLinearMethod
+from engine.model.quantization.blocks import QuantType, quantize
+from engine.model.registry import get_model
+from engine.worker.native_decode import NativeDecodeStep, native_decode_step, unfit_reason
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(load_cpu_kernels(), "decode_stack"), reason="needs the native CPU kernels with a vector ISA"
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+
+
+def _prompts(vocab_size: int, lengths: list[int]) -> list[dict]:
+    rng = random.Random(3)
+    return [{"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(n)]} for n in lengths]
+
+
+def _generate(llm, prompts, fused: bool, native_rows: int | None = None):
+    runner = _runner(llm)
+    stack = runner.native_decode
+    default_rows = stack.native_rows
+    stack.native_rows = default_rows if native_rows is None else native_rows
+    runner.native_decode = stack if fused else None
+    try:
+        return llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        runner.native_decode, stack.native_rows = stack, default_rows
+
+
+@pytest.mark.parametrize(("arch", "tie"), [("llama", True), ("llama", False), ("qwen2", None)])
+@pytest.mark.parametrize("native_rows", [0, None, 8])  # None: the default, 2 rows (the rest on packed weights)
+def test_fused_decode_equals_the_layers(tiny_checkpoint, arch, tie, native_rows):
+    llm = LLM(tiny_checkpoint(arch, tie), dtype="float32", max_num_seqs=12, enable_prefix_caching=False)
+    stack = _runner(llm).native_decode
+    assert (
+        stack is not None and stack.native_rows == 2 and len(stack.packed_weights) == 4 * len(stack.layer_weights) // 7
+    )
+    for lengths in ([9], [5, 17, 30], [4 + i for i in range(11)]):  # batch 1, a few rows, past 8 rows
+        prompts = _prompts(llm.get_tokenizer().vocab_size, lengths)
+        fused = _generate(llm, prompts, True, native_rows)
+        layers = _generate(llm, prompts, False)
+        for got, want in zip(fused, layers, strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            for got_top, want_top in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+                assert got_top.keys() == want_top.keys()
+                for token_id, logprob in got_top.items():
+                    assert logprob.logprob == pytest.approx(want_top[token_id].logprob, abs=1e-4)
+
+
+def test_only_decode_steps_of_generated_tokens_are_fused(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("llama", True), dtype="float32", enable_prefix_caching=False)
+    runner = _runner(llm)
+    calls: list[list[int]] = []
+    run = runner.native_decode.run
+
+    def recording_run(inputs, kv_caches):
+        calls.append(list(inputs.query_lens))
+        return run(inputs, kv_caches)
+
+    runner.native_decode.run = recording_run
+    llm.generate(_prompts(llm.get_tokenizer().vocab_size, [1, 6]), GREEDY, use_tqdm=False)
+    # The one-token prompt's first step is a prompt token: not fused; every later step is (12 tokens each,
+    # the first sampled from the prompt step, 11 decode steps after it).
+    assert calls and all(query_lens == [1] * len(query_lens) for query_lens in calls)
+    assert len(calls) == GREEDY.max_tokens - 1
+
+
+def test_not_built_for_bfloat16_or_lora(tiny_checkpoint):
+    path = tiny_checkpoint("llama", True)
+    assert _runner(LLM(path, dtype="bfloat16")).native_decode is None
+    assert _runner(LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8)).native_decode is None
+
+
+def _loaded(path: str, dtype: torch.dtype = torch.float32, formats: dict[str, QuantType] | None = None):
+    """The model at ``path`` with its weights processed, as the model runner loads it; ``formats``: linears
+    (by name suffix) quantized to a block format first, as a .gguf file's plan would keep them."""
+    model = get_model(path, dtype)
+    for name, layer in model.named_modules():
+        qtype = next((q for suffix, q in (formats or {}).items() if name.endswith(suffix)), None)
+        if qtype is not None and isinstance(layer, LinearBase):
+            raw = quantize(layer.weight, qtype)
+            layer.quantize_as(BlockQuantLinearMethod(qtype, dtype))
+            layer.weight.data.copy_(raw)
+    process_weights_after_loading(model)
+    return model
+
+
+def test_a_model_the_stack_cannot_run_is_told_once_at_load_with_the_reason(tiny_checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.worker.native_decode"):
+        assert native_decode_step(_loaded(tiny_checkpoint("qwen3")), lora_enabled=False) is None
+    assert caplog.messages == ["native decode stack off: layer 0 has q/k norms"]
+    llama = tiny_checkpoint("llama", True)
+    assert unfit_reason(_loaded(llama), lora_enabled=True) == "LoRA adapters (their deltas are added in Python)"
+    assert unfit_reason(_loaded(llama, torch.bfloat16), False) == (
+        "the model computes in torch.bfloat16, the stack in float32"
+    )
+    mixed = _loaded(llama, formats={"mlp.down_proj": QuantType.Q4_0, "self_attn.qkv_proj": QuantType.Q8_0})
+    assert unfit_reason(mixed, False) == "the layers' products mix formats (kernel ids [-1, 0, 1])"
+    assert unfit_reason(_loaded(tiny_checkpoint("qwen2")), False) is None  # a qkv bias is the stack's shape
+    assert isinstance(native_decode_step(_loaded(llama), lora_enabled=False), NativeDecodeStep)
+
+
+def test_the_stack_reads_each_layers_product_as_chosen_at_load(tiny_checkpoint):
+    path = tiny_checkpoint("llama", True)
+    stack = NativeDecodeStep(_loaded(path), load_cpu_kernels())
+    assert stack.weight_format == -1 and stack.native_rows == 2 and stack.logits_rows == range(1, 3)
+    q8 = NativeDecodeStep(_loaded(path, formats={"proj": QuantType.Q8_0}), load_cpu_kernels())
+    assert q8.weight_format == QuantType.Q8_0.kernel_id and q8.packed_weights == [] and q8.native_rows == 8
