@@ -22,7 +22,17 @@ import pytest
 from ray import serve
 
 from serval.launcher import lifecycle as launcher
-from tests.serve.cluster import RayHead, app_status, deploy_and_wait, llm_config, serve_config, sse_lines
+from tests.serve.cluster import (
+    RayHead,
+    Replica,
+    app_status,
+    deploy_and_wait,
+    llm_config,
+    replica_loads,
+    running_replicas,
+    serve_config,
+    sse_lines,
+)
 from tests.serve.haproxy_log import HAProxyLog
 
 LLAMA = "tiny-llama"
@@ -95,15 +105,21 @@ def stream_completion(
 
 
 class InFlightStreams:
-    """Starts ``count`` streams and waits until each has produced a token."""
+    """Starts ``count`` streams (``add`` starts more) and waits until each has produced a token."""
 
     def __init__(self, pool: ThreadPoolExecutor, head: RayHead, count: int, tokens: int = STREAM_TOKENS) -> None:
+        self.pool, self.head, self.tokens = pool, head, tokens
+        self.futures: list[Future] = []
+        self.add(count)
+
+    def add(self, count: int) -> None:
         events = [threading.Event() for _ in range(count)]
-        self.tokens = tokens
-        self.futures: list[Future] = [
-            pool.submit(stream_completion, head.base_url, event, tokens, head.haproxy_log) for event in events
+        futures = [
+            self.pool.submit(stream_completion, self.head.base_url, event, self.tokens, self.head.haproxy_log)
+            for event in events
         ]
-        for event, future in zip(events, self.futures):
+        self.futures += futures
+        for event, future in zip(events, futures):
             while not event.wait(0.1):
                 if future.done():
                     future.result()  # re-raises what went wrong
@@ -112,6 +128,15 @@ class InFlightStreams:
     def assert_all_complete(self) -> None:
         results = [future.result(timeout=300) for future in self.futures]
         assert results == [(self.tokens, "length", True)] * len(self.futures)
+
+    def spread_over(self, replicas: list[Replica], max_streams: int = 16) -> dict[str, int]:
+        """Adds streams one at a time until every replica's engine holds one (asked of each replica, not
+        through Serve's router); returns the requests each holds."""
+        while True:
+            loads = {rid: load["num_running"] + load["num_waiting"] for rid, load in replica_loads(replicas).items()}
+            if all(loads.values()) or len(self.futures) >= max_streams:
+                return loads
+            self.add(1)
 
 
 def replica_stats(num_calls: int = 40) -> dict[str, dict]:
@@ -122,18 +147,6 @@ def replica_stats(num_calls: int = 40) -> dict[str, dict]:
         result = handle.stats.remote().result()
         stats[result["replica_id"]] = result
     return stats
-
-
-def running_per_replica(num_replicas: int, timeout_s: float = 30.0) -> dict[str, int]:
-    """The most requests each replica was seen running, polled until ``num_replicas`` replicas were each seen
-    running some (or ``timeout_s``): one snapshot can come after a replica's streams ended, on a fast CPU."""
-    handle = serve.get_deployment_handle(SERVER, app_name="llm")
-    running: dict[str, int] = {}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not (len(running) == num_replicas and all(running.values())):
-        result = handle.stats.remote().result()
-        running[result["replica_id"]] = max(running.get(result["replica_id"], 0), result["num_running_reqs"])
-    return running
 
 
 def assert_every_replica_serves(base_url: str, pool: ThreadPoolExecutor, num_replicas: int) -> None:
@@ -186,8 +199,8 @@ def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
         scaled["applications"][0]["external_scaler_enabled"] = True
         launcher.deploy(scaled, ray_head.dashboard_url)
         streams = InFlightStreams(pool, ray_head, 6, LONG_STREAM_TOKENS)
-        running = running_per_replica(2)
-        assert len(running) == 2 and all(count > 0 for count in running.values()), running
+        held = streams.spread_over(running_replicas(ray_head, SERVER))
+        assert len(held) == 2 and all(held.values()), held
         url = f"{ray_head.dashboard_url}/api/v1/applications/llm/deployments/{SERVER}/scale"
         headers = {"Authorization": f"Bearer {launcher.ray_auth_token()}"}  # the cluster uses token auth
         assert httpx.post(url, json={"target_num_replicas": 1}, headers=headers, timeout=30).status_code == 200
