@@ -45,7 +45,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)  # == seq_lens.tolist()
     num_decodes: int = -1  # hint: requests [0, num_decodes) have query_len 1; -1 = unknown
     # Speculative verification: queries of up to this many tokens (1 + drafts) may run as one decode row per
-    # token (the CPU backend's native kernel); outside such steps each longer query is one prefill.
+    # token (the CPU backend's native kernel); outside such steps each longer query is one prefill. The step's
+    # few-row float32 products read it too (engine.model.layers.cpu_prepack.native_rows_of_step).
     max_verify_query_len: int = 1
     # Whatever the backend derives from the batch layout on the first layer and reuses on the others.
     backend_plan: object | None = None

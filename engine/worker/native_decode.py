@@ -7,12 +7,13 @@ back to back. Products of up to ``native_rows`` rows take the native ``skinny_li
 read once for all rows, whoever the CPU's vendor); larger ones the weight's oneDNN-packed copy where its
 layer's product keeps one (so from ``PACKED_MIN_ROWS`` rows, as ``CPUFloat32Product`` decides), else
 ``at::linear``, what ``F.linear`` runs; a block-format weight's product is ``quant_linear``, as
-``NativeBlockProduct``'s. The step's LM head takes the native product for the rows its stack did
-(``logits_rows``).
+``NativeBlockProduct``'s, each linear in its own format (``weight_formats``: a file whose layers mix Q8_0,
+Q4_0 and Q4_1, as every Q4_K_M file does, keeps the stack). The step's LM head takes the native product for
+the rows its stack did (``logits_rows``).
 
 Chosen once, at load (``native_decode_step``), from what the parts declare: the model that its layers are the
 stack's shape (``native_decode_unfit``), each layer's product how the stack computes it (``native_format``:
-float32, or one block format for the whole stack), the attention backend its KV layout; a model it cannot run
+float32, or a block format), the attention backend its KV layout; a model it cannot run
 keeps the layers, and the reason is logged once. Per step it takes only a step whose every token decodes a
 generated token (``can_run``): a prompt's last tokens after a prefix-cache hit keep the layers' path, so they
 still equal the full prompt's bit for bit.
@@ -68,10 +69,12 @@ class NativeDecodeStep:
             )
         ]
         products = [linear.product for layer in stack.local_layers for linear in _linears(layer)]
-        self.weight_format = products[0].native_format  # one across the stack (native_decode_step)
-        packed = all(product.packed is not None for product in products)
-        self.packed_weights = [product.packed for product in products] if packed else []
-        self.native_rows = PACKED_MIN_ROWS - 1 if packed else NATIVE_ROWS
+        self.weight_formats = [product.native_format for product in products]  # 4 per layer
+        packed = [product.packed for product in products]
+        self.packed_weights = [empty if p is None else p for p in packed] if any(p is not None for p in packed) else []
+        # Where every float32 product keeps a packed copy, from PACKED_MIN_ROWS rows they take it, as the layers do.
+        floats = [p for p, f in zip(packed, self.weight_formats) if f == -1]
+        self.native_rows = PACKED_MIN_ROWS - 1 if floats and None not in floats else NATIVE_ROWS
 
     @property
     def logits_rows(self) -> range:
@@ -108,7 +111,7 @@ class NativeDecodeStep:
             self.eps,
             self.scale,
             self.native_rows,
-            self.weight_format,
+            self.weight_formats,
         )
 
 
@@ -147,14 +150,12 @@ def unfit_reason(model: nn.Module, lora_enabled: bool) -> str | None:
 
 
 def _products_unfit(layers) -> str | None:
-    """Why the layers' products are not all ones the stack computes in one format, None when they are."""
-    formats = set()
+    """Why a layer's product is not one the stack computes, None when every one is."""
     for index, layer in enumerate(layers):
         for name, linear in zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), _linears(layer)):
             if linear.product.native_format is None:
                 return f"layer {index}'s {name} product ({type(linear.product).__name__}) has no native form"
-            formats.add(linear.product.native_format)
-    return None if len(formats) == 1 else f"the layers' products mix formats (kernel ids {sorted(formats)})"
+    return None
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:

@@ -21,7 +21,7 @@ torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> laye
                            std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
                            torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
                            torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                           int64_t native_rows, int64_t weight_format);
+                           int64_t native_rows, std::vector<int64_t> weight_formats);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -53,6 +53,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"), py::arg("layer_weights"), py::arg("packed_weights"), py::arg("kv_caches"), py::arg("final_norm"), py::arg("positions"),
         py::arg("slot_mapping"), py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("native_rows"),
-        py::arg("weight_format") = -1);
+        py::arg("weight_formats"));
 #endif
 }

@@ -4,21 +4,23 @@
 // SiLU); through Python each costs its interpreter and dispatcher time, about a tenth of what the products
 // themselves take on a 135M model, paid 30 times a step. Here the same native ops run back to back in C++:
 // the arithmetic is exactly that of the layers' native path (elementwise.cpp, decode_attention.cpp), and each
-// product is the native skinny_linear (rows <= native_rows), else the weight's oneDNN-packed copy through
-// mkldnn::_linear_pointwise when there is one (what cpu_prepack.linear calls), else at::linear (F.linear);
-// with block-format weights (weight_format >= 0, a QuantType's kernel_id) every product is quant_linear,
-// what BlockQuantLinearMethod calls.
+// float32 product is the native skinny_linear (rows <= native_rows), else the weight's oneDNN-packed copy
+// through mkldnn::_linear_pointwise when there is one (what cpu_prepack.CPUFloat32Product calls), else
+// at::linear (F.linear); a block-format weight's product (its format >= 0, a QuantType's kernel_id) is
+// quant_linear, what NativeBlockProduct calls. Each of the four products of a layer has its own format, so a
+// file whose layers mix formats (every Q4_K_M file does) runs here too.
 //
 // Contract (decode_stack): hidden [T, hidden] float32, the step's token embeddings, one token per request
 // (row i is request i); layer_weights holds 7 tensors per layer, in order: input_layernorm [hidden],
 // qkv_proj weight [(H + 2 Hk) D, hidden], qkv_proj bias (or an empty tensor), o_proj weight [hidden, H D],
 // post_attention_layernorm [hidden], gate_up_proj weight [2 I, hidden], down_proj weight [hidden, I];
-// packed_weights is empty or holds 4 per layer, the packed copies of qkv, o, gate_up and down (cpu_prepack);
+// packed_weights is empty or holds 4 per layer, the packed copies of qkv, o, gate_up and down (cpu_prepack), an
+// empty tensor for a product with none;
 // kv_caches one [2, blocks, block_size, Hk, D] per layer (float32, bf16 or half); positions and slot_mapping
 // int64 [T]; cos_sin the rope table [P, 2, D] float32; block_tables int32 [T, max_blocks] and seq_lens int32
-// [T]; weight_format -1 (float weights) or the kernel_id of the one block format all four products' weights
-// are in. Writes each layer's new K/V into its cache and returns the final norm of the last layer's output
-// [T, hidden].
+// [T]; weight_formats 4 per layer, in the products' order: -1 (float32 weights) or the kernel_id of the
+// weight's block format. Writes each layer's new K/V into its cache and returns the final norm of the last
+// layer's output [T, hidden].
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -46,7 +48,7 @@ constexpr int64_t kPackedPerLayer = 4;
 
 struct StepArgs {
   torch::Tensor positions, slot_mapping, cos_sin, block_tables, seq_lens;
-  int64_t num_heads, num_kv_heads, head_dim, native_rows, weight_format;
+  int64_t num_heads, num_kv_heads, head_dim, native_rows;
   double eps, scale;
 };
 
@@ -60,19 +62,20 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
 }
 
-// x @ w.T (+ bias); packed is w's packed copy or an undefined tensor.
+// x @ w.T (+ bias) for a weight in ``format`` (-1 float32, else a block format's kernel_id); packed is w's
+// packed copy, or an undefined or empty tensor.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
-                      const torch::Tensor& bias, const StepArgs& a) {
+                      const torch::Tensor& bias, int64_t format, const StepArgs& a) {
   const c10::optional<torch::Tensor> b = bias.defined() && bias.numel() > 0 ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
-  if (a.weight_format >= 0) return quant_linear(x, w, a.weight_format, b);
+  if (format >= 0) return quant_linear(x, w, format, b);
   if (x.size(0) <= a.native_rows) return skinny_linear(x, w, b);
-  if (packed.defined()) return packed_linear(x, packed, b);
+  if (packed.defined() && packed.numel() > 0) return packed_linear(x, packed, b);
   return at::linear(x, w, b);
 }
 
 // One layer: (hidden, residual) -> (its MLP output, the residual stream before it), like DecoderLayer.forward.
-torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const torch::Tensor& kv_cache,
-                    torch::Tensor hidden, torch::Tensor& residual, const StepArgs& a) {
+torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const int64_t* formats,
+                    const torch::Tensor& kv_cache, torch::Tensor hidden, torch::Tensor& residual, const StepArgs& a) {
   const torch::Tensor none;
   const int64_t t = hidden.size(0), d = a.head_dim;
   if (!residual.defined()) {
@@ -81,7 +84,7 @@ torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const t
   } else {
     fused_add_rms_norm(hidden, residual, w[0], a.eps);  // in place: hidden = norm, residual = sum
   }
-  const torch::Tensor qkv = product(hidden, w[1], packed ? packed[0] : none, w[2], a);
+  const torch::Tensor qkv = product(hidden, w[1], packed ? packed[0] : none, w[2], formats[0], a);
   const int64_t q_size = a.num_heads * d, kv_size = a.num_kv_heads * d;
   torch::Tensor q = qkv.narrow(1, 0, q_size).view({t, a.num_heads, d});
   torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, a.num_kv_heads, d});
@@ -89,10 +92,10 @@ torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const t
   rotary_embedding_and_cache(a.positions, q, k, v, a.cos_sin, kv_cache, a.slot_mapping);
   torch::Tensor attn = torch::empty({t, a.num_heads, d}, hidden.options());
   paged_decode_attention(q, kv_cache, a.block_tables, a.seq_lens, a.scale, attn);
-  torch::Tensor out = product(attn.view({t, q_size}), w[3], packed ? packed[1] : none, none, a);
+  torch::Tensor out = product(attn.view({t, q_size}), w[3], packed ? packed[1] : none, none, formats[1], a);
   fused_add_rms_norm(out, residual, w[4], a.eps);  // out = norm(out + residual), residual = the sum
-  const torch::Tensor gate_up = product(out, w[5], packed ? packed[2] : none, none, a);
-  return product(silu_and_mul(gate_up), w[6], packed ? packed[3] : none, none, a);
+  const torch::Tensor gate_up = product(out, w[5], packed ? packed[2] : none, none, formats[2], a);
+  return product(silu_and_mul(gate_up), w[6], packed ? packed[3] : none, none, formats[3], a);
 }
 
 }  // namespace
@@ -101,23 +104,26 @@ torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> laye
                            std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
                            torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
                            torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                           int64_t native_rows, int64_t weight_format) {
+                           int64_t native_rows, std::vector<int64_t> weight_formats) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == kTensorsPerLayer * num_layers,
               "decode_stack: 7 weight tensors per layer expected");
   TORCH_CHECK(packed_weights.empty() || static_cast<int64_t>(packed_weights.size()) == kPackedPerLayer * num_layers,
               "decode_stack: no packed weights or 4 per layer expected");
+  TORCH_CHECK(static_cast<int64_t>(weight_formats.size()) == kPackedPerLayer * num_layers,
+              "decode_stack: 4 weight formats per layer expected");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 && hidden.is_contiguous(),
               "decode_stack: contiguous float32 hidden [T, hidden] expected");
   TORCH_CHECK(block_tables.size(0) == hidden.size(0) && seq_lens.size(0) == hidden.size(0),
               "decode_stack: one token per request");
   const int64_t head_dim = kv_caches.empty() ? 0 : kv_caches[0].size(4);
   const StepArgs args{positions, slot_mapping, cos_sin, block_tables, seq_lens, num_heads, num_kv_heads,
-                      head_dim,  native_rows,  weight_format, eps, scale};
+                      head_dim,  native_rows,  eps, scale};
   torch::Tensor residual;
   for (int64_t i = 0; i < num_layers; ++i) {
     const torch::Tensor* packed = packed_weights.empty() ? nullptr : packed_weights.data() + i * kPackedPerLayer;
-    hidden = layer(layer_weights.data() + i * kTensorsPerLayer, packed, kv_caches[i], hidden, residual, args);
+    hidden = layer(layer_weights.data() + i * kTensorsPerLayer, packed, weight_formats.data() + i * kPackedPerLayer,
+                   kv_caches[i], hidden, residual, args);
   }
   fused_add_rms_norm(hidden, residual, final_norm, eps);
   return hidden;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import pytest
 import torch
@@ -18,6 +19,10 @@ from engine.model.quantization.block_method import BlockQuantLinearMethod
 from engine.model.quantization.blocks import QuantType, quantize
 from engine.model.registry import get_model
 from engine.worker.native_decode import NativeDecodeStep, native_decode_step, unfit_reason
+from serval.tools.quantize_gguf import Plan, quantize_gguf
+from tests.conftest import SMOLLM2_PATH
+
+GGUF = SMOLLM2_PATH.parent / "smollm2-135m-instruct.gguf"
 
 pytestmark = pytest.mark.skipif(
     not hasattr(load_cpu_kernels(), "decode_stack"), reason="needs the native CPU kernels with a vector ISA"
@@ -114,15 +119,60 @@ def test_a_model_the_stack_cannot_run_is_told_once_at_load_with_the_reason(tiny_
     assert unfit_reason(_loaded(llama, torch.bfloat16), False) == (
         "the model computes in torch.bfloat16, the stack in float32"
     )
-    mixed = _loaded(llama, formats={"mlp.down_proj": QuantType.Q4_0, "self_attn.qkv_proj": QuantType.Q8_0})
-    assert unfit_reason(mixed, False) == "the layers' products mix formats (kernel ids [-1, 0, 1])"
     assert unfit_reason(_loaded(tiny_checkpoint("qwen2")), False) is None  # a qkv bias is the stack's shape
     assert isinstance(native_decode_step(_loaded(llama), lora_enabled=False), NativeDecodeStep)
 
 
 def test_the_stack_reads_each_layers_product_as_chosen_at_load(tiny_checkpoint):
     path = tiny_checkpoint("llama", True)
-    stack = NativeDecodeStep(_loaded(path), load_cpu_kernels())
-    assert stack.weight_format == -1 and stack.native_rows == 2 and stack.logits_rows == range(1, 3)
+    model = _loaded(path)
+    stack = NativeDecodeStep(model, load_cpu_kernels())
+    num_products = 4 * model.num_local_layers
+    assert stack.weight_formats == [-1] * num_products and len(stack.packed_weights) == num_products
+    assert stack.native_rows == 2 and stack.logits_rows == range(1, 3)
     q8 = NativeDecodeStep(_loaded(path, formats={"proj": QuantType.Q8_0}), load_cpu_kernels())
-    assert q8.weight_format == QuantType.Q8_0.kernel_id and q8.packed_weights == [] and q8.native_rows == 8
+    assert q8.weight_formats == [QuantType.Q8_0.kernel_id] * num_products and q8.packed_weights == []
+    assert q8.native_rows == 8
+    formats = {"mlp.down_proj": QuantType.Q4_0, "self_attn.qkv_proj": QuantType.Q8_0}
+    mixed = NativeDecodeStep(_loaded(path, formats=formats), load_cpu_kernels())  # blocks beside packed floats
+    assert mixed.weight_formats == [0, -1, -1, 1] * model.num_local_layers and mixed.native_rows == 2
+    assert [p.numel() == 0 for p in mixed.packed_weights] == [True, False, False, True] * model.num_local_layers
+
+
+class _MixedFormats(Plan):
+    """A ``quantize_gguf`` plan: within each layer three formats, and layers unlike their neighbours (the file's
+    type says Q4_1, its most common)."""
+
+    def target(self, name: str) -> str | None:
+        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+        if match is None:
+            return None  # the embedding (the tied head): Q8_0, as stored
+        part = match[2]
+        if part in ("attn_q", "attn_k", "attn_v"):
+            return "Q8_0"
+        if part in ("ffn_gate", "ffn_up"):
+            return "Q4_0"
+        if part == "ffn_down":
+            return "Q8_0" if int(match[1]) % 2 else "Q4_1"
+        return None  # attn_output: Q4_1, as stored
+
+
+def test_a_file_whose_layers_mix_formats_keeps_the_stack_bit_for_bit(tmp_path):
+    assert GGUF.is_file(), "run `make models`"
+    path = tmp_path / "mixed.gguf"
+    counts = quantize_gguf(GGUF, path, _MixedFormats("Q4_1"))
+    assert counts["Q8_0"] and counts["Q4_0"] and counts["Q4_1"]
+    llm = LLM(str(path), max_num_seqs=4, enable_prefix_caching=False)
+    stack = _runner(llm).native_decode
+    assert stack is not None and stack.weight_formats[:8] == [0, 2, 1, 2, 0, 2, 1, 0]  # layers 0 and 1
+    for lengths in ([9], [5, 17, 30]):  # batch 1, a few rows
+        prompts = _prompts(llm.get_tokenizer().vocab_size, lengths)
+        fused = _generate(llm, prompts, True)
+        layers = _generate(llm, prompts, False)
+        for got, want in zip(fused, layers, strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert _logprobs(got) == _logprobs(want)  # every product quant_linear's, the head a Q8_0 one: exact
+
+
+def _logprobs(output) -> list[dict[int, float]]:
+    return [{token_id: entry.logprob for token_id, entry in top.items()} for top in output.outputs[0].logprobs]
