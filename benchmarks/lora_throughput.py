@@ -73,7 +73,7 @@ def timed_generate(llm, prompts, params, lora_request) -> tuple[float, int, floa
 def run_throughput(args, model: str, adapters: list[str]):
     """Each engine's generated tokens per second per round; and the LoRA engine (kept) with its requests."""
     from engine import LLM, SamplingParams
-    from engine.lora.request import LoRARequest
+    from engine.lora_request import LoRARequest
 
     log(f"loading the base engine and the LoRA engine ({model})")
     kwargs = ENGINE_KWARGS if args.num_threads is None else {**ENGINE_KWARGS, "num_threads": args.num_threads}
@@ -111,7 +111,7 @@ def run_load_times(lora_llm, model: str, loaded) -> None:
     import torch
 
     from engine.lora.adapter import load_adapter
-    from engine.lora.request import LoRARequest
+    from engine.lora_request import LoRARequest
     from engine.model.architecture import Architecture
 
     fresh = make_adapters(model, NUM_ADAPTERS, first_seed=101)

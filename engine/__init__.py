@@ -18,6 +18,14 @@ The root's modules, the entry points and the types their callers import:
 - ``engine_args``: ``EngineArgs``, the flat vLLM-style keyword arguments, turned into an ``EngineConfig``.
 - ``sampling_params``: ``SamplingParams``, ``StructuredOutputsParams``, ``RequestOutputKind``.
 - ``request_output``: ``RequestOutput``, ``CompletionOutput``, ``Logprob``: what users get back.
+- ``lora_request``: ``LoRARequest``, which adapter a request runs with (a record every layer reads).
+
+The layers, top first (``tests/test_import_graph.py`` keeps every import pointing down or sideways): the
+front doors (``llm``, ``async_llm``, ``entrypoints``); the front end (``llm_engine``, ``processor_thread``,
+``frontend``, ``engine_args``, ``engine_client``); the core and its executor; a rank's worker (``worker``,
+``spec_decode``, ``kv_transfer``); the model's parts (``model``, ``lora``, ``sample``, ``structured_output``,
+``attention``); the kernels and ``distributed``; the scheduler's records (``sched``, ``metrics``); the
+records every layer shares (``config``, ``sampling_params``, ``request_output``, ``inputs``, ``lora_request``).
 
 Packages: ``frontend`` (text around the core), ``core`` (the engine core and its clients), ``sched`` (the
 scheduler, pure Python), ``executor``, ``worker``, ``model``, ``attention``, ``kernels``, ``sample``,

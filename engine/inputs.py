@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 
 PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} / {"prompt": "text"}
 

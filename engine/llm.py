@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from engine.engine_args import EngineArgs
 from engine.inputs import PromptType, RequestOptions
 from engine.llm_engine import LLMEngine
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.metrics.reader import Metric, engine_metrics
 from engine.model.source import sampling_defaults
 from engine.request_output import RequestOutput

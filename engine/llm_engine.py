@@ -19,7 +19,7 @@ from engine.executor.base import Executor
 from engine.frontend.output_processor import OutputProcessor, OutputStream
 from engine.frontend.processor import Processor
 from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
-from engine.lora.request import check_lora_supported
+from engine.lora.loading import check_lora_supported
 from engine.metrics import EngineStats, EngineTotals, IterationStats, StatLogger
 from engine.model.architecture import Architecture
 from engine.model.source import load_tokenizer, open_model_source

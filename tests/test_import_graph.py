@@ -1,4 +1,5 @@
-"""No import cycle among Serval's packages, counting every import statement.
+"""No import cycle among Serval's packages, and no import of a layer above the importer's own (``LAYERS``),
+counting every import statement.
 
 The graph's nodes are the modules of ``engine``, ``cluster``, ``deployments`` and ``serval``; an edge is
 any import statement in a module's source, wherever it sits (module level, inside a function, under
@@ -180,3 +181,53 @@ def test_the_walker_sees_deferred_relative_and_submodule_imports(tmp_path):
     assert describe(graph, cycle) == (
         "engine.pkg.a (line 1) -> engine.pkg.b (line 2) -> engine.pkg.c (line 1) -> engine.pkg.a"
     )
+
+
+# The layers, top first. A module belongs to the layer of its longest listed prefix (``engine`` itself is the
+# front door; ``engine.config`` the records every layer shares). A module may import its own layer and those
+# below it, never one above: the front doors call the front end, which calls the core, which drives the
+# executor, which drives a rank's model runner, which runs the model's parts on the kernels; every one of
+# them may read the scheduler's plain records and the shared ones.
+LAYERS = (
+    ("serval",),
+    ("deployments",),
+    ("cluster",),
+    ("engine", "engine.llm", "engine.async_llm", "engine.entrypoints"),
+    ("engine.llm_engine", "engine.processor_thread", "engine.frontend", "engine.engine_args", "engine.engine_client"),
+    ("engine.core", "engine.executor"),
+    ("engine.worker", "engine.spec_decode", "engine.kv_transfer"),
+    ("engine.model", "engine.lora", "engine.sample", "engine.structured_output", "engine.attention"),
+    ("engine.kernels", "engine.distributed"),
+    ("engine.sched", "engine.metrics"),
+    ("engine.config", "engine.sampling_params", "engine.request_output", "engine.inputs", "engine.lora_request"),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` (0: the top) of the layer ``module`` belongs to; KeyError if none."""
+    matches = [
+        (len(prefix), index)
+        for index, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    if not matches:
+        raise KeyError(f"{module} is in no layer of LAYERS")
+    return max(matches)[1]
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = import_graph()
+    upward = [
+        f"{module} (line {line}) -> {target}"
+        for module, edges in sorted(graph.items())
+        for target, line in edges.items()
+        if layer_of(target) < layer_of(module)
+    ]
+    assert not upward, "imports of a layer above the importer's own (see LAYERS):\n" + "\n".join(upward)
+
+
+def test_every_module_has_a_layer():
+    prefixes = [prefix for layer in LAYERS for prefix in layer]
+    unplaced = [m for m in module_files() if not any(m == p or m.startswith(p + ".") for p in prefixes)]
+    assert not unplaced, f"modules in no layer of LAYERS: {unplaced}"

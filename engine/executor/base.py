@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import Protocol
 
 from engine.config import EngineConfig
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 EXECUTOR_IMPORT_PATHS = {

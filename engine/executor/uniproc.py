@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from engine.executor.base import Executor
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
 

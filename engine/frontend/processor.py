@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from engine.config import EngineConfig
 from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
 from engine.sampling_params import SamplingParams

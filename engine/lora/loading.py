@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from concurrent.futures import Future
+from typing import Any
 
 from engine.sched.request import Request, RequestStatus
 from engine.sched.request_hold import RequestHold
@@ -62,3 +63,18 @@ class LoRALoading(RequestHold):
         """Blocks until a waiting request's adapter load ends or ``timeout_s`` passes (nothing else to run)."""
         loads = {id(load): load for load in (self._loads[r.lora_request.lora_int_id] for r in self._waiting.values())}
         concurrent.futures.wait(loads.values(), timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+
+def check_lora_supported(config: Any) -> None:
+    """Start-up check of an ``EngineConfig`` with ``enable_lora``: ValueError for what LoRA cannot run with."""
+    if not config.lora_config.enable_lora:
+        return
+    if config.speculative_config is not None:
+        raise ValueError(
+            "enable_lora with speculative_config is not supported yet: the draft would propose without the "
+            "request's adapter. Turn one of them off."
+        )
+    if config.kv_transfer_config is not None:
+        raise ValueError("enable_lora with kv_transfer_config is not supported yet: KV would move without its adapter.")
+    if config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("enable_lora supports pipeline_parallel_size=1 only for now.")

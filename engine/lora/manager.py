@@ -26,7 +26,7 @@ import torch
 from engine.config import LoRAConfig
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.layers import LinearLoRA, LoRABatch
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sched.step_outputs import LoRAWorkerCounts
 
 

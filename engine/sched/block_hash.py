@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.lora.request import LoRARequest
+    from engine.lora_request import LoRARequest
 
 BlockHash = bytes
 HashFunction = Callable[[bytes], bytes]

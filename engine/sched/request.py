@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.lora.request import LoRARequest
+    from engine.lora_request import LoRARequest
 
 
 class RequestStatus(enum.IntEnum):

@@ -14,7 +14,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.kv_transfer import KVConnectorMetadata, KVTransferOutput
 
 if TYPE_CHECKING:
-    from engine.lora.request import LoRARequest
+    from engine.lora_request import LoRARequest
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 

@@ -19,7 +19,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import ParallelState, destroy_distributed, get_parallel_state, init_distributed
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.model.architecture import parse_dtype
 from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner

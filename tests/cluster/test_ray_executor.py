@@ -280,7 +280,7 @@ def test_speculative_decoding_under_tp2_equals_single_device(
 def test_lora_adapters_load_on_every_worker_under_tp2(local_ray, tiny_checkpoint, tmp_path):
     """Each Ray worker reads the adapter on its own loading thread (``RayWorker.load_lora``, beside steps), and
     a TP=2 batch of the base model and two adapters gives the single-device tokens."""
-    from engine.lora.request import LoRARequest
+    from engine.lora_request import LoRARequest
     from serval.tools.make_adapter import make_lora_adapter
 
     base = tiny_checkpoint("llama")

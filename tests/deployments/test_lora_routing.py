@@ -10,7 +10,7 @@ from deployments.kv_index import KVIndex, KVRouterOptions, adapter_tiers, choose
 from deployments.routing_hints import PromptTokenizer, make_hint
 from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import CompletionRequest
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from tests.engine.sched.test_kv_cache_manager import make_manager, run_prefill

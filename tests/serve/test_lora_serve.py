@@ -72,7 +72,7 @@ def client(base_url):
 def offline(tiny_checkpoint, adapters) -> dict[str | None, str]:
     """The greedy text of ``PROMPT`` offline: the base model (None) and each adapter by name."""
     from engine import LLM, SamplingParams
-    from engine.lora.request import LoRARequest
+    from engine.lora_request import LoRARequest
 
     llm = LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=512, enable_lora=True, max_lora_rank=8)
     loras = [None] + [LoRARequest(name, i, adapters[name]) for i, name in enumerate(("static", "dynamic"), 1)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from engine.entrypoints.openai.continuation import Continuation
 from engine.entrypoints.openai.protocol import SamplingRequest
 from engine.inputs import RequestOptions
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engine.entrypoints.openai.responses import ModelCard
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 
 # A directory's name that cannot climb out of its parent; no ':' (it separates a model id from an adapter).
 ADAPTER_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,128}")

@@ -20,7 +20,7 @@ from engine.engine_client import EngineClient
 from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.inputs import RequestOptions
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 from tests.conftest import REPO_ROOT
 

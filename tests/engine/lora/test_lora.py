@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.engine_args import EngineArgs
 from engine.frontend.processor import Processor
 from engine.inputs import RequestOptions
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.model.architecture import Architecture
 from serval.tools.make_adapter import make_lora_adapter
 from tests.conftest import FIRST_ORDINARY_TOKEN, engine_kwargs, make_async_llm

@@ -16,7 +16,7 @@ import pytest
 
 from engine.core.engine_core import EngineCore
 from engine.engine_args import EngineArgs
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from serval.tools.make_adapter import make_lora_adapter

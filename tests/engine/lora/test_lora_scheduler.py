@@ -4,7 +4,7 @@ whose adapter has no slot waits (it does not fail) and runs once one is free. Th
 from __future__ import annotations
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler

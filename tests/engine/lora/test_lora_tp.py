@@ -22,7 +22,7 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from engine.lora.request import LoRARequest
+from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler

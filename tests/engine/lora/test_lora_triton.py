@@ -20,7 +20,7 @@ from engine import SamplingParams  # noqa: E402 - after TRITON_INTERPRET
 from engine.lora import triton_ops  # noqa: E402
 from engine.lora.adapter import LoRAAdapter  # noqa: E402
 from engine.lora.layers import LinearLoRA, LoRABatch  # noqa: E402
-from engine.lora.request import LoRARequest  # noqa: E402
+from engine.lora_request import LoRARequest  # noqa: E402
 from serval.tools.make_adapter import make_lora_adapter  # noqa: E402
 from tests.conftest import make_llm  # noqa: E402
 

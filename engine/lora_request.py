@@ -1,9 +1,11 @@
-"""``LoRARequest``: which adapter a request runs with (vLLM's shape; pure Python, crosses processes)."""
+"""``LoRARequest``: which adapter a request runs with (vLLM's shape; pure Python, crosses processes).
+
+A record every layer reads (the scheduler keys prefix blocks by it, the worker picks slots by it), so it sits
+beside ``sampling_params``, below them all, not in ``engine/lora``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -27,18 +29,3 @@ class LoRARequest:
             raise ValueError(f"LoRARequest.lora_int_id must be a positive integer, got {self.lora_int_id!r}.")
         if not self.lora_name or not self.lora_path:
             raise ValueError("LoRARequest needs a lora_name and a lora_path.")
-
-
-def check_lora_supported(config: Any) -> None:
-    """Start-up check of an ``EngineConfig`` with ``enable_lora``: ValueError for what LoRA cannot run with."""
-    if not config.lora_config.enable_lora:
-        return
-    if config.speculative_config is not None:
-        raise ValueError(
-            "enable_lora with speculative_config is not supported yet: the draft would propose without the "
-            "request's adapter. Turn one of them off."
-        )
-    if config.kv_transfer_config is not None:
-        raise ValueError("enable_lora with kv_transfer_config is not supported yet: KV would move without its adapter.")
-    if config.parallel_config.pipeline_parallel_size > 1:
-        raise ValueError("enable_lora supports pipeline_parallel_size=1 only for now.")
