@@ -152,7 +152,8 @@ def kill_mid_stream(
     replicas: list[Replica], start: Callable[[], None], num_requests: int, reached: Callable[[], bool]
 ) -> int:
     """``start()``s ``num_requests`` requests and SIGKILLs the replica whose engine holds the most of them
-    while every one is in flight and has reached its client (``reached()``); returns how many it held.
+    while every one is in flight and has reached its client (``reached()``, which raises once a request
+    has ended: there is nothing left to kill it in); returns how many it held.
 
     By construction, whatever the speed and the load of the CPU: from before the start to the kill the
     engines only run in short steps of CPU work (``EnginePause.step``) with pauses between them for the
@@ -167,7 +168,9 @@ def kill_mid_stream(
         while True:
             loads = replica_loads(replicas)
             # Every request running has its first token made: stopped, the engines let it reach its client.
-            if sum(load["num_running"] for load in loads.values()) == num_requests and wait_until(reached, 1.0):
+            is_running = sum(load["num_running"] for load in loads.values()) == num_requests
+            has_reached = reached()  # asked every time: it raises once a request has ended
+            if is_running and (has_reached or wait_until(reached, 1.0)):
                 break
             assert time.monotonic() < deadline, f"the requests did not all run and reach their clients: {loads}"
             pause.step()
@@ -228,10 +231,12 @@ def test_streams_survive_the_kill_of_their_replica(app):
     assert len(replicas) == 2
     before = migrations_read(head)
     streams = [Stream(head, kind) for kind in ("completion", "chat", "completion", "chat")]
-    # Each stream has reached its client when the kill lands: the ingress continues it, not resends it.
-    num_killed = kill_mid_stream(
-        replicas, lambda: [s.start() for s in streams], len(streams), lambda: all(s.chunks for s in streams)
-    )
+
+    def reached() -> bool:  # each stream has reached its client: the ingress continues it, not resends it
+        assert all(s.is_alive() for s in streams), f"a stream ended before the kill: {[s.error for s in streams]}"
+        return all(s.chunks for s in streams)
+
+    num_killed = kill_mid_stream(replicas, lambda: [s.start() for s in streams], len(streams), reached)
     assert all(stream.is_alive() for stream in streams)
     expected = {"continued": float(num_killed)}
     for stream in streams:
@@ -253,12 +258,22 @@ def test_without_migration_the_kill_ends_the_stream_with_an_error_event(app):
     body = {"model": LLAMA, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     body["ignore_eos"] = True
 
+    ended: list = []  # the response's status, or what the request raised
+
     def read() -> None:
-        with httpx.stream("POST", f"{head.base_url}/v1/completions", json=body, timeout=120) as response:
-            events.extend(line for line in sse_lines(response) if line.startswith("data: "))
+        try:
+            with httpx.stream("POST", f"{head.base_url}/v1/completions", json=body, timeout=120) as response:
+                ended.append(response.status_code)
+                events.extend(line for line in sse_lines(response) if line.startswith("data: "))
+        except httpx.HTTPError as exc:
+            ended.append(exc)
+
+    def reached() -> bool:
+        assert reader.is_alive() or len(events) >= 3, f"the stream ended before the kill: {ended}, {events[-3:]}"
+        return len(events) >= 3
 
     reader = threading.Thread(target=read, daemon=True)
-    assert kill_mid_stream(replicas, reader.start, 1, lambda: len(events) >= 3) == 1
+    assert kill_mid_stream(replicas, reader.start, 1, reached) == 1
     reader.join(timeout=60)
     assert not reader.is_alive()
     assert events[-1] == "data: [DONE]", events[-3:]
