@@ -1,16 +1,15 @@
-"""The serving front end's output path: its own thread (``AsyncLLM`` today) against the event loop (vLLM's
-``output_handler`` task).
+"""The serving front end's output path: ``AsyncLLM``'s front end on the event loop (vLLM's ``output_handler``).
 
-Both run the same ``LLMEngine`` (core in a child process, as serving runs it) on many concurrent DELTA
-streams; each consumer does a small per-chunk job on the event loop (an SSE-like ``json.dumps``), as a
-server does. ``thread``: ``AsyncLLM`` as it is (the core client's reader thread -> the front end's thread,
-which detokenizes -> ``call_soon_threadsafe`` -> the collectors). ``loop``: a prototype that takes each
-``CoreStep`` straight onto the event loop (reader thread -> ``call_soon_threadsafe``) and runs the output
-processor there, which puts each output into its collector (vLLM's shape); both publish the stats per
-step. Reported per design, medians over alternating rounds: wall time, output tokens/s, this process's CPU
-time per output token (the front end's and the consumers' work, the core's process left out: the figure a
-loaded machine disturbs least), and the time from a step reaching this process (the reader thread) to its
-output landing in a collector (p50, p99).
+Runs ``AsyncLLM`` (core in a child process, as serving runs it) on many concurrent DELTA streams; each
+consumer does a small per-chunk job on the event loop (an SSE-like ``json.dumps``), as a server does. Each
+``CoreStep`` goes from the core client's reader thread to the loop (``StepBuffer``: one
+``call_soon_threadsafe`` per batch of steps), where the output processor puts each output into its
+collector. Until commit 73b821d this benchmark also ran the front end's own thread (the design replaced:
+reader thread -> the front end's thread, which detokenized -> ``call_soon_threadsafe`` -> the collectors);
+its figures are in docs/design-measurements.md. Reported per round and as medians: wall time, output
+tokens/s, this process's CPU time per output token (the front end's and the consumers' work, the core's
+process left out: the figure a loaded machine disturbs least), and the time from a step reaching this
+process (the reader thread) to its output landing in a collector (p50, p99).
 
     python benchmarks/frontend_output_path.py --model models/tiny-llama --streams 64 --rounds 3
 """
@@ -29,8 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.async_llm import AsyncLLM, with_torch_threads  # noqa: E402
-from engine.core.core_client import serving_placement  # noqa: E402
+from engine.async_llm import AsyncLLM  # noqa: E402
 from engine.engine_args import EngineArgs  # noqa: E402
 from engine.frontend import output_collector  # noqa: E402
 from engine.frontend.output_collector import RequestOutputCollector  # noqa: E402
@@ -39,38 +37,6 @@ from engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E4
 
 LATENCIES: list[float] = []  # seconds from a step's arrival to its output in a collector
 ARRIVED = [0.0]  # when the step being processed reached this process
-
-
-class LoopFrontend:
-    """The prototype: outputs processed on the event loop, each put straight into its collector (the
-    ``OutputStream`` of ``LLMEngine.add_request``); a ``CoreSink`` (on_step from the reader thread)."""
-
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine, self.loop = engine, loop
-        self.stats = engine.get_stats()
-        engine.engine_core.attach(self)
-
-    def on_step(self, step) -> None:
-        step.arrived = time.perf_counter()
-        self.loop.call_soon_threadsafe(self._process, step)
-
-    def on_died(self, reason: str) -> None:
-        pass  # the process exits at shutdown; a death mid-round shows as a hang
-
-    def _process(self, step) -> None:
-        self.engine.process_core_step(step)  # its outputs go into the collectors
-        self.engine.take_kv_events()
-        self.stats = self.engine.get_stats()  # published per step, as the thread does
-
-    async def generate(self, prompt, params: SamplingParams, request_id: str):
-        collector = RequestOutputCollector(request_id, params, self.loop)
-        prompt_text, prompt_ids = self.engine.add_request(request_id, prompt, params, stream=collector)
-        collector.prompt, collector.prompt_token_ids = prompt_text, prompt_ids
-        while True:
-            output = await collector.get()
-            yield output
-            if output.finished:
-                return
 
 
 def stamp_steps(engine: LLMEngine) -> None:
@@ -91,16 +57,17 @@ def stamp_steps(engine: LLMEngine) -> None:
     engine.output_processor._make_output = stamped_output
 
 
-def stamp_thread_design(llm: AsyncLLM) -> None:
-    """Marks each step's arrival on the reader thread, as the prototype does."""
-    inbox = llm._frontend._inbox
-    inbox_on_step = inbox.on_step
+def stamp_arrivals(llm: AsyncLLM) -> None:
+    """Marks each step's arrival on the reader thread (the core client looks its sink's ``on_step`` up on
+    every step)."""
+    buffer = llm._frontend._steps
+    buffer_on_step = buffer.on_step
 
     def on_step(step) -> None:
         step.arrived = time.perf_counter()
-        inbox_on_step(step)
+        buffer_on_step(step)
 
-    inbox.on_step = on_step  # the reader thread looks it up on every step
+    buffer.on_step = on_step
     stamp_steps(llm._frontend.engine)
 
 
@@ -137,30 +104,23 @@ def engine_config(args):
     return engine_args.create_engine_config()
 
 
-def run_design(design: str, args, round_index: int) -> dict:
+def run_round(args, round_index: int) -> dict:
     LATENCIES.clear()
 
     async def body():
-        if design == "thread":
-            client = AsyncLLM(engine_config(args))
-            stamp_thread_design(client)
-        else:
-            config = engine_config(args)
-            placement = serving_placement(config)
-            engine = LLMEngine(with_torch_threads(config, None, placement), placement=placement)
-            client = LoopFrontend(engine, asyncio.get_running_loop())
-            stamp_steps(engine)
+        client = AsyncLLM(engine_config(args))
+        stamp_arrivals(client)
         try:
             await one_round(client, args, "warm")
             LATENCIES.clear()
             return await one_round(client, args, f"r{round_index}")
         finally:
-            (client.shutdown if design == "thread" else client.engine.shutdown)()
+            client.shutdown()
 
     wall, cpu, num_tokens = asyncio.run(body())
     ordered = sorted(LATENCIES)
     return {
-        "design": design,
+        "design": "loop",
         "wall_s": wall,
         "tok_s": num_tokens / wall,
         "cpu_us_per_tok": 1e6 * cpu / num_tokens,  # this process (front end and consumers), not the core's
@@ -180,18 +140,16 @@ def main() -> None:
     args.ids = list(range(args.streams))
     RequestOutputCollector.put = timed_put(RequestOutputCollector.put)
     assert output_collector.RequestOutputCollector.put is RequestOutputCollector.put
-    results: dict[str, list[dict]] = {"thread": [], "loop": []}
+    rounds = []
     for round_index in range(args.rounds):
-        for design in ("thread", "loop") if round_index % 2 == 0 else ("loop", "thread"):
-            result = run_design(design, args, round_index)
-            results[design].append(result)
-            print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}), flush=True)
-    for design, rounds in results.items():
-        medians = {
-            key: statistics.median(r[key] for r in rounds)
-            for key in ("wall_s", "tok_s", "cpu_us_per_tok", "p50_ms", "p99_ms")
-        }
-        print(design, "median:", json.dumps({k: round(v, 2) for k, v in medians.items()}))
+        result = run_round(args, round_index)
+        rounds.append(result)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()}), flush=True)
+    medians = {
+        key: statistics.median(r[key] for r in rounds)
+        for key in ("wall_s", "tok_s", "cpu_us_per_tok", "p50_ms", "p99_ms")
+    }
+    print("loop median:", json.dumps({k: round(v, 2) for k, v in medians.items()}))
 
 
 if __name__ == "__main__":

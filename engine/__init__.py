@@ -8,8 +8,8 @@ The root's modules, the entry points and the types their callers import:
 
 - ``llm``: ``LLM``, the offline API (vLLM's shape).
 - ``async_llm``: ``AsyncLLM``, the asyncio front end for serving (an ``EngineClient``).
-- ``processor_thread``: ``ProcessorThread``, the thread behind ``AsyncLLM`` that alone runs its
-  ``LLMEngine`` front end, fed by its ``Inbox`` (commands from the event loop, the core client's steps).
+- ``output_handler``: ``OutputHandler``, ``AsyncLLM``'s ``LLMEngine`` front end on the serving event loop
+  (vLLM's ``output_handler``), fed the core client's steps by its ``StepBuffer``.
 - ``llm_engine``: ``LLMEngine``, the synchronous front end: processor, core client, output processor.
 - ``inputs``: ``PromptType`` and ``RequestOptions``, what a caller hands the engine with each request.
 - ``engine_client``: ``EngineClient``, what a server may call on an engine; ``EngineDeadError``,
@@ -21,7 +21,7 @@ The root's modules, the entry points and the types their callers import:
 - ``lora_request``: ``LoRARequest``, which adapter a request runs with (a record every layer reads).
 
 The layers, top first (``tests/test_import_graph.py`` keeps every import pointing down or sideways): the
-front doors (``llm``, ``async_llm``, ``entrypoints``); the front end (``llm_engine``, ``processor_thread``,
+front doors (``llm``, ``async_llm``, ``entrypoints``); the front end (``llm_engine``, ``output_handler``,
 ``frontend``, ``engine_args``, ``engine_client``); the core and its executor; a rank's worker (``worker``,
 ``spec_decode``, ``kv_transfer``); the model's parts (``model``, ``lora``, ``sample``, ``structured_output``,
 ``attention``); the kernels and ``distributed``; the scheduler's records (``sched``, ``metrics``); the

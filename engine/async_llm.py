@@ -4,21 +4,21 @@
     async for output in llm.generate("Hello", SamplingParams(output_kind=RequestOutputKind.DELTA), "req-1"):
         print(output.outputs[0].text, end="")
 
-Three places work on a request: the server's event loop (``generate`` and its stream); the front end's
-thread (``engine.processor_thread``), which alone touches the ``LLMEngine`` front end (tokenize,
-detokenize, publish stats); and the engine core, which steps on its own where ``serving_placement`` puts it
+Two places work on a request: the server's event loop, where ``generate`` adds it (tokenize, validate,
+send to the core) and the front end's ``output_handler`` (``engine.output_handler``, vLLM's
+``output_handler`` task) turns each of the core's steps into outputs (detokenize, stop strings, stats) and
+puts each straight into its request's ``RequestOutputCollector``, which merges what a slow consumer has not
+read yet; and the engine core, which steps on its own where ``serving_placement`` puts it
 (``engine.core.core_client``): by default another process (a child, or a Ray actor beside this process when
 it drives Ray worker actors or moves KV blocks through Ray), so that it does not share this process's GIL
-with the event loop; with ``engine_core_process=False`` a thread of this one. Requests join and leave the
-running batch at step boundaries (continuous batching). Each step's outputs come back to the event loop as
-one batch, where each lands in its request's ``RequestOutputCollector``, which merges what a slow consumer
-has not read yet.
+with the event loop; with ``engine_core_process=False`` a thread of this one. The core client's thread hands
+each step to the loop (``StepBuffer``). Requests join and leave the running batch at step boundaries
+(continuous batching).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -33,7 +33,7 @@ from engine.frontend.output_collector import RequestOutputCollector
 from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
-from engine.processor_thread import AddCommand, ProcessorThread
+from engine.output_handler import OutputHandler
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_events import KVEventBatch
@@ -64,8 +64,10 @@ def with_torch_threads(config: EngineConfig, num_cpus: int | None, placement: Co
 class AsyncLLM(EngineClient):
     """The engine behind an asyncio server: ``generate`` streams, ``abort`` stops, ``get_stats`` observes.
 
-    Use it from one event loop at a time (the HTTP server's). Construction loads
-    the model and starts the core and the front end's thread; ``shutdown`` stops them.
+    Use it from one event loop at a time (the HTTP server's). Its front end runs on the loop that calls
+    ``generate`` (or ``abort``), taken lazily; a call from a new loop once the old one has stopped moves it
+    there (requests left on the old loop are aborted), and a call from a second loop while the first still
+    runs raises RuntimeError. Construction loads the model and starts the core; ``shutdown`` stops it.
     """
 
     def __init__(
@@ -82,15 +84,15 @@ class AsyncLLM(EngineClient):
         config = with_torch_threads(config, num_cpus, placement)
         self.config = config
         engine = LLMEngine(config, executor_class, stat_loggers=stat_loggers, placement=placement, kv_events=kv_events)
-        # One tokenizer per replica, shared by the event loop (chat templates, /tokenize) and the front end's
-        # thread. Safe: both only read it (encode, decode, DecodeStream, chat templates). A fast tokenizer
-        # changes its Rust state only to turn truncation or padding on or off, which nothing here asks for;
-        # the one encode below settles a tokenizer file that comes with either on, before the thread starts.
+        # One tokenizer per replica, shared by the server (chat templates, /tokenize, possibly off the loop)
+        # and the front end. Safe: all only read it (encode, decode, DecodeStream, chat templates). A fast
+        # tokenizer changes its Rust state only to turn truncation or padding on or off, which nothing here
+        # asks for; the one encode below settles a tokenizer file that comes with either on.
         self.tokenizer = engine.tokenizer
         self.tokenizer.encode("")
         self._vocab_size = engine.vocab_size
         self._core = engine.engine_core  # only its any-thread members (engine.core.core_client): health, pid
-        self._frontend = ProcessorThread(engine)
+        self._frontend = OutputHandler(engine)
 
     @classmethod
     def from_engine_args(
@@ -141,31 +143,25 @@ class AsyncLLM(EngineClient):
         ``options``: the request's priority, cache salt, KV transfer (disaggregated prefill,
         ``engine.sched.kv_transfer``) and adapter (multi-LoRA, ``enable_lora``), checked like the rest of the input.
         """
-        collector = RequestOutputCollector(request_id, sampling_params, asyncio.get_running_loop())
-        future: concurrent.futures.Future = concurrent.futures.Future()  # (prompt text, prompt token ids)
-        self._frontend.submit_add(AddCommand(request_id, prompt, sampling_params, options, collector, future))
+        collector = RequestOutputCollector(request_id, sampling_params)
+        added = self._frontend.add(request_id, prompt, sampling_params, options, collector)
+        collector.prompt, collector.prompt_token_ids = added
         is_finished = False
         try:
-            collector.prompt, collector.prompt_token_ids = await asyncio.wrap_future(future)
             while not is_finished:
                 output = await collector.get()
                 is_finished = output.finished
                 yield output
         finally:
-            if not is_finished:  # the consumer left early (or the add failed): abort iff it was queued
-                future.add_done_callback(lambda done: self._abort_if_added(done, request_id))
-
-    def _abort_if_added(self, future: concurrent.futures.Future, request_id: str) -> None:
-        # Runs on whichever thread completes the future (possibly the front end's thread): submit_abort is thread-safe.
-        if not future.cancelled() and future.exception() is None:
-            self._frontend.submit_abort(request_id)
+            if not is_finished:  # the consumer left early: the request stops and frees its KV blocks
+                self._frontend.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stops a request before the next step; its stream ends with finish_reason "abort". No-op if unknown."""
-        self._frontend.submit_abort(request_id)
+        self._frontend.abort(request_id)
 
     async def check_health(self) -> None:
-        """Raises EngineDeadError if the front end died or the engine was shut down, or the
+        """Raises EngineDeadError if the engine died (its core included) or was shut down, or the
         executor's error if a worker is gone (pinging workers may block: done off the event loop)."""
         self._frontend.check_alive()
         await asyncio.to_thread(self._core.check_health)
@@ -181,8 +177,9 @@ class AsyncLLM(EngineClient):
 
     def get_stats(self) -> EngineStats:
         """The snapshot published after the latest step (or command); cheap, from any thread."""
-        return self._frontend.stats
+        return self._frontend.latest_stats()
 
     def shutdown(self) -> None:
-        """Stops the front end's thread (and with it the core) and joins it; open streams raise EngineDeadError."""
+        """Stops the engine and its core, releasing them before it returns; open streams raise EngineDeadError.
+        From any thread: while the served loop runs elsewhere, the stop runs there (this call waits)."""
         self._frontend.stop()

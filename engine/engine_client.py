@@ -4,7 +4,7 @@ The OpenAI layer (``engine/entrypoints/openai``) and the Serve deployments
 depend on this protocol only, never on a concrete engine, so anything that
 serves one model's requests can stand behind them:
 
-* ``AsyncLLM``: the colocated engine (its front end's thread in this process);
+* ``AsyncLLM``: the colocated engine (its front end on the server's event loop);
 * ``deployments.pd_servers.RemotePrefillEngine``: a decode engine that has a
   prefill replica compute each prompt's KV first.
 
@@ -53,8 +53,8 @@ class EngineClient(Protocol):
     """
 
     # The replica's one Hugging Face tokenizer, which the event loop may use (chat templates, ``/tokenize``)
-    # to read only: the engine's front end uses it on its own thread too, so nothing may turn its truncation
-    # or padding on. A plain attribute, not a property, so an implementation may simply assign it.
+    # to read only: the engine's front end uses it too, so nothing may turn its truncation or padding on.
+    # A plain attribute, not a property, so an implementation may simply assign it.
     tokenizer: Any
 
     @property

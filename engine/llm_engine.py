@@ -1,8 +1,8 @@
 """The engine front end: tokenize and validate requests for the core, detokenize what its steps give.
 
 Its core runs wherever ``placement`` says (``engine.core.core_client``). ``LLM`` (offline) keeps the core
-INLINE and turns it with ``step()``; serving (``AsyncLLM``) runs it on its own, and the front end's thread
-(``engine.processor_thread``) hands each ``CoreStep`` to ``process_core_step``: the one way a
+INLINE and turns it with ``step()``; serving (``AsyncLLM``) runs it on its own, and the front end on the
+event loop (``engine.output_handler``) hands each ``CoreStep`` to ``process_core_step``: the one way a
 step's results come in.
 """
 

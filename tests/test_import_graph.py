@@ -193,7 +193,7 @@ LAYERS = (
     ("deployments",),
     ("cluster",),
     ("engine", "engine.llm", "engine.async_llm", "engine.entrypoints"),
-    ("engine.llm_engine", "engine.processor_thread", "engine.frontend", "engine.engine_args", "engine.engine_client"),
+    ("engine.llm_engine", "engine.output_handler", "engine.frontend", "engine.engine_args", "engine.engine_client"),
     ("engine.core", "engine.executor"),
     ("engine.worker", "engine.spec_decode", "engine.kv_transfer"),
     ("engine.model", "engine.lora", "engine.sample", "engine.structured_output", "engine.attention"),

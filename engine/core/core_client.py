@@ -17,7 +17,7 @@ The contract, for every client:
 - A core that steps on its own (all but INLINE) sends each ``CoreStep`` to the sink given to ``attach``, in
   order, from a thread of the client's, and once it has died one ``on_died`` and nothing after. An INLINE
   core takes a step only in ``step()``, which returns it.
-- ``take_step(step)`` (the front end's thread, once per step, in order) returns the step's outputs and makes
+- ``take_step(step)`` (the front end, once per step, in order) returns the step's outputs and makes
   its state what ``get_stats``, ``kv_block_counts``, ``take_kv_load_latencies`` and ``take_kv_events`` read.
 - ``shutdown`` stops the core and frees what it holds; idempotent.
 """
@@ -127,7 +127,7 @@ class CoreClient:
         raise NotImplementedError
 
     def take_step(self, step: CoreStep) -> list:
-        """Makes ``step`` the state the readers below see; returns its outputs (the front end's thread)."""
+        """Makes ``step`` the state the readers below see; returns its outputs (the front end)."""
         self._latest = step
         self._kv_load_latencies.extend(step.kv_load_latencies)
         if step.kv_events:

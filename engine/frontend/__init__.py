@@ -6,6 +6,6 @@
   stop strings, ``n`` > 1 joins); it holds the front end's one map of requests in flight, each with the
   ``OutputStream`` its outputs go to.
 - ``detokenizer``: ``IncrementalDetokenizer``, incremental, Unicode-safe detokenization and stop strings.
-- ``output_collector``: ``RequestOutputCollector``, the one-slot mailbox between the front end's thread
-  (``engine.processor_thread``) and a streaming request on the event loop (``AsyncLLM``).
+- ``output_collector``: ``RequestOutputCollector``, a streaming request's one-slot mailbox on the event
+  loop, where the front end (``engine.output_handler``) puts its outputs for ``AsyncLLM.generate``.
 """

@@ -1,8 +1,8 @@
 """Per-request output collectors of the async front end (vLLM's ``RequestOutputCollector``).
 
-The front end's thread hands each step's outputs to the event loop; each lands in its
-request's collector, which keeps at most one undelivered output, merging what
-a slow consumer has not read yet.
+The front end (``engine.output_handler``, on the event loop) puts each step's outputs into their
+requests' collectors, the ``OutputStream`` of each request; a collector keeps at most one undelivered
+output, merging what a slow consumer has not read yet.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ class RequestOutputCollector:
     wins), so a slow consumer never builds a queue.
     """
 
-    def __init__(self, request_id: str, params: SamplingParams, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
         self.request_id = request_id
-        self.loop = loop
         self.output_kind = params.output_kind
         self.num_completions = params.n
         self.is_logprobs_wanted = params.logprobs is not None
@@ -38,8 +37,15 @@ class RequestOutputCollector:
         self._ready = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
+        """Takes the request's next output. A completion the core finished with "error" (its grammar did not
+        compile) ends the stream with a ValueError carrying the core's reason instead (a 400 over HTTP)."""
         if self.is_finished or self._error is not None:
             return
+        failed = next((c for c in output.outputs if c.finish_reason == "error"), None)
+        if failed is not None:
+            self.put_error(ValueError(str(failed.stop_reason)))
+            return
+        _copy_shared_lists(output)
         for completion in output.outputs:
             self._latest[completion.index] = completion
         is_delta = self.output_kind == RequestOutputKind.DELTA
@@ -93,6 +99,16 @@ class RequestOutputCollector:
             outputs=completions,
             finished=True,
         )
+
+
+def _copy_shared_lists(output: RequestOutput) -> None:
+    """The output processor hands out lists it keeps extending (prompt logprobs, cumulative logprobs), and
+    a consumer may read an output after later steps: it gets copies."""
+    if output.prompt_logprobs is not None:
+        output.prompt_logprobs = list(output.prompt_logprobs)
+    for completion in output.outputs:
+        if completion.logprobs is not None:
+            completion.logprobs = list(completion.logprobs)
 
 
 def merge_outputs(pending: RequestOutput, new: RequestOutput, is_delta: bool) -> RequestOutput:

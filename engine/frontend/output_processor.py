@@ -20,7 +20,7 @@ from engine.sched.step_outputs import EngineCoreOutput, LogprobsLists
 
 
 class OutputStream(Protocol):
-    """Where a request's outputs go as they are made (the front end's thread), instead of being returned."""
+    """Where a request's outputs go as they are made (on the front end's event loop), instead of being returned."""
 
     def put(self, output: RequestOutput) -> None: ...
 

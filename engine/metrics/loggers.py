@@ -21,7 +21,7 @@ logger = logging.getLogger("engine.metrics")
 
 class StatLogger(Protocol):
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        """One step's statistics (the front end's thread; must not block)."""
+        """One step's statistics (on the serving event loop; must not block)."""
 
     def log(self) -> None:
         """Called about every ``log_interval_s``; loggers that aggregate print here."""
