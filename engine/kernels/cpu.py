@@ -19,7 +19,9 @@ detached at nice 19 (``serval serve`` does, before it deploys, where they are no
 server need not wait minutes for a compiler. A process with ``SERVAL_CPU_KERNELS_NO_WAIT=1`` (the
 launcher's Ray head and so its replicas and engine cores) neither waits for a build another process
 holds the lock of nor starts a second one: it uses plain torch, and a process started after the build
-ends loads the kernels; one already running keeps plain torch until it restarts.
+ends loads the kernels; one already running keeps plain torch until it restarts. A lock that no process
+holds open was left by a build killed midway: a build removes it (``remove_stale_lock``) rather than wait on
+it forever, as torch's loader would.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import torch
 
 logger = logging.getLogger(__name__)
@@ -117,6 +121,38 @@ def build_lock() -> Path:
     return build_directory() / "lock"
 
 
+def lock_holders(lock: Path) -> list[int]:
+    """The pids of the processes that have ``lock`` open: torch's loader keeps its lock file open while it
+    builds, so a lock nobody holds was left by a build killed midway."""
+    target, holders = os.path.realpath(lock), []
+    for process in psutil.process_iter():
+        try:
+            if any(f.path == target for f in process.open_files()):
+                holders.append(process.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return holders
+
+
+def remove_stale_lock() -> bool:
+    """Removes ``build_lock()`` where no process holds it (module docstring); True if it did. A build that
+    is releasing its lock closes it just before removing it, so the lock must be unheld twice, a moment
+    apart, and still the same file."""
+    lock = build_lock()
+    try:
+        first = lock.stat()
+        if lock_holders(lock):
+            return False
+        time.sleep(0.2)
+        if lock.stat().st_ino != first.st_ino or lock_holders(lock):
+            return False
+        lock.unlink()
+    except FileNotFoundError:
+        return False
+    logger.warning("Removed %s: a kernel build killed midway left it, and no process holds it.", lock)
+    return True
+
+
 def build_log() -> Path:
     """Where ``start_background_build``'s build writes its output."""
     return build_directory() / "background-build.log"
@@ -166,6 +202,8 @@ def _build():
             lock,
         )
         return None
+    if lock.exists():
+        remove_stale_lock()
     try:
         import ninja  # the pip package carries the binary torch's loader looks for on PATH
 

@@ -12,12 +12,9 @@ build holds its lock (``wait_until_locked``), so that no replica starts a second
 from __future__ import annotations
 
 import enum
-import os
 import subprocess
 import time
 from pathlib import Path
-
-import psutil
 
 LOCK_TIMEOUT_S = 120.0  # longest wait for a starting build to take its lock (it imports torch first)
 STAMP_GRACE_S = 10.0  # another process's build writes its sources' stamp just after it drops the lock
@@ -40,19 +37,6 @@ def _mtime(path: Path | None) -> float:
         return path.stat().st_mtime
     except (AttributeError, OSError):
         return time.time()
-
-
-def lock_holders(lock: Path) -> list[int]:
-    """The pids of the processes that have ``lock`` open: torch's loader keeps its lock file open while it
-    builds, so a lock nobody holds was left by a build killed midway."""
-    target, holders = os.path.realpath(lock), []
-    for process in psutil.process_iter():
-        try:
-            if any(f.path == target for f in process.open_files()):
-                holders.append(process.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return holders
 
 
 class KernelBuild:
@@ -81,16 +65,19 @@ class KernelBuild:
         lock = cpu.build_lock()
         if not lock.exists():
             return cls(Kernels.MISSING, lock, cpu.build_log())
-        return cls(Kernels.BUILDING if lock_holders(lock) else Kernels.STALE_LOCK, lock, cpu.build_log())
+        return cls(Kernels.BUILDING if cpu.lock_holders(lock) else Kernels.STALE_LOCK, lock, cpu.build_log())
 
     @classmethod
     def start(cls, local: bool) -> KernelBuild:
         """``observe``, and where nothing is built nor building, the build started in the background; prints
         what it found or did, for ``serval serve``'s terminal."""
-        found = cls.observe(local)
-        if found.state == Kernels.MISSING:
-            from engine.kernels import cpu
+        from engine.kernels import cpu
 
+        found = cls.observe(local)
+        if found.state == Kernels.STALE_LOCK and cpu.remove_stale_lock():
+            print(f"Removed {found.lock}: a kernel build killed midway left it.", flush=True)
+            found = cls(Kernels.MISSING, found.lock, found.log)
+        if found.state == Kernels.MISSING:
             found = cls(Kernels.BUILDING, found.lock, found.log)
             found.process = cpu.start_background_build()
             print(

@@ -33,6 +33,25 @@ def test_a_built_module_loads_without_the_lock_a_killed_process_left(tmp_path):
         lock.unlink()
 
 
+def test_a_build_removes_a_lock_nobody_holds_and_keeps_one_a_build_holds(monkeypatch, tmp_path):
+    """A build killed midway leaves its lock, and torch's loader would wait on it forever (a clean-clone
+    run's other-ISA build timed out so): no process holds such a lock open, and a build removes it. A lock
+    held open, as a running build holds its own, stays."""
+    import os
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = cpu.build_lock()
+    held = os.open(lock, os.O_CREAT | os.O_EXCL)  # as torch's loader takes it
+    try:
+        assert cpu.lock_holders(lock) == [os.getpid()]
+        assert not cpu.remove_stale_lock() and lock.exists()
+    finally:
+        os.close(held)  # the builder died without removing it
+    assert cpu.lock_holders(lock) == []
+    assert cpu.remove_stale_lock() and not lock.exists()
+    assert not cpu.remove_stale_lock()  # nothing left to remove
+
+
 def test_a_lesser_target_builds_as_its_own_module():
     """``SERVAL_CPU_MARCH=x86-64-v3`` (an image for AVX2 hosts, or the AVX2 path measured on an AVX-512
     one) compiles for that target under its own module name, so it never loads, nor overwrites, the
