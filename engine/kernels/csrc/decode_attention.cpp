@@ -9,8 +9,7 @@
 // the query in registers and summed across lanes by a register transpose (one vector of scores),
 // the softmax uses a vectorized exp, and the values are accumulated with the probabilities broadcast.
 // Generic path (any other shape, or neither vector ISA): one task per request, scalar-friendly loops.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 
 #include <cmath>
 #include <cstring>

@@ -21,7 +21,7 @@
 // [T]; weight_formats 4 per layer, in the products' order: -1 (float32 weights) or the kernel_id of the
 // weight's block format. Writes each layer's new K/V into its cache and returns the final norm of the last
 // layer's output [T, hidden].
-#include <torch/extension.h>
+#include "torch_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 

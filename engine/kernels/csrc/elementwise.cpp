@@ -9,8 +9,7 @@
 //
 // Written once over serval::simd (vec.h): 16 lanes where the build targets AVX-512, 8 where it
 // targets AVX2; built only where one of the two is (SERVAL_FUSED_OPS), else the layers keep torch.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 
 #include <cmath>
 #include <cstring>

@@ -10,7 +10,7 @@
 // every build. 64 bytes a block either way; d = e / 128 (a's scale) and s = sum(a) per block beside them.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 
 #include <algorithm>
 #include <cmath>

@@ -11,8 +11,7 @@
 // bits whatever M is, whichever path (few rows streaming the weights once, many rows reusing a tile from
 // cache, quant_lanes.h; or a widened copy of it, quant_tile.h) or thread computes it, and on AVX-512 (VNNI or
 // not) and AVX2 alike; quant_linear_reference in scalar.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 
 #include <algorithm>
 #include <cmath>

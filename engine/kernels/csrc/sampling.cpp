@@ -1,6 +1,5 @@
 // Sampling helpers for Serval's CPU path.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -6,8 +6,7 @@
 // 4 drafts cost several decode steps. Here each weight row
 // is read once for all M rows, so the cost stays that of a GEMV (memory-bound on w). Output columns are
 // split across threads. Accumulation order differs from MKL's: results agree to float32 rounding.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 
 #include "vec.h"
 
