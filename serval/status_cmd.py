@@ -1,7 +1,8 @@
 """``serval status``: what runs on the Ray cluster ``serval serve`` uses (``serve status``, in Serval's words).
 
 Each application with its status, route and endpoint, each deployment with its replicas' states and,
-when one is stuck, Serve's reason (unschedulable resources, a failing constructor). Exit status 0 when
+when one is stuck, Serve's reason (unschedulable resources, a failing constructor); for a cluster on this
+machine, the native CPU kernels' state (built, building for how long, not built). Exit status 0 when
 every application is RUNNING, 1 when none runs or the cluster does not answer, 3 while any is not RUNNING.
 """
 
@@ -21,14 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from serval.launcher import lifecycle, serve_client, status
+    from serval.launcher.kernels import KernelBuild
 
-    dashboard = lifecycle.cluster_address(args.address) or lifecycle.dashboard_url(args.dashboard_port)
+    elsewhere = lifecycle.cluster_address(args.address)
+    dashboard = elsewhere or lifecycle.dashboard_url(args.dashboard_port)
     try:
         details = serve_client.instance_details(dashboard)
     except (ConnectionError, RuntimeError) as error:
         print(f"No Ray cluster answers at {dashboard} ({error}).", file=sys.stderr)
         return 1
     print(f"Ray cluster: {dashboard}")
+    if line := KernelBuild.observe(local=elsewhere is None).status_line():
+        print(line)
     if not details.applications:
         print("No Serve application runs there (serval serve starts one).")
         return 1

@@ -167,6 +167,18 @@ class KernelBuild:
             )
         return lines[self.state]
 
+    def status_line(self) -> str | None:
+        """``serval status``'s line on the kernels of this machine, as found (``observe``); None elsewhere."""
+        if self.state == Kernels.ELSEWHERE:
+            return None
+        if self.state == Kernels.BUILDING:
+            return (
+                f"Native CPU kernels: building for {time.time() - self.started:.0f} s so far (lock: {self.lock};"
+                f" a background build logs to {self.log}); replicas started meanwhile run on plain torch ops"
+            )
+        where = f" ({self.lock})" if self.state == Kernels.STALE_LOCK else ""
+        return f"Native CPU kernels: {self.state.value}{where}"
+
     def _where(self) -> str:
         """Where to look: the log of the build this launcher started, else the lock of another's."""
         return f"log: {self.log}" if self.process else f"lock: {self.lock}"

@@ -163,14 +163,18 @@ def test_the_kernels_state_tells_a_running_build_from_a_stale_lock(monkeypatch, 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # a private cache: the real one is left alone
     assert KernelBuild.observe().state == Kernels.MISSING and KernelBuild.observe().activity() is None
     assert KernelBuild.observe(local=False).report_line() is None  # a cluster elsewhere: nothing to say here
+    assert KernelBuild.observe(local=False).status_line() is None
+    assert KernelBuild.observe().status_line() == f"Native CPU kernels: {Kernels.MISSING.value}"
     lock = cpu.build_lock()
     held = hold_lock(lock)
     building = KernelBuild.observe()
     assert building.state == Kernels.BUILDING and "being compiled" in building.activity()
     assert "compiling in the background for " in building.report_line() and str(lock) in building.report_line()
+    assert "building for " in building.status_line() and str(cpu.build_log()) in building.status_line()
     os.close(held)  # the builder died without removing its lock
     stale = KernelBuild.observe()
     assert stale.state == Kernels.STALE_LOCK and str(lock) in stale.activity() and "rm " in stale.activity()
+    assert stale.status_line() == f"Native CPU kernels: {Kernels.STALE_LOCK.value} ({lock})"
     status = app_status(
         "DEPLOYING",
         **{

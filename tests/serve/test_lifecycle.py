@@ -118,6 +118,7 @@ def test_detach_status_stop_and_a_second_serve_is_refused(tmp_path):
         status = subprocess.run(serval("status", "--dashboard-port", str(ports.dashboard)), timeout=120, **run)
         assert status.returncode == 0 and "llm: RUNNING" in status.stdout, status.stdout + status.stderr
         assert "LLMServer:tiny-llama: HEALTHY (1 RUNNING)" in status.stdout
+        assert "Native CPU kernels: built" in status.stdout  # make test builds them first
 
         second = subprocess.run(serval("serve", *tiny_flags(), *ports.flags()), timeout=300, **run)
         assert second.returncode == 2 and "already runs" in second.stderr and "--replace" in second.stderr
