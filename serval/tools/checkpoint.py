@@ -36,6 +36,7 @@ class SizePreset:
 
     ``bpe_vocab``: at most this many tokenizer ids are learned by BPE; the rest
     of ``vocab`` are reserved tokens (see the module docstring). None: all.
+    ``tied``: the preset's own default for tied embeddings (the real model's); None: the arch's.
     """
 
     hidden: int
@@ -45,6 +46,7 @@ class SizePreset:
     intermediate: int
     vocab: int
     bpe_vocab: int | None = None
+    tied: bool | None = None
 
 
 SIZES: dict[str, SizePreset] = {
@@ -54,6 +56,10 @@ SIZES: dict[str, SizePreset] = {
     "w1": SizePreset(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=16384),
     # Llama-3-8B's shapes: 8.03B parameters, untied.
     "8b": SizePreset(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256, bpe_vocab=16384),
+    # Llama-3.2-1B's shapes with SmolLM2's vocabulary size: 1.07B parameters, tied (the benchmarks' 1B model).
+    "1b": SizePreset(
+        hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=49152, bpe_vocab=16384, tied=True
+    ),
     # The trained pair (``--train``, serval/tools/train_model.py): a 10.0M target, untied, and a 1.42M tied
     # draft sharing its 8192-token vocabulary.
     "10m": SizePreset(hidden=256, layers=8, heads=4, kv_heads=2, intermediate=688, vocab=8192),
@@ -82,6 +88,7 @@ def build_config(
 
     class_name, architecture, default_tie, _, rope_theta = ARCHS[arch]
     preset = SIZES[size]
+    default_tie = default_tie if preset.tied is None else preset.tied
     head_dim = preset.hidden // preset.heads
     kwargs = dict(
         hidden_size=preset.hidden,

@@ -12,6 +12,7 @@ weights are :mod:`serval.tools.checkpoint`'s.  The result loads offline with
 Usage::
 
     serval make-model /tmp/llama-tiny --arch llama --size tiny
+    serval make-model /tmp/llama-1b --size 1b --threads 2   # the benchmarks' 1B (4.3 GB of float32)
     python -m serval.tools.make_model /tmp/qwen-w1 --arch qwen2 --size w1 --dtype bfloat16
     python -m serval.tools.make_model /tmp/llama-8b --arch llama --size 8b --dtype bfloat16 \
         --max-shard-size 4000000000 --threads 16

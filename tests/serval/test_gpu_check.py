@@ -83,6 +83,24 @@ def test_8b_preset_is_llama3_8b(llama8b_facts):
     assert facts.kv_bytes_per_token("bfloat16") == 32 * 2 * 8 * 128 * 2
 
 
+def test_1b_preset_is_llama32_1bs_shape_with_smollm2s_vocabulary():
+    from serval.tools.checkpoint import build_config
+    from serval.tools.weights import parameter_shapes
+
+    config = build_config("llama", "1b", "float32")
+    facts = ModelFacts.from_shapes(config.to_dict(), parameter_shapes(config))
+    assert facts.total_params == 1_073_809_408 and facts.tied
+    assert (facts.hidden, facts.layers, facts.heads, facts.kv_heads, facts.head_dim, facts.vocab) == (
+        2048,
+        16,
+        32,
+        8,
+        64,
+        49152,
+    )
+    assert build_config("llama", "1b", tie_word_embeddings=False).tie_word_embeddings is False
+
+
 def test_decode_and_prefill_rooflines(llama8b_facts):
     facts = llama8b_facts.as_dict()
     one = decode_roofline(facts, batch=1, prompt_len=256, output_len=128, dtype="bfloat16", copy_bytes_per_s=4e12)
