@@ -53,12 +53,20 @@ def single_device_tokens(tiny_checkpoint):
 CONTROL_PATHS = [pytest.param(False, id="tasks"), pytest.param(True, id="graph")]
 
 
+# Each layout on the actor-task path; Qwen3 (its per-head q/k norms sharded under TP) and the compiled graph
+# (its collectives and stage transfers) under TP=2 x PP=2, which holds both a TP group and a stage boundary.
+# The compiled graph's pipeline is also test_pipeline_keeps_two_micro_batches_in_flight's.
 @pytest.mark.parametrize(
-    "arch,compiled_graph",
-    [("llama", False), ("qwen3", False), ("llama", True)],
-    ids=["llama-tasks", "qwen3-tasks", "llama-graph"],
+    "arch,compiled_graph,tp,pp",
+    [
+        ("llama", False, 2, 1),
+        ("llama", False, 1, 2),
+        ("llama", False, 2, 2),
+        ("qwen3", False, 2, 2),
+        ("llama", True, 2, 2),
+    ],
+    ids=["tp2-llama-tasks", "pp2-llama-tasks", "tp2xpp2-llama-tasks", "tp2xpp2-qwen3-tasks", "tp2xpp2-llama-graph"],
 )
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 def test_greedy_tokens_equal_single_device(
     local_ray, tiny_checkpoint, single_device_tokens, arch, compiled_graph, tp, pp
 ):
