@@ -3,14 +3,19 @@
 # both driven by vLLM's own `bench serve` client (../shared/peers/vllm_bench_serve.sh), plus Serval's float32
 # directory (the default app) for reference, in one run:
 #
-#   [FILES="q4_1 q8_0"] [LOADS="B1 C32"] [ENGINES="serval llama serval-f32"] [ROUNDS=1] [ISA=avx2] \
+#   [FILES="q4_1 q8_0 q4_k_m 1b_q8_0 1b_q4_k_m"] [LOADS="B1 C32"] [ENGINES="serval llama serval-f32"] [ROUNDS=1] [ISA=avx2] \
 #     benchmarks/quant_vs_llama.sh [RESULT_DIR]                     (default results/quant-vs-llama)
 #
 #   B1:  8 prompts of 128 random tokens -> 128, one at a time (batch 1), ignore_eos.
 #   C32: 160 prompts of 256 random tokens -> 128, max concurrency 32, no rate limit, ignore_eos.
-# Files: q4_1 = models/smollm2-135m-instruct.gguf (the registry's: Q4_1 linears, Q8_0 embedding); q8_0 =
-# Q8_0_GGUF (default /tmp/smollm2-135m-instruct.q8_0.gguf, written by llama.cpp's own converter from the float32
-# directory: ../shared/peers/gguf_from_hf.sh ... q8_0, made when missing). llama-server runs with --parallel set
+# Files (each made when missing, under FILES_DIR, default /tmp):
+#   q4_1       models/smollm2-135m-instruct.gguf (the registry's: Q4_1 linears, Q8_0 embedding);
+#   q8_0       SmolLM2 by llama.cpp's own converter from the float32 directory (../shared/peers/gguf_from_hf.sh q8_0);
+#   q4_k_m     SmolLM2 as users download it: llama.cpp's quantizer (../shared/peers/quantize_gguf.sh Q4_K_M) on the
+#              converter's float32 file (its widths are not multiples of 256: Q5_0 and Q8_0 blocks);
+#   1b_q8_0, 1b_q4_k_m   `serval make-model --size 1b` (Llama-3.2-1B's shapes, random weights, its own tokenizer;
+#              4.3 GB of float32), converted and quantized the same way (Q4_K, Q6_K, ... blocks).
+# llama-server runs with --parallel set
 # to the load's concurrency. Serval serves configs/serve/default.yaml with model_source set to the file and, on a
 # GGUF file, kv_cache_dtype KV_CACHE_DTYPE (default float16: llama-server's own default K and V type; "auto" for
 # the float32 cache); serval-f32 keeps the float32 directory's defaults.
@@ -29,8 +34,7 @@ ENGINES=${ENGINES:-serval llama serval-f32}
 ROUNDS=${ROUNDS:-1}
 KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-float16}
 MODEL_ID=smollm2-135m-instruct
-TOKENIZER=$PWD/models/$MODEL_ID
-Q8_0_GGUF=${Q8_0_GGUF:-/tmp/$MODEL_ID.q8_0.gguf}
+FILES_DIR=${FILES_DIR:-/tmp}
 export RAY_AUTH_MODE=token
 mkdir -p "$OUT"
 grep -m1 "model name" /proc/cpuinfo
@@ -51,32 +55,51 @@ if [[ ${ISA:-native} == avx2 ]]; then
   .venv/bin/python -m engine.kernels.cpu >&2  # the x86-64-v3 build, before the replicas need it
 fi
 
-gguf_of() { [[ $1 == q4_1 ]] && echo "$PWD/models/$MODEL_ID.gguf" || echo "$Q8_0_GGUF"; }
-[[ $FILES != *q8_0* || -f $Q8_0_GGUF ]] || ../shared/peers/gguf_from_hf.sh "$TOKENIZER" "$Q8_0_GGUF" q8_0 > "$OUT/convert.log" 2>&1
+checkpoint_of() { [[ $1 == 1b_* ]] && echo "$FILES_DIR/llama-1b" || echo "$PWD/models/$MODEL_ID"; }
+gguf_of() {  # gguf_of FILE -> its path
+  case $1 in
+    q4_1) echo "$PWD/models/$MODEL_ID.gguf" ;;
+    q8_0 | q4_k_m) echo "$FILES_DIR/$MODEL_ID.$1.gguf" ;;
+    1b_q8_0 | 1b_q4_k_m) echo "$FILES_DIR/llama-1b.${1#1b_}.gguf" ;;
+    *) echo "unknown file $1" >&2; exit 2 ;;
+  esac
+}
+make_file() {  # make_file FILE: writes gguf_of FILE where it is missing (minutes for the 1B)
+  local path dir f32
+  path=$(gguf_of "$1") dir=$(checkpoint_of "$1")
+  [[ -f $path ]] && return
+  echo "making $path ..." >&2
+  [[ $1 != 1b_* || -f $dir/config.json ]] || .venv/bin/serval make-model "$dir" --size 1b --threads 2 >&2
+  if [[ $1 == *q8_0 ]]; then ../shared/peers/gguf_from_hf.sh "$dir" "$path" q8_0 >> "$OUT/convert.log" 2>&1; return; fi
+  f32=${path%.*.gguf}.f32.gguf
+  [[ -f $f32 ]] || ../shared/peers/gguf_from_hf.sh "$dir" "$f32" f32 >> "$OUT/convert.log" 2>&1
+  ../shared/peers/quantize_gguf.sh "$f32" "$path" Q4_K_M >> "$OUT/convert.log" 2>&1
+}
+for f in $FILES; do make_file "$f"; done
 
 shape() {  # shape LOAD -> "prompts input output concurrency"
   case $1 in B1) echo "8 128 128 1" ;; C32) echo "160 256 128 32" ;; *) echo "unknown load $1" >&2; exit 2 ;; esac
 }
 
-load() {  # load NAME URL MODEL LOAD RUN
+load() {  # load NAME URL MODEL LOAD RUN TOKENIZER
   read -r prompts input output concurrency <<<"$(shape "$4")"
   echo "[$1 $4 run $5] $prompts prompts $input -> $output, concurrency $concurrency ..." >&2
-  ../shared/peers/vllm_bench_serve.sh --base-url "$2" --model "$3" --tokenizer "$TOKENIZER" --dataset-name random \
+  ../shared/peers/vllm_bench_serve.sh --base-url "$2" --model "$3" --tokenizer "$6" --dataset-name random \
     --random-input-len "$input" --random-output-len "$output" --num-prompts "$prompts" --ignore-eos --seed "$5" \
     --request-rate inf --max-concurrency "$concurrency" --save-result --result-dir "$OUT" \
     --result-filename "$1-$4-$5.json" > "$OUT/$1-$4-$5.log" 2>&1
 }
 
-serval() {  # serval NAME MODEL_SOURCE RUN [KV_CACHE_DTYPE]: the default app on MODEL_SOURCE, every load
+serval() {  # serval NAME MODEL_SOURCE RUN TOKENIZER [KV_CACHE_DTYPE]: the default app on MODEL_SOURCE, every load
   sed -e "s|model_source: models/$MODEL_ID |model_source: $2 |" \
-    -e "s|^      engine_kwargs:\$|      engine_kwargs:\n        kv_cache_dtype: ${4:-auto}|" configs/serve/default.yaml > "$OUT/$1.yaml"
+    -e "s|^      engine_kwargs:\$|      engine_kwargs:\n        kv_cache_dtype: ${5:-auto}|" configs/serve/default.yaml > "$OUT/$1.yaml"
   .venv/bin/serval serve --config "$OUT/$1.yaml" --detach --replace > "$OUT/$1-serve-$3.log" 2>&1 \
     || { tail -20 "$OUT/$1-serve-$3.log"; .venv/bin/serval stop >/dev/null 2>&1; exit 1; }
-  for l in $LOADS; do load "$1" http://127.0.0.1:8000 "$MODEL_ID" "$l" "$3"; done
+  for l in $LOADS; do load "$1" http://127.0.0.1:8000 "$MODEL_ID" "$l" "$3" "$4"; done
   .venv/bin/serval stop > /dev/null 2>&1
 }
 
-llama() {  # llama NAME GGUF RUN: llama-server on GGUF, --parallel = each load's concurrency
+llama() {  # llama NAME GGUF RUN TOKENIZER: llama-server on GGUF, --parallel = each load's concurrency
   for l in $LOADS; do
     read -r _ input output concurrency <<<"$(shape "$l")"
     ../shared/peers/llama_cpp_server.sh "$2" 8200 --parallel "$concurrency" \
@@ -86,7 +109,7 @@ llama() {  # llama NAME GGUF RUN: llama-server on GGUF, --parallel = each load's
       kill -0 $pid 2>/dev/null || { tail -20 "$OUT/$1-server-$l-$3.log"; exit 1; }
       sleep 1
     done
-    load "$1" http://127.0.0.1:8200 "$2" "$l" "$3"
+    load "$1" http://127.0.0.1:8200 "$2" "$l" "$3" "$4"
     kill $pid; wait $pid 2>/dev/null || true
   done
 }
@@ -95,12 +118,12 @@ for run in $(seq 1 "$ROUNDS"); do
   for f in $FILES; do
     for engine in $ENGINES; do
       case $engine in
-        serval) serval "serval-$f" "$(gguf_of "$f")" "$run" "$KV_CACHE_DTYPE" ;;
-        llama) llama "llama-$f" "$(gguf_of "$f")" "$run" ;;
-        serval-f32) if [[ $f == "${FILES%% *}" ]]; then serval serval-f32 "models/$MODEL_ID" "$run"; fi ;;
+        serval) serval "serval-$f" "$(gguf_of "$f")" "$run" "$(checkpoint_of "$f")" "$KV_CACHE_DTYPE" ;;
+        llama) llama "llama-$f" "$(gguf_of "$f")" "$run" "$(checkpoint_of "$f")" ;;
+        serval-f32) if [[ $f == "${FILES%% *}" ]]; then serval serval-f32 "models/$MODEL_ID" "$run" "models/$MODEL_ID"; fi ;;
       esac
     done
   done
 done
 
-.venv/bin/python benchmarks/quant_report.py "$OUT" "$PWD/models/$MODEL_ID.gguf" "$Q8_0_GGUF"
+.venv/bin/python benchmarks/quant_report.py "$OUT" $(for f in $FILES; do echo "$f=$(gguf_of "$f")"; done)
