@@ -58,9 +58,12 @@ class LLMEngine:
         self._last_log_time = time.monotonic()
         model_dir = config.model_config.model
         arch = Architecture.from_model(model_dir)
+        # A core in another process loads the model while this thread loads the tokenizer; one in this process
+        # loads it after the tokenizer, whose parse of a GGUF file is then freed before the weights are read.
+        tokenizer = load_tokenizer(config.model_config.tokenizer_path) if placement.in_this_process else None
         self.engine_core: CoreClient = make_core_client(config, placement, executor_class, kv_events)
-        try:  # a core elsewhere loads the model while this thread loads the tokenizer
-            self.tokenizer = load_tokenizer(config.model_config.tokenizer_path)
+        try:
+            self.tokenizer = load_tokenizer(config.model_config.tokenizer_path) if tokenizer is None else tokenizer
             self.engine_core.wait_ready()
         except BaseException:
             self.engine_core.shutdown()  # no core outlives a failed start

@@ -18,6 +18,7 @@ parameter's ``weight_loader`` to the engine's dtype.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -89,19 +90,34 @@ def _unpermute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return rows.reshape(num_heads, half_pairs, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
+def _free_parse() -> None:
+    """Frees a dropped ``gguf.GGUFReader`` now: its fields refer to each other, so only the cycle collector
+    frees them, and until then the next parse takes memory of its own."""
+    gc.collect()
+
+
 class GGUFFile:
-    """A ``.gguf`` file read as a model source (see the module docstring); metadata is read once."""
+    """A ``.gguf`` file read as a model source (see the module docstring); metadata is read once.
+
+    What it keeps of the parse is small: the single-valued fields and each tensor's name and type. A parsed
+    ``gguf.GGUFReader`` costs far more than the file's metadata (about 166 MB for SmolLM2's 98 MB file: a
+    numpy view per token of its vocabulary and merges), and an open file is cached for the process's life
+    (``engine.model.source``); each later parse (``iter_weights``, transformers' config and tokenizer) is
+    freed before the next one starts (``_free_parse``), so that no two are held at once."""
 
     def __init__(self, path: str) -> None:
         import gguf
 
         self.path = path
-        self._reader = gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path)
+        self._fields = {key: field.contents() for key, field in reader.fields.items() if len(field.data) == 1}
+        self._tensors = [(tensor.name, tensor.tensor_type) for tensor in reader.tensors]
+        del reader
+        _free_parse()
         self._check_types()
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._fields.get(key, default)
 
     @property
     def gguf_architecture(self) -> str:
@@ -110,11 +126,10 @@ class GGUFFile:
     def _check_types(self) -> None:
         from gguf.quants import _type_traits
 
-        for tensor in self._reader.tensors:
-            kind = tensor.tensor_type
+        for tensor_name, kind in self._tensors:
             if kind.name not in _UNQUANTIZED and kind not in _type_traits:
                 raise ValueError(
-                    f"{self.path}: tensor {tensor.name!r} is stored as GGUF type {kind.name}, which Serval "
+                    f"{self.path}: tensor {tensor_name!r} is stored as GGUF type {kind.name}, which Serval "
                     f"cannot dequantize (supported: F32, F16, {', '.join(t.name for t in _type_traits)})."
                 )
 
@@ -130,6 +145,7 @@ class GGUFFile:
             )
         directory, name = os.path.split(os.path.abspath(self.path))
         config = AutoConfig.from_pretrained(directory, gguf_file=name).to_dict()
+        _free_parse()  # transformers' parse of the metadata
         return {**config, "architectures": [ARCHITECTURES.get(config.get("model_type"), ARCHITECTURES[arch])]}
 
     @cached_property
@@ -150,14 +166,14 @@ class GGUFFile:
         from transformers import AutoTokenizer
 
         directory, name = os.path.split(os.path.abspath(self.path))
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        _free_parse()  # transformers' parse of the metadata
+        return tokenizer
 
     def stored_formats(self) -> dict[str, QuantType | None]:
         """Hugging Face name -> the block format Serval multiplies that the tensor is stored in, or None."""
         return {
-            hf_tensor_name(t.name): QuantType.of_gguf(t.tensor_type.name)
-            for t in self._reader.tensors
-            if t.name not in _SKIPPED
+            hf_tensor_name(name): QuantType.of_gguf(kind.name) for name, kind in self._tensors if name not in _SKIPPED
         }
 
     def iter_weights(
@@ -187,6 +203,8 @@ class GGUFFile:
             if permuted and projection in heads:
                 values = _unpermute(values, heads[projection])  # rows: of values or of blocks alike
             yield name, torch.from_numpy(np.ascontiguousarray(values))
+        del reader, tensors
+        _free_parse()
 
     @classmethod
     def _read(cls, tensor, qtype: QuantType | None) -> np.ndarray:
@@ -211,13 +229,13 @@ class GGUFFile:
 
     @property
     def num_tensors(self) -> int:
-        return len(self._reader.tensors)
+        return len(self._tensors)
 
     def describe(self) -> dict[str, Any]:
         """What a model card names: the model, its license, and how many tensors each GGUF type holds."""
         types: dict[str, int] = {}
-        for tensor in self._reader.tensors:
-            types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+        for _, kind in self._tensors:
+            types[kind.name] = types.get(kind.name, 0) + 1
         return {
             "name": self._field("general.name"),
             "organization": self._field("general.organization"),

