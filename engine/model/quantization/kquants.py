@@ -126,8 +126,8 @@ def pack(raw: torch.Tensor, name: str) -> torch.Tensor:
     whole, nsb, bb = _grouped(raw, name)
     source = torch.empty(GROUP * bb, dtype=torch.int64)
     source[_permutation(name).reshape(-1)] = torch.arange(GROUP * bb)  # packed byte <- its (row, byte)
-    groups = raw[:whole].reshape(-1, GROUP, nsb, bb).transpose(1, 2).reshape(-1, nsb, GROUP * bb)
-    body = groups[..., source].reshape(whole, -1)
+    groups = raw[:whole].reshape(whole // GROUP, GROUP, nsb, bb).transpose(1, 2).reshape(-1, nsb, GROUP * bb)
+    body = groups[..., source].reshape(whole, nsb * bb)
     return torch.cat([body, raw[whole:]]).contiguous()
 
 

@@ -71,7 +71,7 @@ def plan_quantization(
         linears = {name for name, m in model.named_modules() if isinstance(m, LinearBase)}
         chosen = {ckpt: QuantType.Q8_0 for ckpt, (module, _) in targets.items() if module in linears}
     else:
-        chosen = _kept_modules(stored, targets)
+        chosen = _kept_modules(stored, targets, dict(model.named_modules()))
     plan = QuantizationPlan(_module_formats(chosen, targets), chosen)
     lm_head = getattr(model, "lm_head", None)
     embed = plan.modules.get("model.embed_tokens")
@@ -95,15 +95,17 @@ def _targets(model: nn.Module, stored: Mapping[str, object], packed: list) -> di
 
 
 def _kept_modules(
-    stored: Mapping[str, QuantType | None], targets: dict[str, tuple[str, object]]
+    stored: Mapping[str, QuantType | None], targets: dict[str, tuple[str, object]], modules: dict[str, nn.Module]
 ) -> dict[str, QuantType]:
-    """The checkpoint weights of modules whose every part is stored in a block format."""
+    """The checkpoint weights of modules whose every part is stored in a block format whose blocks this rank's
+    shard holds whole (a row-parallel shard of 128 columns cannot keep 256-weight super-blocks)."""
     parts: dict[str, list[str]] = {}
     for ckpt, (module, _) in targets.items():
         parts.setdefault(module, []).append(ckpt)
     chosen = {}
-    for names in parts.values():
-        if all(stored[name] is not None for name in names):
+    for module, names in parts.items():
+        width = getattr(modules[module], "in_features", None)
+        if all(stored[n] is not None and (width is None or width % stored[n].block_weights == 0) for n in names):
             chosen.update((name, stored[name]) for name in names)
     return chosen
 

@@ -139,7 +139,7 @@ def test_every_matrix_stays_in_its_files_format_within_its_size(kquant_file):
     process_weights_after_loading(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
     assert abs(weight_bytes - os.path.getsize(kquant_file)) < 0.1 * os.path.getsize(kquant_file)
-    assert qkv.weight.numel() == 320 * QuantType.Q4_K.row_bytes(256) + 128 * QuantType.Q6_K.row_bytes(256)
+    assert qkv.weight.numel() == 384 * QuantType.Q4_K.row_bytes(256) + 128 * QuantType.Q6_K.row_bytes(256)
 
 
 def _dequantized(model_path: Path):
@@ -170,6 +170,11 @@ def test_tensor_parallel_shards_are_rows_or_whole_super_blocks(kquant_file):
         ranks = [_products(get_model(str(kquant_file), tp_rank=rank, tp_size=2)) for rank in range(2)]
     down = full[3].weight  # row-parallel, K = 512: one super-block of each row per rank
     assert torch.equal(torch.cat([r[3].weight for r in ranks], dim=1), down)
+    assert not ranks[0][1].quant_method.is_quantized  # o_proj's 128 columns a rank would cut its super-blocks
+    gate_up = full[2].weight.reshape(2, INTERMEDIATE, -1)  # column-parallel, padded [gate | up]: rows
+    for rank, part in enumerate(ranks):
+        halves = part[2].weight.reshape(2, INTERMEDIATE // 2, -1)
+        assert torch.equal(halves, gate_up[:, rank * INTERMEDIATE // 2 : (rank + 1) * INTERMEDIATE // 2])
     x = torch.randn(3, INTERMEDIATE // 2)
     part = ranks[1][3]
     torch.testing.assert_close(
