@@ -9,7 +9,8 @@ format out of it, gives each the product ``BlockQuantLinearMethod`` would (``blo
 native kernels where they run), and keeps their bytes back to back in the Parameter, now 1-D: the file's bytes,
 the padding gone. The product computes each run and concatenates their outputs along the features (then adds
 the bias): each run's values are exactly its own format's product, so batch invariance and the reference hold.
-It has no ``native_format``: the native decode stack does not run such a model.
+Where every run is native, the native decode stack computes it the same way (``native_format`` ``PARTED``; its
+``packed`` is then the runs' table, int64 [runs, 3]: kernel id, rows, row bytes, which decode_stack.cpp reads).
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ from engine.model.layers.linear_method import LinearMethod
 from engine.model.quantization.block_method import TorchBlockProduct, block_product
 from engine.model.quantization.blocks import QuantType
 
+PARTED = -2  # the native decode stack's format code for a parted product (decode_stack.cpp)
+
 
 class PartedBlockProduct:
     """The runs' products side by side: ``x -> cat(run(x) for run) + bias``."""
 
-    native_format: int | None = None
-    packed = None
-
     def __init__(self, weight: torch.Tensor, runs: list[TorchBlockProduct]) -> None:
         self.weight, self.runs = weight, runs
+        native = all(run.native_format is not None for run in runs)
+        self.native_format = PARTED if native else None
+        table = [[run.native_format, *run.weight.shape] for run in runs]
+        self.packed = torch.tensor(table, dtype=torch.int64) if native else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, native_rows: range) -> torch.Tensor:
         y = torch.cat([run(x, None, native_rows) for run in self.runs], dim=-1)

@@ -9,6 +9,9 @@
   product of its dequantized weight (exactly in torch, within 14-bit activation rounding natively); embedding
   rows are the dequantized rows; tensor-parallel shards are rows or whole super-blocks; and the offline engine
   on the file generates the dequantized model's greedy tokens.
+* The native decode stack runs every product (``quant_linear`` by kernel id; a parted layer's runs side by
+  side) and gives the layers' tokens and logprobs bit for bit, on that file and on one whose packed layers are
+  each in one K-quant.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from engine.model.quantization.parted import PartedBlockMethod
 from engine.model.registry import get_model
 from tests.conftest import assert_pool_clean
 from tests.engine.model.test_gguf_types import gguf_name
+from tests.engine.worker.test_native_decode import _generate, _logprobs, _prompts, _runner
 
 K_QUANTS = [q for q in QuantType if q.super_block]
 GEMMA = Path(os.environ.get("SERVAL_GEMMA_Q4_K_M", "/tmp/gemma_kq/gemma-3-270m-q4_k_m.gguf"))
@@ -80,7 +84,10 @@ def test_dequantize_is_ggufs_bit_for_bit_on_a_real_q4_k_m_files_tensors():
     assert seen == {QuantType.Q4_K: 27, QuantType.Q6_K: 9}
 
 
-def _write_kquant_llama(path: Path) -> None:
+UNIFORM = FORMATS | {"self_attn.v_proj": QuantType.Q4_K, "mlp.up_proj": QuantType.Q4_K}
+
+
+def _write_kquant_llama(path: Path, formats: dict[str, QuantType] = FORMATS) -> None:
     import gguf
 
     generator = torch.Generator().manual_seed(0)
@@ -99,7 +106,7 @@ def _write_kquant_llama(path: Path) -> None:
     rows = {"q_proj": HEADS * head_dim, "k_proj": KV_HEADS * head_dim, "v_proj": KV_HEADS * head_dim}
     matrices = {"model.embed_tokens.weight": (QuantType.Q6_K, VOCAB, HIDDEN)}
     for i in range(LAYERS):
-        for part, qtype in FORMATS.items():
+        for part, qtype in formats.items():
             out = rows.get(part.split(".")[1], INTERMEDIATE if part.startswith("mlp.") else HIDDEN)
             out, k = (HIDDEN, INTERMEDIATE) if part == "mlp.down_proj" else (out, HIDDEN)
             matrices[f"model.layers.{i}.{part}.weight"] = (qtype, out, k)
@@ -200,3 +207,27 @@ def test_the_engine_on_the_file_generates_the_dequantized_models_tokens(kquant_f
         assert_pool_clean(llm)
         llm.shutdown()
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize(
+    "formats, native", [(FORMATS, [-2, 11, -2, 12]), (UNIFORM, [10, 11, 10, 12])], ids=["mixed", "uniform"]
+)
+def test_the_native_decode_stack_runs_k_quant_layers_bit_for_bit(tmp_path, tiny_checkpoint, formats, native):
+    path = tmp_path / "tiny-kquants.gguf"
+    _write_kquant_llama(path, formats)
+    llm = LLM(
+        str(path),
+        tokenizer=tiny_checkpoint("llama"),
+        max_num_seqs=4,
+        kv_cache_memory_bytes=8 << 20,
+        enable_prefix_caching=False,  # as test_native_decode's: with a hit the layers' own logprobs move run to run
+    )
+    stack = _runner(llm).native_decode
+    assert stack is not None and stack.weight_formats[:4] == native  # qkv, o, gate_up, down
+    for lengths in ([9], [5, 17, 30]):
+        prompts = _prompts(VOCAB, lengths)
+        for got, want in zip(_generate(llm, prompts, True), _generate(llm, prompts, False), strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert _logprobs(got) == _logprobs(want)
+    assert_pool_clean(llm)
+    llm.shutdown()
