@@ -1,5 +1,6 @@
-"""The native quantized linear (``quant_linear``: GGUF Q8_0 / Q4_1 weights packed, 14-bit activations) against float32
-products on the dequantized weight: MKL's ``F.linear`` and a oneDNN-packed copy (as cpu_prepack.py keeps it).
+"""The native quantized linear (``quant_linear``: GGUF Q8_0 / Q4_1 weights, or with ``--formats`` any of QuantType's,
+the K-quants as random valid super-blocks, packed, 14-bit activations) against float32 products on the dequantized
+weight: MKL's ``F.linear`` and a oneDNN-packed copy (as cpu_prepack.py keeps it).
 
 Prints, per thread count, shape (K, N) and row count M, the microseconds of each and the ratios; for M = 1
 also the effective bandwidth of quant_linear (its weight bytes / time) against a STREAM-like read of this
@@ -8,6 +9,7 @@ run (a 256 MB ``torch.sum``) and the memory floor (weight bytes / that bandwidth
     python benchmarks/bench_quant_linear.py
     python benchmarks/bench_quant_linear.py --threads 2 --rows 1 32 256
     python benchmarks/bench_quant_linear.py --threads 2 --rows 1 8 64 512 --against OTHER.so
+    python benchmarks/bench_quant_linear.py --threads 2 --rows 1 8 32 256 --shapes 5 6 7 --formats Q8_0 Q4_1 Q4_K Q6_K
 
 ``--against`` loads another build of the kernels module (another commit's ``.so``, from its
 ``~/.cache/torch_extensions`` directory) beside this one and prints, instead, both builds' ``quant_linear``
@@ -25,12 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import load_cpu_kernels
+from engine.model.quantization import kquants
 from engine.model.quantization.blocks import QuantType, dequantize, quantize
 from engine.model.quantization.packed import pack
 
 # SmolLM2-135M's projections (K = in_features, N = out_features): qkv, o, gate_up, down, lm head.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
-FORMATS = (QuantType.Q8_0, QuantType.Q4_1)
+SHAPES += [(2048, 2048), (2048, 8192), (8192, 2048)]  # a 1B model's (Llama-3.2-1B): o, gate or up, down
+FORMATS = [QuantType.Q8_0, QuantType.Q4_1]
 ROTATION_BYTES = 256 << 20
 
 
@@ -76,10 +80,17 @@ def cpu_name() -> str:
         return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
 
 
+def blocks_of(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """``weight`` quantized; a K-quant (which gguf cannot write) as random super-blocks of its shape."""
+    if qtype.super_block:
+        return kquants.random_rows(*weight.shape, qtype.value, torch.Generator().manual_seed(0))
+    return quantize(weight, qtype)
+
+
 def bench_shape(ops, k: int, n: int, rows: list[int], bandwidth: float) -> None:
     weight = torch.randn(n, k) * 0.05
-    quantized = {q: quantize(weight, q) for q in FORMATS}
-    dense = dequantize(quantized[QuantType.Q8_0], QuantType.Q8_0)
+    quantized = {q: blocks_of(weight, q) for q in FORMATS}
+    dense = dequantize(quantize(weight, QuantType.Q8_0), QuantType.Q8_0)
     packed = rotating(torch.ops.mkldnn._reorder_linear_weight(dense, 64))
     dense_copies = rotating(dense)
     quantized_copies = {q: rotating(pack(w, q)) for q, w in quantized.items()}
@@ -107,7 +118,7 @@ def load_module(path: str):
 
 def bench_against(ops, other, k: int, n: int, rows: list[int]) -> None:
     for q in FORMATS:
-        copies = rotating(pack(quantize(torch.randn(n, k) * 0.05, q), q))
+        copies = rotating(pack(blocks_of(torch.randn(n, k) * 0.05, q), q))
         for m in rows:
             x = torch.randn(m, k)
             turns = {build: [] for build in (ops, other)}
@@ -123,7 +134,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])
     parser.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES (default: all)")
     parser.add_argument("--against", metavar="SO", help="another build of the kernels module to time beside this one")
+    parser.add_argument("--formats", nargs="+", type=QuantType.parse, help="block formats (default: Q8_0 Q4_1)")
     args = parser.parse_args()
+    FORMATS[:] = args.formats or FORMATS
     ops, other = load_cpu_kernels(), args.against and load_module(args.against)
     assert ops is not None and hasattr(ops, "quant_linear"), "the native CPU kernels are not built here"
     print(f"CPU: {cpu_name()}; torch {torch.__version__}")
@@ -137,7 +150,8 @@ def main() -> None:
             for k, n in shapes:
                 bench_against(ops, other, k, n, args.rows)
             continue
-        print("    K      N    M |  F.linear    oneDNN | Q8_0 us  vs F.lin vs oneDNN | Q4_1 ... (M=1: GB/s, floor)")
+        names = " | ".join(f"{q.value} us  vs F.lin vs oneDNN" for q in FORMATS)
+        print(f"    K      N    M |  F.linear    oneDNN | {names} (M=1: GB/s, floor)")
         for k, n in shapes:
             bench_shape(ops, k, n, args.rows, bandwidth)
 

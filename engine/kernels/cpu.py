@@ -47,6 +47,7 @@ _SOURCES = [
     "decode_attention.cpp",
     "decode_stack.cpp",
     "elementwise.cpp",
+    "kquant_linear.cpp",
     "quant_linear.cpp",
     "sampling.cpp",
     "skinny_linear.cpp",

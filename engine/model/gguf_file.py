@@ -13,7 +13,8 @@ parameter's ``weight_loader`` to the engine's dtype.
 * Types: those the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
   and others it lists); any other raises ``ValueError`` naming the tensor and its type before anything loads.
   Tensors stored as Q8_0, Q4_0 or Q4_1 can also be read as their block bytes (``stored_formats``,
-  ``iter_weights(blocks=...)``), which the quantized layers keep as they are.
+  ``iter_weights(blocks=...)``), which the quantized layers keep as they are; so can the K-quants (Q4_K,
+  Q5_K, Q6_K: ``QuantType.super_block``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@
 // through mkldnn::_linear_pointwise when there is one (what cpu_prepack.CPUFloat32Product calls), else
 // at::linear (F.linear); a block-format weight's product (its format >= 0, a QuantType's kernel_id) is
 // quant_linear, what NativeBlockProduct calls. Each of the four products of a layer has its own format, so a
-// file whose layers mix formats (every Q4_K_M file does) runs here too.
+// file whose layers mix formats (every Q4_K_M file does) runs here too; and a packed layer whose parts a file
+// stores in different formats (format -2, parted.PartedBlockProduct) is its runs' quant_linear products side by
+// side, then its bias, as the layer computes it.
 //
 // Contract (decode_stack): hidden [T, hidden] float32, the step's token embeddings, one token per request
 // (row i is request i); layer_weights holds 7 tensors per layer, in order: input_layernorm [hidden],
@@ -18,8 +20,9 @@
 // empty tensor for a product with none;
 // kv_caches one [2, blocks, block_size, Hk, D] per layer (float32, bf16 or half); positions and slot_mapping
 // int64 [T]; cos_sin the rope table [P, 2, D] float32; block_tables int32 [T, max_blocks] and seq_lens int32
-// [T]; weight_formats 4 per layer, in the products' order: -1 (float32 weights) or the kernel_id of the
-// weight's block format. Writes each layer's new K/V into its cache and returns the final norm of the last
+// [T]; weight_formats 4 per layer, in the products' order: -1 (float32 weights), the kernel_id of the
+// weight's block format, or -2 (parted: the weight its runs' bytes back to back, its packed_weights entry the
+// runs' table int64 [runs, 3]: kernel_id, rows, row bytes). Writes each layer's new K/V into its cache and returns the final norm of the last
 // layer's output [T, hidden].
 #include "torch_ops.h"
 
@@ -62,12 +65,31 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<c10::optional<c10::Scalar>>(), c10::string_view(""));
 }
 
-// x @ w.T (+ bias) for a weight in ``format`` (-1 float32, else a block format's kernel_id); packed is w's
-// packed copy, or an undefined or empty tensor.
+constexpr int64_t kParted = -2;
+
+// A parted product: each run's quant_linear on its bytes of w, the outputs side by side, then + bias.
+torch::Tensor parted_product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& runs,
+                             const c10::optional<torch::Tensor>& bias) {
+  const auto table = runs.accessor<int64_t, 2>();
+  std::vector<torch::Tensor> outputs;
+  int64_t at = 0;
+  for (int64_t i = 0; i < table.size(0); ++i) {
+    const int64_t rows = table[i][1], row_bytes = table[i][2];
+    outputs.push_back(quant_linear(x, w.narrow(0, at, rows * row_bytes).view({rows, row_bytes}), table[i][0],
+                                   c10::nullopt));
+    at += rows * row_bytes;
+  }
+  torch::Tensor y = at::cat(outputs, 1);
+  return bias.has_value() ? y.add_(*bias) : y;
+}
+
+// x @ w.T (+ bias) for a weight in ``format`` (-1 float32, -2 parted, else a block format's kernel_id); packed
+// is w's packed copy (a parted weight's runs), or an undefined or empty tensor.
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                       const torch::Tensor& bias, int64_t format, const StepArgs& a) {
   const c10::optional<torch::Tensor> b = bias.defined() && bias.numel() > 0 ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
   if (format >= 0) return quant_linear(x, w, format, b);
+  if (format == kParted) return parted_product(x, w, packed, b);
   if (x.size(0) <= a.native_rows) return skinny_linear(x, w, b);
   if (packed.defined() && packed.numel() > 0) return packed_linear(x, packed, b);
   return at::linear(x, w, b);

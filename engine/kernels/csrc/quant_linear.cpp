@@ -164,7 +164,13 @@ struct Reference {
 
 }  // namespace
 
+// The K-quants (qtype 10 .. 12: super-blocks of 256) are kquant_linear.cpp's, under this op's contract.
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias,
+                            bool reference);
+constexpr bool is_kquant(int64_t qtype) { return 10 <= qtype && qtype <= 12; }
+
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10::optional<torch::Tensor> bias) {
+  if (is_kquant(qtype)) return kquant_linear(x, w, qtype, bias, false);
   Operands o = operands(x, w, qtype, bias);
   dispatch<Kernel>(qtype, o.problem);
   return o.y;
@@ -172,6 +178,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor w, int64_t qtype, c10:
 
 torch::Tensor quant_linear_reference(torch::Tensor x, torch::Tensor w, int64_t qtype,
                                      c10::optional<torch::Tensor> bias) {
+  if (is_kquant(qtype)) return kquant_linear(x, w, qtype, bias, true);
   Operands o = operands(x, w, qtype, bias);
   dispatch<Reference>(qtype, o.problem);
   return o.y;

@@ -108,7 +108,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def shard_ids(self) -> list:
         return list(range(len(self.output_sizes)))
 
-    def _shard_range(self, shard_id) -> tuple[int, int]:
+    def shard_rows(self, shard_id) -> tuple[int, int]:
         """(offset, size) of ``shard_id`` inside this rank's packed output."""
         sizes = [s // self.tp_size for s in self.output_sizes]
         return sum(sizes[:shard_id]), sizes[shard_id]
@@ -116,7 +116,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:  # an already-packed checkpoint tensor
             return ColumnParallelLinear.weight_loader(self, param, loaded)
-        offset, size = self._shard_range(shard_id)
+        offset, size = self.shard_rows(shard_id)
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp_rank * size, size))
 
 
@@ -147,11 +147,14 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def shard_ids(self) -> list:
         return ["q", "k", "v"]
 
+    def shard_rows(self, shard_id) -> tuple[int, int]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
             return ColumnParallelLinear.weight_loader(self, param, loaded)
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        offset, size = self.shard_rows(shard_id)
         rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
         default_weight_loader(param.data.narrow(0, offset, size), loaded.narrow(0, rank * size, size))
 

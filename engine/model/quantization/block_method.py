@@ -77,6 +77,25 @@ class NativeBlockProduct(TorchBlockProduct):
         return unpack_rows(self.weight, ids, self.qtype)
 
 
+def block_product(weight: torch.Tensor, qtype: QuantType) -> TorchBlockProduct:
+    """The product of ``weight`` (a Parameter, or a part of one: ``parted``) in ``qtype`` (module docstring);
+    on the CPU with the native kernels, the packed layout first (once per tensor: a tied head finds it packed
+    by its embedding)."""
+    kernels = load_cpu_kernels() if weight.device.type == "cpu" else None
+    if not hasattr(kernels, "quant_linear"):
+        kernels = None
+    if getattr(weight, "packed", False) and kernels is None:
+        raise RuntimeError(f"a {qtype.value} weight packed for the native kernels, which are off now")
+    if kernels is not None:
+        if not getattr(weight, "packed", False):
+            weight.data = pack(weight.data, qtype)
+            weight.packed = True
+        return NativeBlockProduct(weight, qtype, kernels)
+    if weight.device.type == "cuda" and not qtype.super_block:  # the Triton kernel reads 32-weight blocks only
+        return TritonBlockProduct(weight, qtype)
+    return TorchBlockProduct(weight, qtype)
+
+
 class BlockQuantLinearMethod(LinearMethod):
     """The weight in ``qtype``'s blocks (module docstring); one instance per format, shared by layers."""
 
@@ -99,23 +118,8 @@ class BlockQuantLinearMethod(LinearMethod):
         return TorchBlockProduct(weight, self.qtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """The product (module docstring); on the CPU with the native kernels, the packed layout first (once
-        per Parameter: a tied head finds it packed by its embedding)."""
-        weight = layer.weight
-        kernels = load_cpu_kernels() if weight.device.type == "cpu" else None
-        if not hasattr(kernels, "quant_linear"):
-            kernels = None
-        if getattr(weight, "packed", False) and kernels is None:
-            raise RuntimeError(f"a {self.qtype.value} weight packed for the native kernels, which are off now")
-        if kernels is not None:
-            if not getattr(weight, "packed", False):
-                weight.data = pack(weight.data, self.qtype)
-                weight.packed = True
-            layer.product = NativeBlockProduct(weight, self.qtype, kernels)
-        elif weight.device.type == "cuda":
-            layer.product = TritonBlockProduct(weight, self.qtype)
-        else:
-            layer.product = TorchBlockProduct(weight, self.qtype)
+        """The product (``block_product``)."""
+        layer.product = block_product(layer.weight, self.qtype)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         values = dequantize(layer.product.file_rows(ids), self.qtype).to(self.compute_dtype)

@@ -8,6 +8,9 @@ tensor-parallel shard of rows or of whole blocks is a plain ``narrow`` of the by
 * Q4_1 (20 bytes): fp16 d, fp16 min m, then 16 bytes;        w = d * q + m
 
 In the 4-bit formats byte j of the 16 holds element j in its low nibble and element j + 16 in its high one.
+
+The K-quants (Q4_K, Q5_K, Q6_K: ``kquants``) are super-blocks of 256 weights (``block_weights``), their layout
+and dequantization in ``kquants``; ``super_block`` marks them.
 ``dequantize`` is the reference every kernel is checked against: each weight is computed in float32 as the
 formula reads (one rounding per operation, no fused multiply-add), from the fp16 scales widened to float32.
 """
@@ -19,7 +22,9 @@ import enum
 import numpy as np
 import torch
 
-BLOCK = 32  # weights per block, in every format here
+from engine.model.quantization import kquants
+
+BLOCK = 32  # weights per block, in every format but the K-quants' super-blocks (``block_weights``)
 
 
 class QuantType(enum.Enum):
@@ -29,8 +34,26 @@ class QuantType(enum.Enum):
     Q4_0 = "Q4_0"
     Q4_1 = "Q4_1"
 
+    # K-quants: super-blocks of 256 (kquants.py)
+    Q4_K = "Q4_K"
+    Q5_K = "Q5_K"
+    Q6_K = "Q6_K"
+
+    @property
+    def super_block(self) -> bool:
+        """A K-quant: 256-weight super-blocks, laid out and dequantized by ``kquants``."""
+        return self.value in kquants.LAYOUTS
+
+    @property
+    def block_weights(self) -> int:
+        """Weights in one block of this format (a row is a whole number of them)."""
+        return kquants.SUPER_BLOCK if self.super_block else BLOCK
+
     @property
     def block_bytes(self) -> int:
+        if self.super_block:
+            return kquants.LAYOUTS[self.value].block_bytes
+
         return {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[self.value]
 
     @property
@@ -41,17 +64,20 @@ class QuantType(enum.Enum):
     @property
     def kernel_id(self) -> int:
         """The number the native and Triton kernels know this format by."""
+        if self.super_block:
+            return {"Q4_K": 10, "Q5_K": 11, "Q6_K": 12}[self.value]
+
         return {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}[self.value]
 
     def row_bytes(self, k: int) -> int:
-        """Bytes of one row of ``k`` weights (``k`` a multiple of 32)."""
-        if k % BLOCK:
-            raise ValueError(f"{self.value} needs rows of a multiple of {BLOCK} weights, got {k}")
-        return k // BLOCK * self.block_bytes
+        """Bytes of one row of ``k`` weights (``k`` a multiple of ``block_weights``)."""
+        if k % self.block_weights:
+            raise ValueError(f"{self.value} needs rows of a multiple of {self.block_weights} weights, got {k}")
+        return k // self.block_weights * self.block_bytes
 
     def row_weights(self, row_bytes: int) -> int:
         """Weights in a row of ``row_bytes`` bytes."""
-        return row_bytes // self.block_bytes * BLOCK
+        return row_bytes // self.block_bytes * self.block_weights
 
     @classmethod
     def of_gguf(cls, gguf_type_name: str) -> QuantType | None:
@@ -68,6 +94,9 @@ class QuantType(enum.Enum):
 
 def dequantize(raw: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     """uint8 [N, row_bytes] -> float32 [N, K] (module docstring); any device."""
+    if qtype.super_block:
+        return kquants.dequantize(raw, qtype.value)
+
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, qtype.block_bytes)
     d = _fp16(blocks, 0)
@@ -86,7 +115,10 @@ def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def quantize(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
-    """float [N, K] -> uint8 [N, row_bytes] with gguf's quantizer (bit-identical to llama.cpp's); CPU."""
+    """float [N, K] -> uint8 [N, row_bytes] with gguf's quantizer (bit-identical to llama.cpp's); CPU. The
+    K-quants raise (gguf writes none: llama.cpp's ``llama-quantize`` does)."""
+    if qtype.super_block:
+        raise ValueError(f"{qtype.value} cannot be quantized here: use llama.cpp's llama-quantize")
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 

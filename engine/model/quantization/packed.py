@@ -6,12 +6,14 @@ then the quants in 64-byte chunks holding 4 bytes of each row, so that one vecto
 Q8_0's quants are stored offset by 128 (unsigned, as VNNI's ``vpdpbusd`` multiplies them), with -128
 read as -127 (llama.cpp's quantizer never writes -128). Rows past the last whole group are kept as they are.
 ``unpack_rows`` reads rows back in the file's layout (embedding lookups on a tied, packed weight).
+The K-quants' super-blocks (``qtype.super_block``) pack the same way, field by field (``kquants.pack``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.model.quantization import kquants
 from engine.model.quantization.blocks import QuantType
 
 GROUP = 16  # weight rows interleaved
@@ -23,6 +25,9 @@ def _chunks(qtype: QuantType) -> int:
 
 def pack(raw: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     """uint8 [N, row_bytes] in the file's layout -> the packed layout, same shape (module docstring)."""
+    if qtype.super_block:
+        return kquants.pack(raw, qtype.value)
+
     n, row_bytes = raw.shape
     whole, nb, h, c = n // GROUP * GROUP, row_bytes // qtype.block_bytes, qtype.header_bytes, _chunks(qtype)
     g = whole // GROUP
@@ -37,6 +42,9 @@ def pack(raw: torch.Tensor, qtype: QuantType) -> torch.Tensor:
 
 def unpack_rows(packed: torch.Tensor, ids: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     """Rows ``ids`` (int64 [T]) of a packed weight, in the file's layout: uint8 [T, row_bytes]."""
+    if qtype.super_block:
+        return kquants.unpack_rows(packed, ids, qtype.value)
+
     n, row_bytes = packed.shape
     whole, nb, h, c = n // GROUP * GROUP, row_bytes // qtype.block_bytes, qtype.header_bytes, _chunks(qtype)
     ids = ids.reshape(-1)

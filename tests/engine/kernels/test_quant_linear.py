@@ -1,4 +1,5 @@
-"""The native quantized linear (engine/kernels/csrc/quant_linear.cpp): GGUF Q8_0 / Q4_0 / Q4_1 weights in the
+"""The native quantized linear (engine/kernels/csrc/quant_linear.cpp): GGUF Q8_0 / Q4_0 / Q4_1 weights and the
+K-quants Q4_K / Q5_K / Q6_K (kquant_linear.cpp: random valid super-blocks, which gguf cannot write) in the
 packed layout (packed.py), activations quantized per block to 14 bits, integer dot products.
 
 * bit for bit equal to its scalar reference (``quant_linear_reference``: the same activation quantization, the
@@ -24,12 +25,14 @@ import pytest
 import torch
 
 from engine.kernels.cpu import load_cpu_kernels
+from engine.model.quantization import kquants
 from engine.model.quantization.blocks import QuantType, dequantize, quantize
 from engine.model.quantization.packed import pack
 from tests.engine.kernels.test_cpu_kernels import _cpu_flags, cpu_has_fused_isa
 
 ROWS = [*range(1, 10), 17, 64, 300]
-DEPTHS = [32, 64, 576, 1536]
+DEPTHS = {32: [32, 64, 576, 1536], 256: [256, 512, 1536, 2048]}  # by the format's block_weights
+CASES = [(qtype, k) for qtype in QuantType for k in DEPTHS[qtype.block_weights]]
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -40,7 +43,14 @@ def ops():
     return load_cpu_kernels()
 
 
+def _depth(k: int, qtype: QuantType) -> int:
+    """``k`` for a 32-weight format, the multiple of 256 below it (at least 256) for a K-quant."""
+    return max(qtype.block_weights, k // qtype.block_weights * qtype.block_weights)
+
+
 def _raw(n: int, k: int, qtype: QuantType, seed: int = 0) -> torch.Tensor:
+    if qtype.super_block:  # gguf cannot quantize the K-quants: random valid super-blocks
+        return kquants.random_rows(n, k, qtype.value, torch.Generator().manual_seed(seed))
     return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1, qtype)
 
 
@@ -73,7 +83,8 @@ def check_equals_reference(ops, qtype: QuantType, k: int) -> None:
 
 
 def check_batch_invariance(ops, qtype: QuantType) -> None:
-    w, x = _quantized(45, 576, qtype), _randn(600, 576)
+    k = _depth(576, qtype)
+    w, x = _quantized(45, k, qtype), _randn(600, k)
     whole = ops.quant_linear(x, w, qtype.kernel_id)
     for m in range(20):  # each row alone
         assert torch.equal(ops.quant_linear(x[m : m + 1], w, qtype.kernel_id), whole[m : m + 1])
@@ -84,22 +95,34 @@ def check_batch_invariance(ops, qtype: QuantType) -> None:
     assert torch.equal(ops.quant_linear(x[picked], w, qtype.kernel_id), whole[picked])
 
 
-@pytest.mark.parametrize("k", DEPTHS)
-@pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.value)
+@pytest.mark.parametrize("qtype, k", CASES, ids=lambda c: getattr(c, "value", c))
 def test_quant_linear_is_bit_identical_to_its_scalar_reference(ops, qtype, k):
     check_equals_reference(ops, qtype, k)
 
 
-@pytest.mark.parametrize("k", DEPTHS)
-@pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.value)
+def _magnitudes(raw: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """|each term| of the dequantized weights: d sc q + dmin m for Q4_K / Q5_K (their dmin's sign flipped: a
+    weight near 0 may be two large terms cancelling), |w| for the other formats."""
+    if qtype not in (QuantType.Q4_K, QuantType.Q5_K):
+        return dequantize(raw, qtype).double().abs()
+    flipped = raw.clone().reshape(raw.shape[0], -1, qtype.block_bytes)
+    flipped[..., 3] ^= 0x80  # dmin's fp16 sign bit
+    return dequantize(flipped.reshape(raw.shape), qtype).double().abs()
+
+
+@pytest.mark.parametrize("qtype, k", CASES, ids=lambda c: getattr(c, "value", c))
 def test_quant_linear_is_the_product_of_the_quantized_activations_and_the_dequantized_weight(ops, qtype, k):
     raw, x, bias = _raw(53, k, qtype), _randn(70, k), _randn(53, seed=3)
     dense = dequantize(raw, qtype).double()
     got = ops.quant_linear(x, pack(raw, qtype), qtype.kernel_id, bias).double()
     want = _quantized_activations(x) @ dense.T + bias.double()
     # Exact integer sums; per block their rounding to float, a rounded scale, a rounded fused multiply-add
-    # (two for Q4_1).
-    bound = (3 * k / 32 + 4) * 2.0**-24 * (_quantized_activations(x).abs() @ dense.abs().T + bias.double().abs())
+    # (two for Q4_1, Q4_K and Q5_K, whose dequantized weights round once more).
+    bound = (
+        (5 * k / 32 + 4)
+        * 2.0**-24
+        * (_quantized_activations(x).abs() @ _magnitudes(raw, qtype).T + bias.double().abs())
+    )
     assert ((got - want).abs() <= bound).all()
     exact = x.double() @ dense.T + bias.double()
     assert (got - exact).norm() < 1e-4 * (exact - bias.double()).norm()  # 14-bit activations: about 4e-5
@@ -131,6 +154,9 @@ def test_bad_operands_raise_clear_errors(ops):
         ops.quant_linear(torch.zeros(1, 64), w, QuantType.Q4_0.kernel_id)  # Q8_0's bytes read as Q4_0
     with pytest.raises(RuntimeError, match="bias"):
         ops.quant_linear(torch.zeros(1, 64), w, 0, torch.zeros(3))
+    k_quant = _quantized(8, 512, QuantType.Q4_K)
+    with pytest.raises(RuntimeError, match="super-blocks of 256"):
+        ops.quant_linear(torch.zeros(1, 256), k_quant, QuantType.Q4_K.kernel_id)  # two super-blocks a row
 
 
 ISA_CHECKS = """
@@ -140,11 +166,12 @@ from engine.model.quantization.blocks import QuantType
 from tests.engine.kernels import test_quant_linear as t
 ops = load_cpu_kernels()
 for q in QuantType:
-    for k in (32, 576, 1536):
+    for k in sorted({{t._depth(k, q) for k in (32, 576, 1536)}}):
         t.check_equals_reference(ops, q, k)
     t.check_batch_invariance(ops, q)
-x = t._randn(5, 576)
-torch.save({{q.value: ops.quant_linear(x, t._quantized(37, 576, q), q.kernel_id) for q in QuantType}}, {out!r})
+k = {{q: t._depth(576, q) for q in QuantType}}
+y = {{q.value: ops.quant_linear(t._randn(5, k[q]), t._quantized(37, k[q], q), q.kernel_id) for q in QuantType}}
+torch.save(y, {out!r})
 """
 
 
@@ -162,7 +189,8 @@ def test_another_isas_build_equals_its_reference_and_this_builds_bits(ops, tmp_p
     subprocess.run([sys.executable, "-c", ISA_CHECKS.format(out=str(out))], env=env, cwd=ROOT, check=True, timeout=900)
     other = torch.load(out)
     for q in QuantType:
-        assert torch.equal(other[q.value], ops.quant_linear(_randn(5, 576), _quantized(37, 576, q), q.kernel_id)), q
+        k = _depth(576, q)
+        assert torch.equal(other[q.value], ops.quant_linear(_randn(5, k), _quantized(37, k, q), q.kernel_id)), q
 
 
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.value)
@@ -170,7 +198,7 @@ def test_pack_keeps_the_shape_and_unpack_rows_reads_the_files_rows_back(qtype):
     from engine.model.quantization.packed import unpack_rows
 
     for n in (5, 16, 37):  # no whole group, one, two and a tail
-        raw = _raw(n, 96, qtype)
+        raw = _raw(n, _depth(96, qtype), qtype)
         packed = pack(raw, qtype)
         assert packed.shape == raw.shape
         ids = torch.tensor([n - 1, 0, n // 2, 0])
