@@ -7,8 +7,7 @@
 // then + bias. d sc_b and dmin m_b are exact in float (11 by 6 bits), the integer sums exact (Q6_K's below 2^31:
 // 32 * 32 * 128 * 16320), so a row's result depends on x's row and W's row alone: the same bits for any M, path,
 // thread or ISA build, and as kquant_linear_reference's scalar code.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_ops.h"
 
 #include <algorithm>
 #include <cmath>
