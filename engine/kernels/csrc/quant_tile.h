@@ -14,13 +14,13 @@
 
 namespace serval::quant {
 
-// Step s = 0 .. 7 of a block holds weights 4s .. 4s + 3 of each row (Q4: quad s / 4, chunk s % 4), so its
+// Step s = 0 .. 7 of a block holds weights 4s .. 4s + 3 of each row (Q4, Q5: quad s / 4, chunk s % 4), so its
 // activations are the block's values 4s .. 4s + 3 for every format.
 constexpr int kSteps = kBlock / 4;
 // The fewest rows of x that pay for widening a tile (measured); a VNNI build multiplies the bytes as they lie.
 constexpr int64_t kWideRows = SERVAL_QUANT_DIGITS ? std::numeric_limits<int64_t>::max() : 24;
 
-// Room for a thread's tiles of up to kTileSets lane sets over K: int16 pairs, and the scales (and Q4_1's mins)
+// Room for a thread's tiles of up to kTileSets lane sets over K: int16 pairs, and the scales (and mins)
 // as float. Allocated at the first tile and not zeroed: a tile writes every value it reads.
 struct TileBuffer {
   std::unique_ptr<vint[]> pairs;
@@ -37,7 +37,7 @@ template <Format F, int NV>
 struct WideTile {
   vint* pairs;  // [block][step][lane set][even, odd]
   float* d;     // [block][lane set][kRows]: the scales as float
-  float* m;     // the same for Q4_1's mins
+  float* m;     // the same for the mins (Q4_1, Q5_1)
 
   WideTile(TileBuffer& buffer, const Problem& p, int64_t n0) {
     static_assert(NV <= kTileSets);
@@ -48,19 +48,21 @@ struct WideTile {
       for (int v = 0; v < NV; ++v) {
         const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
         simd::store(d + (b * NV + v) * kRows, halves(scales));
-        if constexpr (F == Format::kQ4_1) simd::store(m + (b * NV + v) * kRows, halves(scales + 2 * kGroup));
+        if constexpr (has_min(F)) simd::store(m + (b * NV + v) * kRows, halves(scales + 2 * kGroup));
         widen_quad<0>(sets, b, v);
         if constexpr (quads(F) == 2) widen_quad<1>(sets, b, v);
       }
   }
   template <int Quad>
   void widen_quad(const LaneSets<F, NV>& sets, int64_t b, int v) {
-    for (int c = 0; c < chunks(F); ++c) {
-      vint* at = pairs + ((b * kSteps + Quad * 4 + c) * NV + v) * 2;
-      widen<F, Quad>(load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]), at, at + 1);
+    const vint high = sets.high(v, b);
+    for_chunks<F>([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      vint* at = pairs + ((b * kSteps + Quad * 4 + C) * NV + v) * 2;
+      widen<F, Quad, C>(sets.chunk(v, b, C), high, at, at + 1);
       at[0] = sub16(at[0], offset(F));
       at[1] = sub16(at[1], offset(F));
-    }
+    });
   }
   const vint* block(int64_t b) const { return pairs + b * kSteps * NV * 2; }
 };
@@ -101,7 +103,7 @@ inline void wide_micro(const Problem& p, const Activations& act, const WideTile<
       for (int v = 0; v < NV; ++v) {
         const int64_t at = (b * NV + v) * kRows;
         y[m][v] = simd::fmadd(to_float(acc[m][v]), simd::mul(simd::load(tile.d + at), da), y[m][v]);
-        if constexpr (F == Format::kQ4_1)
+        if constexpr (has_min(F))
           y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(simd::load(tile.m + at), da),
                                 y[m][v]);
       }
