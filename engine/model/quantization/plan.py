@@ -5,7 +5,7 @@
 bytes: ``ModelSource.iter_weights(..., blocks=...)``). ``quantization`` is ``ModelConfig.quantization``:
 
 * ``"gguf"``: every linear, embedding and LM head whose checkpoint tensors are stored in one format Serval
-  multiplies (Q8_0, Q4_0, Q4_1) keeps it. A packed layer (qkv, gate_up) whose parts are stored in different
+  multiplies (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) keeps it. A packed layer (qkv, gate_up) whose parts are stored in different
   formats, or in others (the K-quants), is dequantized to the model's dtype, as is every norm.
 * ``"int8"``: every linear layer (not the embedding and LM head, as vLLM's weight-only modes) is quantized
   to Q8_0 as it loads.
@@ -55,8 +55,8 @@ def plan_quantization(
         return QuantizationPlan()
     if quantization == "gguf" and not any(stored.values()):
         raise ValueError(
-            "quantization='gguf' needs a .gguf model storing Q8_0, Q4_0 or Q4_1 weights; this one stores none "
-            "(quantization='int8' quantizes a float checkpoint as it loads)"
+            "quantization='gguf' needs a .gguf model storing Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 weights; this one "
+            "stores none (quantization='int8' quantizes a float checkpoint as it loads)"
         )
     targets = _targets(model, stored, packed)
     if quantization == "int8":
