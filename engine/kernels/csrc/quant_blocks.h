@@ -135,6 +135,7 @@ template <int B>
 inline vint shift_right(vint v) { return _mm512_srli_epi32(v, B); }
 inline vint or_bits(vint a, vint b) { return _mm512_or_si512(a, b); }
 inline vint sub32(vint a, vint b) { return _mm512_sub_epi32(a, b); }
+inline vint add32(vint a, vint b) { return _mm512_add_epi32(a, b); }
 inline vint sub16(vint a, int16_t x) { return _mm512_sub_epi16(a, _mm512_set1_epi16(x)); }
 inline vint set32(int32_t x) { return _mm512_set1_epi32(x); }
 inline simd::vfloat to_float(vint v) { return _mm512_cvtepi32_ps(v); }
@@ -181,6 +182,7 @@ template <int B>
 inline vint shift_right(vint v) { return _mm256_srli_epi32(v, B); }
 inline vint or_bits(vint a, vint b) { return _mm256_or_si256(a, b); }
 inline vint sub32(vint a, vint b) { return _mm256_sub_epi32(a, b); }
+inline vint add32(vint a, vint b) { return _mm256_add_epi32(a, b); }
 inline vint sub16(vint a, int16_t x) { return _mm256_sub_epi16(a, _mm256_set1_epi16(x)); }
 inline vint set32(int32_t x) { return _mm256_set1_epi32(x); }
 inline simd::vfloat to_float(vint v) { return _mm256_cvtepi32_ps(v); }

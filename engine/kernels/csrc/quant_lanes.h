@@ -48,17 +48,21 @@ struct LaneSets {
 };
 
 #if SERVAL_QUANT_DIGITS
-// acc[m][v] += digit D's (0: h, 1: l) dot products over chunk C (weights 4C .. 4C + 3, and for Q4 / Q5 16 + 4C ..)
-// for x's row m0 + m and lane set v: vpdpbusd on the weights' bytes (Q5: with their fifth bits put in).
-template <Format F, int MR, int NV, int D, int C>
-inline void digit_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
-                       vint (&acc)[MR][NV]) {
-  vint u[quads(F)][NV];
+// Lane set v's weights of chunk C (4C .. 4C + 3, and for Q4 / Q5 16 + 4C ..) as bytes u[quad][v] (Q5: with their
+// fifth bits put in).
+template <Format F, int NV, int C>
+inline void chunk_bytes(const LaneSets<F, NV>& sets, int64_t b, vint (&u)[quads(F)][NV]) {
   for (int v = 0; v < NV; ++v) {
     const vint chunk = sets.chunk(v, b, C), high = sets.high(v, b);
     u[0][v] = quad_bytes<F, 0, C>(chunk, high);
     if constexpr (quads(F) == 2) u[1][v] = quad_bytes<F, 1, C>(chunk, high);
   }
+}
+
+// acc[m][v] += digit D's (0: h, 1: l) dot products of chunk C's bytes u with x's row m0 + m: vpdpbusd.
+template <Format F, int MR, int NV, int D, int C>
+inline void digit_dots(const vint (&u)[quads(F)][NV], const Activations& act, int64_t m0, int64_t b,
+                       vint (&acc)[MR][NV]) {
   for (int m = 0; m < MR; ++m) {
     const int8_t* a = act.block(m0 + m, b) + D * kBlock + 4 * C;
     for (int v = 0; v < NV; ++v) {
@@ -67,7 +71,15 @@ inline void digit_sums(const LaneSets<F, NV>& sets, const Activations& act, int6
     }
   }
 }
-#else
+
+// Whether block_sums makes each chunk's bytes once for both digits (two sets of accumulators) rather than in each
+// of two passes: for the 5-bit formats, whose bytes take a shift, a mask and an or more to make than Q4's, where
+// the accumulators fit the registers beside them (the sums are the same integers either way).
+template <Format F, int MR, int NV>
+constexpr bool one_pass() {
+  return has_high_bits(F) && MR * NV <= 6;
+}
+#else#else
 // acc[m][v] += quad `Quad`'s dot products over chunk C (weights 16 Quad + 4C .. + 3) for x's row m0 + m and lane set
 // v: each lane set's weights widened to int16 pairs once, then two int16-pair multiply-adds a row of x.
 template <Format F, int MR, int NV, int Quad, int C>
@@ -93,11 +105,34 @@ inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int6
                        vint (&acc)[MR][NV]) {
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = zero();
-#if SERVAL_QUANT_DIGITS  // h, then l: two passes over the block (one with two sets of accumulators spills)
-  for_chunks<F>([&](auto c) { digit_sums<F, MR, NV, 0, decltype(c)::value>(sets, act, m0, b, acc); });
+#if SERVAL_QUANT_DIGITS
+  if constexpr (one_pass<F, MR, NV>()) {
+    vint low[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) low[m][v] = zero();
+    for_chunks<F>([&](auto c) {
+      vint u[quads(F)][NV];
+      chunk_bytes<F, NV, decltype(c)::value>(sets, b, u);
+      digit_dots<F, MR, NV, 0, decltype(c)::value>(u, act, m0, b, acc);
+      digit_dots<F, MR, NV, 1, decltype(c)::value>(u, act, m0, b, low);
+    });
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = add32(shift_left<kDigitShift>(acc[m][v]), low[m][v]);
+    return;
+  }
+  // h, then l: two passes over the block (one with two sets of accumulators spills)
+  for_chunks<F>([&](auto c) {
+    vint u[quads(F)][NV];
+    chunk_bytes<F, NV, decltype(c)::value>(sets, b, u);
+    digit_dots<F, MR, NV, 0, decltype(c)::value>(u, act, m0, b, acc);
+  });
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = shift_left<kDigitShift>(acc[m][v]);
-  for_chunks<F>([&](auto c) { digit_sums<F, MR, NV, 1, decltype(c)::value>(sets, act, m0, b, acc); });
+  for_chunks<F>([&](auto c) {
+    vint u[quads(F)][NV];
+    chunk_bytes<F, NV, decltype(c)::value>(sets, b, u);
+    digit_dots<F, MR, NV, 1, decltype(c)::value>(u, act, m0, b, acc);
+  });
 #else
   for_chunks<F>([&](auto c) {
     quad_sums<F, MR, NV, 0, decltype(c)::value>(sets, act, m0, b, acc);
