@@ -69,7 +69,7 @@ void few_rows(const Problem& p, const Activations& act, int64_t sets) {
 template <Format F>
 void tile_task(const Problem& p, const Activations& act, q::TileBuffer& buffer, int64_t m_begin, int64_t m_end,
                int64_t v0, int64_t v1) {
-  if (m_end - m_begin >= q::kWideRows) {
+  if (m_end - m_begin >= q::wide_rows_from<F>()) {
     if (v1 - v0 == kTileSets) return q::wide_rows<F, kTileSets>(p, act, buffer, m_begin, m_end, v0);
     for (int64_t v = v0; v < v1; ++v) q::wide_rows<F, 1>(p, act, buffer, m_begin, m_end, v);
     return;
