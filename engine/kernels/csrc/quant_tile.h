@@ -20,11 +20,12 @@ namespace serval::quant {
 // Step s = 0 .. 7 of a block holds weights 4s .. 4s + 3 of each row (Q4, Q5: quad s / 4, chunk s % 4), so its
 // activations are the block's values 4s .. 4s + 3 for every format.
 constexpr int kSteps = kBlock / 4;
-// The fewest rows of x that pay for unpacking a tile (measured); never on VNNI but for the 5-bit formats.
+// The fewest rows of x that pay for unpacking a tile (measured, docs/lab-notes.md); on the pairs builds fewer for
+// the 5-bit formats, whose widening costs more; never on VNNI but for the 5-bit formats.
 template <Format F>
 constexpr int64_t wide_rows_from() {
   if constexpr (SERVAL_QUANT_DIGITS) return has_high_bits(F) ? 16 : std::numeric_limits<int64_t>::max();
-  return 24;
+  return has_high_bits(F) ? 8 : 24;
 }
 
 // Room for a thread's tiles of up to kTileSets lane sets over K: int16 pairs (or bytes, half of it), and the scales
