@@ -1,5 +1,5 @@
-"""The native quantized linear (``quant_linear``: GGUF Q8_0 / Q4_1 weights, or with ``--formats`` any of QuantType's,
-the K-quants as random valid super-blocks, packed, 14-bit activations) against float32 products on the dequantized
+"""The native quantized linear (``quant_linear``: GGUF block weights packed, 14-bit activations; Q8_0 and Q4_1 unless
+``--formats`` names others, the K-quants as random valid super-blocks) against float32 products on the dequantized
 weight: MKL's ``F.linear`` and a oneDNN-packed copy (as cpu_prepack.py keeps it).
 
 Prints, per thread count, shape (K, N) and row count M, the microseconds of each and the ratios; for M = 1
@@ -8,6 +8,7 @@ run (a 256 MB ``torch.sum``) and the memory floor (weight bytes / that bandwidth
 
     python benchmarks/bench_quant_linear.py
     python benchmarks/bench_quant_linear.py --threads 2 --rows 1 32 256
+    python benchmarks/bench_quant_linear.py --threads 2 --rows 1 8 32 256 --formats Q8_0 Q4_1 Q5_0 Q5_1
     python benchmarks/bench_quant_linear.py --threads 2 --rows 1 8 64 512 --against OTHER.so
     python benchmarks/bench_quant_linear.py --threads 2 --rows 1 8 32 256 --shapes 5 6 7 --formats Q8_0 Q4_1 Q4_K Q6_K
 
@@ -34,7 +35,7 @@ from engine.model.quantization.packed import pack
 # SmolLM2-135M's projections (K = in_features, N = out_features): qkv, o, gate_up, down, lm head.
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
 SHAPES += [(2048, 2048), (2048, 8192), (8192, 2048)]  # a 1B model's (Llama-3.2-1B): o, gate or up, down
-FORMATS = [QuantType.Q8_0, QuantType.Q4_1]
+DEFAULT_FORMATS = ("Q8_0", "Q4_1")
 ROTATION_BYTES = 256 << 20
 
 
@@ -87,9 +88,9 @@ def blocks_of(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     return quantize(weight, qtype)
 
 
-def bench_shape(ops, k: int, n: int, rows: list[int], bandwidth: float) -> None:
+def bench_shape(ops, formats: list[QuantType], k: int, n: int, rows: list[int], bandwidth: float) -> None:
     weight = torch.randn(n, k) * 0.05
-    quantized = {q: blocks_of(weight, q) for q in FORMATS}
+    quantized = {q: blocks_of(weight, q) for q in formats}
     dense = dequantize(quantize(weight, QuantType.Q8_0), QuantType.Q8_0)
     packed = rotating(torch.ops.mkldnn._reorder_linear_weight(dense, 64))
     dense_copies = rotating(dense)
@@ -99,7 +100,7 @@ def bench_shape(ops, k: int, n: int, rows: list[int], bandwidth: float) -> None:
         fl = seconds(cycling(lambda w: F.linear(x, w), dense_copies))
         dnn = seconds(cycling(lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), packed))
         cells = [f"{k:5d} {n:6d} {m:4d} | {fl * 1e6:9.1f} {dnn * 1e6:9.1f}"]
-        for q in FORMATS:
+        for q in formats:
             t = seconds(cycling(lambda w, q=q: ops.quant_linear(x, w, q.kernel_id), quantized_copies[q]))
             cells.append(f"{t * 1e6:9.1f} {fl / t:5.2f}x {dnn / t:5.2f}x")
             if m == 1:
@@ -116,8 +117,8 @@ def load_module(path: str):
     return module
 
 
-def bench_against(ops, other, k: int, n: int, rows: list[int]) -> None:
-    for q in FORMATS:
+def bench_against(ops, other, formats: list[QuantType], k: int, n: int, rows: list[int]) -> None:
+    for q in formats:
         copies = rotating(pack(blocks_of(torch.randn(n, k) * 0.05, q), q))
         for m in rows:
             x = torch.randn(m, k)
@@ -134,9 +135,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])
     parser.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES (default: all)")
     parser.add_argument("--against", metavar="SO", help="another build of the kernels module to time beside this one")
-    parser.add_argument("--formats", nargs="+", type=QuantType.parse, help="block formats (default: Q8_0 Q4_1)")
+    parser.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, help="block formats (QuantType names)")
     args = parser.parse_args()
-    FORMATS[:] = args.formats or FORMATS
+    formats = [QuantType.parse(name) for name in args.formats]
     ops, other = load_cpu_kernels(), args.against and load_module(args.against)
     assert ops is not None and hasattr(ops, "quant_linear"), "the native CPU kernels are not built here"
     print(f"CPU: {cpu_name()}; torch {torch.__version__}")
@@ -148,12 +149,12 @@ def main() -> None:
         if args.against:
             print(f"fmt      K      N    M |  this build {Path(args.against).name} | this / that")
             for k, n in shapes:
-                bench_against(ops, other, k, n, args.rows)
+                bench_against(ops, other, formats, k, n, args.rows)
             continue
-        names = " | ".join(f"{q.value} us  vs F.lin vs oneDNN" for q in FORMATS)
+        names = " | ".join(f"{q.value} us vs F.lin vs oneDNN" for q in formats)
         print(f"    K      N    M |  F.linear    oneDNN | {names} (M=1: GB/s, floor)")
         for k, n in shapes:
-            bench_shape(ops, k, n, args.rows, bandwidth)
+            bench_shape(ops, formats, k, n, args.rows, bandwidth)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # parity of the whole engine against transformers on a random Llama-3-8B-shaped checkpoint made on the
 # spot, and measure decode tokens/s (batch 1, 32, 256; CUDA graphs and eager) against the bandwidth
 # roofline and prefill tokens/s against the matmul roofline, then check and time quant_linear (GGUF Q8_0/Q4_0/
-# Q4_1 weights) on SmolLM2-135M's shapes against torch fp16. Prints a short table last.
+# Q4_1/Q5_0/Q5_1 weights) on SmolLM2-135M's shapes against torch fp16. Prints a short table last.
 #
 #   bash benchmarks/gpu_check.sh                    # the GPU check (about 8 minutes on an H200)
 #   bash benchmarks/gpu_check.sh --smoke            # the same phases on a CPU: tiny model, Triton interpreter

@@ -101,8 +101,8 @@ class ModelConfig(_FrozenConfig):
     )
     quantization: Literal["gguf", "int8", "none"] | None = Field(
         None,
-        description="How linear weights are stored and multiplied: gguf: as the .gguf file's Q8_0/Q4_0/Q4_1 "
-        "blocks; int8: a float checkpoint's linears quantized to Q8_0 blocks as they load (weight-only, "
+        description="How linear weights are stored and multiplied: gguf: as the .gguf file's Q8_0/Q4_0/Q4_1/"
+        "Q5_0/Q5_1 blocks; int8: a float checkpoint's linears quantized to Q8_0 blocks as they load (weight-only, "
         "vLLM's W8A16 idea); none: every weight dequantized to dtype; None: gguf for a .gguf file storing "
         "such blocks, else none.",
     )

@@ -12,7 +12,7 @@ process (``python -m benchmarks.gpu_check PHASE``) under its own timeout:
 * ``prefill``: prefill tokens/s against the matmul roofline.
 * ``parity_ours`` / ``parity_hf``: greedy tokens of the whole engine and of transformers, float32
   without TF32, on random prompts; compared by ``report``.
-* ``quant``: ``quant_linear`` (Q8_0, Q4_0, Q4_1 weights, fp16 activations) on SmolLM2-135M's shapes:
+* ``quant``: ``quant_linear`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 weights, fp16 activations) on SmolLM2-135M's shapes:
   its error against the dequantized weight, its time beside torch's fp16 matmul, its bandwidth at M = 1.
 * ``report``: results.json, table.md and the table, printed last.
 

@@ -18,19 +18,21 @@ from pathlib import Path
 
 from benchmarks.gpu_check.settings import QUANT_FP16_REL_TOL, Settings
 
-QUANT_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+QUANT_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def random_blocks(n: int, k: int, qtype, device: str, generator):
-    """uint8 [n, row_bytes(k)]: random quants, positive fp16 scales of ~1/(64 sqrt(k)); Q4_1's min is -8 d."""
+    """uint8 [n, row_bytes(k)]: random quants, positive fp16 scales of ~1/(64 sqrt(k)); a min (Q4_1, Q5_1) is
+    minus half the quants' range times d (-8 d, -16 d)."""
     import torch
 
     blocks = torch.randint(
         0, 256, (n, k // 32, qtype.block_bytes), dtype=torch.uint8, device=device, generator=generator
     )
     scale = (0.5 + torch.rand(n, k // 32, 1, device=device, generator=generator)) / (64 * math.sqrt(k))
-    header = scale if qtype.header_bytes == 2 else torch.cat([scale, -8 * scale], dim=-1)
-    blocks[..., : qtype.header_bytes] = header.half().view(torch.uint8)
+    middle = 16 if qtype.high_bits_bytes else 8
+    header = torch.cat([scale, -middle * scale], dim=-1) if qtype.has_min else scale
+    blocks[..., : qtype.scale_bytes] = header.half().view(torch.uint8)
     return blocks.reshape(n, -1)
 
 

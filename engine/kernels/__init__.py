@@ -6,6 +6,7 @@
 - ``triton_cache``: the KV-cache write from slot mappings.
 - ``triton_decode``: paged decode attention (split-K over long contexts, a merge kernel).
 - ``triton_prefill``: paged attention for a mixed batch, one launch.
-- ``triton_quant``: ``quant_linear``, the GEMM on GGUF-quantized weights (Q8_0, Q4_0, Q4_1) for GPUs.
+- ``triton_quant``: ``quant_linear``, the GEMM on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) for
+  GPUs.
 - ``triton_common``: what the attention kernels share (the tile load through the block table, online softmax).
 """

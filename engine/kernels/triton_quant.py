@@ -1,4 +1,5 @@
-"""Triton GEMM on GGUF-quantized weights: ``y = x @ dequantize(w).T (+ bias)``, W8A16 (Q8_0), W4A16 (Q4_0, Q4_1).
+"""Triton GEMM on GGUF-quantized weights: ``y = x @ dequantize(w).T (+ bias)``, W8A16 (Q8_0), W4A16 (Q4_0, Q4_1),
+W5A16 (Q5_0, Q5_1).
 
 ``quant_linear(x, w, qtype, bias=None) -> y``
 
@@ -14,12 +15,13 @@
   ``row_bytes(K)`` bytes per row, when ``bias`` is not [N], when ``x`` has another dtype, or when the
   tensors are on different devices.
 
-One kernel for the three formats (``qtype.kernel_id`` is a compile-time constant): each program owns a
+One kernel for the five formats (``qtype.kernel_id`` is a compile-time constant): each program owns a
 [BLOCK_M, BLOCK_N] tile of ``y`` and walks K, BLOCK_K weights (BLOCK_K / 32 blocks) at a time. It loads the
-block bytes, rebuilds each block's fp16 scale (and Q4_1's min) from two bytes (a uint16 bitcast to fp16),
-unpacks the int8 or 4-bit quants, dequantizes the [BLOCK_K, BLOCK_N] tile in float32 registers exactly as
-``dequantize`` does, casts it to ``x``'s dtype and feeds ``tl.dot`` with the activation tile. The tile sizes
-are chosen by M: a decode configuration (M <= 16: narrow tiles, many programs) and a prefill one.
+block bytes, rebuilds each block's fp16 scale (and Q4_1's / Q5_1's min) from two bytes (a uint16 bitcast to
+fp16), unpacks the int8, 4-bit or 5-bit quants (the fifth bit from qh, the header's last 4 bytes),
+dequantizes the [BLOCK_K, BLOCK_N] tile in float32 registers exactly as ``dequantize`` does, casts it to
+``x``'s dtype and feeds ``tl.dot`` with the activation tile. The tile sizes are chosen by M: a decode
+configuration (M <= 16: narrow tiles, many programs) and a prefill one.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ BLOCK = 32  # weights per block, in every format the kernel reads
 
 
 class BlockFormat(Protocol):
-    """What the kernel reads of a block format: its name, kernel id (0 Q8_0, 1 Q4_0, 2 Q4_1), a block's bytes and
-    its header's (fp16 scale, and min), a row's bytes."""
+    """What the kernel reads of a block format: its name, kernel id (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1), a
+    block's bytes and its header's (fp16 scale, and min, then for Q5 the 4 bytes of qh), a row's bytes."""
 
     value: str
     kernel_id: int
@@ -86,9 +88,13 @@ def _load_quants(block_ptrs, within, mask, QTYPE: tl.constexpr, HEADER: tl.const
     if QTYPE == 0:  # Q8_0: 32 int8 after the scale
         raw = tl.load(block_ptrs + HEADER + within, mask=mask, other=0)
         return raw.to(tl.int8, bitcast=True).to(tl.float32)
-    # Q4_0, Q4_1: byte j holds element j (low nibble) and element j + 16 (high nibble).
+    # Q4_0, Q4_1, Q5_0, Q5_1: byte j holds element j (low nibble) and element j + 16 (high nibble).
     raw = tl.load(block_ptrs + HEADER + within % 16, mask=mask, other=0)
-    return ((raw >> ((within // 16) * 4).to(tl.uint8)) & 0x0F).to(tl.float32)
+    q = (raw >> ((within // 16) * 4).to(tl.uint8)) & 0x0F
+    if QTYPE >= 3:  # Q5_0, Q5_1: element j's fifth bit is bit j of qh (little-endian, the header's last 4 bytes)
+        high = tl.load(block_ptrs + (HEADER - 4) + within // 8, mask=mask, other=0)
+        q = q | (((high >> (within % 8).to(tl.uint8)) & 1) << 4)
+    return q.to(tl.float32)
 
 
 @triton.jit
@@ -116,6 +122,8 @@ def _dequantize_tile(
         return scale * quants
     if QTYPE == 1:
         return scale * (quants - 8.0)
+    if QTYPE == 3:
+        return scale * (quants - 16.0)
     return scale * quants + _load_fp16(block_ptrs + 2, mask)
 
 

@@ -12,7 +12,7 @@ parameter's ``weight_loader`` to the engine's dtype.
   dimensions, Hugging Face's pairs the two halves); ``_unpermute`` undoes it, as transformers does.
 * Types: those the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
   and others it lists); any other raises ``ValueError`` naming the tensor and its type before anything loads.
-  Tensors stored as Q8_0, Q4_0 or Q4_1 can also be read as their block bytes (``stored_formats``,
+  Tensors stored as Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 can also be read as their block bytes (``stored_formats``,
   ``iter_weights(blocks=...)``), which the quantized layers keep as they are; so can the K-quants (Q4_K,
   Q5_K, Q6_K: ``QuantType.super_block``).
 """

@@ -8,9 +8,9 @@ read once for all rows, whoever the CPU's vendor); larger ones the weight's oneD
 layer's product keeps one (so from ``PACKED_MIN_ROWS`` rows, as ``CPUFloat32Product`` decides), else
 ``at::linear``, what ``F.linear`` runs; a block-format weight's product is ``quant_linear``, as
 ``NativeBlockProduct``'s, each linear in its own format (``weight_formats``: a file whose layers mix Q8_0,
-Q4_0 and Q4_1, as every Q4_K_M file does, keeps the stack; a packed layer whose parts differ in format is its
-runs' products side by side, ``parted.PartedBlockProduct``'s). The step's LM head takes the native product for
-the rows its stack did (``logits_rows``).
+Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants, as every Q4_K_M file does, keeps the stack; a packed layer whose
+parts differ in format is its runs' products side by side, ``parted.PartedBlockProduct``'s). The step's LM
+head takes the native product for the rows its stack did (``logits_rows``).
 
 Chosen once, at load (``native_decode_step``), from what the parts declare: the model that its layers are the
 stack's shape (``native_decode_unfit``), each layer's product how the stack computes it (``native_format``:

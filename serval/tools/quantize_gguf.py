@@ -1,8 +1,8 @@
 """``serval quantize-gguf SRC.gguf OUT.gguf --type Q8_0``: a GGUF file with its linear weights re-encoded.
 
 Every 2-D linear weight of a transformer block (``blk.N.attn_q/attn_k/attn_v/attn_output`` and
-``blk.N.ffn_gate/ffn_up/ffn_down``) is written in ``--type`` (Q8_0, Q4_0, Q4_1, or F32 for a float
-reference), and the token embedding (``token_embd.weight``) in ``--embedding-type`` when given (by default
+``blk.N.ffn_gate/ffn_up/ffn_down``) is written in ``--type`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, or F32 for a
+float reference), and the token embedding (``token_embd.weight``) in ``--embedding-type`` when given (by default
 it is kept as stored). Every other tensor (norms, an untied ``output.weight``) is copied byte for byte, in
 the source's order, and so is every metadata field (architecture keys, tokenizer, chat template) but
 ``general.file_type``, which is set to the llama.cpp file type that names ``--type`` (as llama-quantize
@@ -28,10 +28,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SUMMARY = "write a GGUF file with its linear weights (and optionally the embedding) re-encoded in Q8_0/Q4_0/Q4_1/F32"
+SUMMARY = (
+    "write a GGUF file with its linear weights (and optionally the embedding) re-encoded in "
+    "Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/F32"
+)
 
 # The output types, by GGUF's name (GGMLQuantizationType) -> llama.cpp's general.file_type (LlamaFileType).
-TYPES = {"F32": "ALL_F32", "Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
+TYPES = {
+    "F32": "ALL_F32",
+    "Q8_0": "MOSTLY_Q8_0",
+    "Q4_0": "MOSTLY_Q4_0",
+    "Q4_1": "MOSTLY_Q4_1",
+    "Q5_0": "MOSTLY_Q5_0",
+    "Q5_1": "MOSTLY_Q5_1",
+}
 LINEAR = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
 EMBEDDING = "token_embd.weight"
 FILE_TYPE_KEY = "general.file_type"

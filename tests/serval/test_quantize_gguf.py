@@ -24,7 +24,7 @@ from tests.real_model.smollm2 import CAPITAL_ANSWER
 
 SOURCE = SERVAL_ROOT / "models" / "smollm2-135m-instruct.gguf"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-FP16_EPS = 2.0**-11  # fp16's relative rounding of a block's scale (and Q4_1's min)
+FP16_EPS = 2.0**-11  # fp16's relative rounding of a block's scale (and Q4_1's / Q5_1's min)
 
 
 def block_bound(values: np.ndarray, qtype: str) -> np.ndarray:
@@ -33,10 +33,12 @@ def block_bound(values: np.ndarray, qtype: str) -> np.ndarray:
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
     if qtype == "Q8_0":  # d = amax / 127, q = round(x / d) in [-127, 127]
         return amax / 127 * (0.5 + 127 * FP16_EPS)
-    if qtype == "Q4_0":  # d = the signed extreme / -8, q in [0, 15]: the other side clips by at most one step
-        return amax / 8 * (1 + 8 * FP16_EPS)
+    steps = 15 if qtype.startswith("Q4") else 31  # the 4- and 5-bit formats' largest q
+    if qtype in ("Q4_0", "Q5_0"):  # d = the signed extreme / -(steps + 1) / 2: the other side clips by one step
+        half = (steps + 1) // 2
+        return amax / half * (1 + half * FP16_EPS)
     low, high = blocks.min(axis=-1, keepdims=True), blocks.max(axis=-1, keepdims=True)
-    return (high - low) / 15 * (0.5 + 15 * FP16_EPS) + np.abs(low) * FP16_EPS  # Q4_1: d = range / 15, m = min
+    return (high - low) / steps * (0.5 + steps * FP16_EPS) + np.abs(low) * FP16_EPS  # d = range / steps, m = min
 
 
 def quantize(tmp_path_factory, *flags: str):
@@ -51,7 +53,9 @@ def source():
     return gguf.GGUFReader(str(SOURCE))
 
 
-@pytest.mark.parametrize("qtype,embedding", [("Q8_0", None), ("Q4_0", "Q4_1"), ("F32", "F32")])
+@pytest.mark.parametrize(
+    "qtype,embedding", [("Q8_0", None), ("Q4_0", "Q4_1"), ("Q5_0", "Q5_1"), ("Q5_1", None), ("F32", "F32")]
+)
 def test_the_types_metadata_and_values(source, tmp_path_factory, qtype, embedding):
     flags = ["--type", qtype] + (["--embedding-type", embedding] if embedding else [])
     out = quantize(tmp_path_factory, *flags)
@@ -78,7 +82,7 @@ def assert_metadata_equal(source, out, qtype: str) -> None:
     for name in names:
         theirs, ours = source.fields[name], out.fields[name]
         if name == "general.file_type":
-            file_type = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "F32": 0}[qtype]
+            file_type = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "F32": 0}[qtype]
             assert (
                 ours.contents() == file_type == gguf.LlamaFileType[f"{'ALL' if qtype == 'F32' else 'MOSTLY'}_{qtype}"]
             )

@@ -42,8 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "x [M, K] @ w[N, K]^T (+ bias) for 1 <= M <= 8 rows, float32",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("quant_linear", &quant_linear,
-        "x [M, K] @ dequantize(w [N, row_bytes], qtype)^T (+ bias), float32; qtype: 0 Q8_0, 1 Q4_0, 2 Q4_1; "
-        "10 Q4_K, 11 Q5_K, 12 Q6_K; batch-invariant",
+        "x [M, K] @ dequantize(w [N, row_bytes], qtype)^T (+ bias), float32; qtype: 0 Q8_0, 1 Q4_0, 2 Q4_1, "
+        "3 Q5_0, 4 Q5_1, 10 Q4_K, 11 Q5_K, 12 Q6_K; batch-invariant",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("quant_linear_reference", &quant_linear_reference,
         "quant_linear's arithmetic in scalar code, operation for operation (its bit-exact reference)",

@@ -34,42 +34,66 @@ struct LaneSets {
       lane[v] = n % kGroup;
     }
   }
-  // Set v's bytes of block b: its scales d (and Q4_1's mins m after them), then the quant chunks at +header.
+  // Set v's bytes of block b: its scales d (and the mins m after them), the qh words at +kHigh (Q5), then the
+  // quant chunks at +kHeader.
   const uint8_t* block(int v, int64_t b) const { return group[v] + b * kGroup * block_bytes(F); }
+  static constexpr int64_t kHigh = kGroup * scale_bytes(F);
   static constexpr int64_t kHeader = kGroup * header_bytes(F);
+  // Set v's chunk C of block b and (Q5) its rows' qh words; zero for formats without them.
+  vint chunk(int v, int64_t b, int c) const { return load_bytes(block(v, b) + kHeader + 64 * c + 4 * lane[v]); }
+  vint high(int v, int64_t b) const {
+    if constexpr (has_high_bits(F)) return load_bytes(block(v, b) + kHigh + 4 * lane[v]);
+    return zero();
+  }
 };
 
 #if SERVAL_QUANT_DIGITS
-// acc[m][v] += digit D's (0: h, 1: l) dot products over chunk c (weights 4c .. 4c + 3, and for Q4 16 + 4c ..) for
-// x's row m0 + m and lane set v: vpdpbusd on the weights' bytes as they lie.
-template <Format F, int MR, int NV, int D>
-inline void digit_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b, int c,
+// Lane set v's weights of chunk C (4C .. 4C + 3, and for Q4 / Q5 16 + 4C ..) as bytes u[quad][v] (Q5: with their
+// fifth bits put in).
+template <Format F, int NV, int C>
+inline void chunk_bytes(const LaneSets<F, NV>& sets, int64_t b, vint (&u)[quads(F)][NV]) {
+  for (int v = 0; v < NV; ++v) {
+    const vint chunk = sets.chunk(v, b, C), high = sets.high(v, b);
+    u[0][v] = quad_bytes<F, 0, C>(chunk, high);
+    if constexpr (quads(F) == 2) u[1][v] = quad_bytes<F, 1, C>(chunk, high);
+  }
+}
+
+// acc[m][v] += digit D's (0: h, 1: l) dot products of chunk C's bytes u with x's row m0 + m: vpdpbusd.
+template <Format F, int MR, int NV, int D, int C>
+inline void digit_dots(const vint (&u)[quads(F)][NV], const Activations& act, int64_t m0, int64_t b,
                        vint (&acc)[MR][NV]) {
-  vint u[NV];
-  for (int v = 0; v < NV; ++v) u[v] = load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]);
   for (int m = 0; m < MR; ++m) {
-    const int8_t* a = act.block(m0 + m, b) + D * kBlock + 4 * c;
+    const int8_t* a = act.block(m0 + m, b) + D * kBlock + 4 * C;
     for (int v = 0; v < NV; ++v) {
-      acc[m][v] = dot4(acc[m][v], quad_bytes<F, 0>(u[v]), bcast4(a));
-      if constexpr (quads(F) == 2) acc[m][v] = dot4(acc[m][v], quad_bytes<F, 1>(u[v]), bcast4(a + 16));
+      acc[m][v] = dot4(acc[m][v], u[0][v], bcast4(a));
+      if constexpr (quads(F) == 2) acc[m][v] = dot4(acc[m][v], u[1][v], bcast4(a + 16));
     }
   }
 }
-#else
-// acc[m][v] += quad `Quad`'s dot products over chunk c (weights 16 Quad + 4c .. + 3) for x's row m0 + m and lane set
+
+// Whether block_sums makes each chunk's bytes once for both digits (two sets of accumulators) rather than in each
+// of two passes: for the 5-bit formats, whose bytes take a shift, a mask and an or more to make than Q4's, where
+// the accumulators fit the registers beside them (the sums are the same integers either way).
+template <Format F, int MR, int NV>
+constexpr bool one_pass() {
+  return has_high_bits(F) && MR * NV <= 6;
+}
+#else#else
+// acc[m][v] += quad `Quad`'s dot products over chunk C (weights 16 Quad + 4C .. + 3) for x's row m0 + m and lane set
 // v: each lane set's weights widened to int16 pairs once, then two int16-pair multiply-adds a row of x.
-template <Format F, int MR, int NV, int Quad>
-inline void quad_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b, int c,
+template <Format F, int MR, int NV, int Quad, int C>
+inline void quad_sums(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
                       vint (&acc)[MR][NV]) {
   vint a_even[MR], a_odd[MR];  // the rows' activations first: then one lane set's weights are live at a time
   for (int m = 0; m < MR; ++m) {
-    const int8_t* a = act.block(m0 + m, b) + 2 * (16 * Quad + 4 * c);
+    const int8_t* a = act.block(m0 + m, b) + 2 * (16 * Quad + 4 * C);
     a_even[m] = bcast4(a);
     a_odd[m] = bcast4(a + 4);
   }
   for (int v = 0; v < NV; ++v) {
     vint even, odd;
-    widen<F, Quad>(load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]), &even, &odd);
+    widen<F, Quad, C>(sets.chunk(v, b, C), sets.high(v, b), &even, &odd);
     for (int m = 0; m < MR; ++m) acc[m][v] = dot2(dot2(acc[m][v], even, a_even[m]), odd, a_odd[m]);
   }
 }
@@ -81,28 +105,51 @@ inline void block_sums(const LaneSets<F, NV>& sets, const Activations& act, int6
                        vint (&acc)[MR][NV]) {
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = zero();
-#if SERVAL_QUANT_DIGITS  // h, then l: two passes over the block (one with two sets of accumulators spills)
-  for (int c = 0; c < chunks(F); ++c) digit_sums<F, MR, NV, 0>(sets, act, m0, b, c, acc);
+#if SERVAL_QUANT_DIGITS
+  if constexpr (one_pass<F, MR, NV>()) {
+    vint low[MR][NV];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) low[m][v] = zero();
+    for_chunks<F>([&](auto c) {
+      vint u[quads(F)][NV];
+      chunk_bytes<F, NV, decltype(c)::value>(sets, b, u);
+      digit_dots<F, MR, NV, 0, decltype(c)::value>(u, act, m0, b, acc);
+      digit_dots<F, MR, NV, 1, decltype(c)::value>(u, act, m0, b, low);
+    });
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = add32(shift_left<kDigitShift>(acc[m][v]), low[m][v]);
+    return;
+  }
+  // h, then l: two passes over the block (one with two sets of accumulators spills)
+  for_chunks<F>([&](auto c) {
+    vint u[quads(F)][NV];
+    chunk_bytes<F, NV, decltype(c)::value>(sets, b, u);
+    digit_dots<F, MR, NV, 0, decltype(c)::value>(u, act, m0, b, acc);
+  });
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = shift_left<kDigitShift>(acc[m][v]);
-  for (int c = 0; c < chunks(F); ++c) digit_sums<F, MR, NV, 1>(sets, act, m0, b, c, acc);
+  for_chunks<F>([&](auto c) {
+    vint u[quads(F)][NV];
+    chunk_bytes<F, NV, decltype(c)::value>(sets, b, u);
+    digit_dots<F, MR, NV, 1, decltype(c)::value>(u, act, m0, b, acc);
+  });
 #else
-  for (int c = 0; c < chunks(F); ++c) {
-    quad_sums<F, MR, NV, 0>(sets, act, m0, b, c, acc);
-    if constexpr (quads(F) == 2) quad_sums<F, MR, NV, 1>(sets, act, m0, b, c, acc);
-  }
+  for_chunks<F>([&](auto c) {
+    quad_sums<F, MR, NV, 0, decltype(c)::value>(sets, act, m0, b, acc);
+    if constexpr (quads(F) == 2) quad_sums<F, MR, NV, 1, decltype(c)::value>(sets, act, m0, b, acc);
+  });
 #endif
 }
 
-// y[m][v] += block b's sums in float: fma(sum - offset * s, d_w * d_a), then (Q4_1) fma(s, m_w * d_a).
+// y[m][v] += block b's sums in float: fma(sum - offset * s, d_w * d_a), then (Q4_1, Q5_1) fma(s, m_w * d_a).
 template <Format F, int MR, int NV>
 inline void scale_block(const LaneSets<F, NV>& sets, const Activations& act, int64_t m0, int64_t b,
                         const vint (&acc)[MR][NV], simd::vfloat (&y)[MR][NV]) {
-  simd::vfloat d_w[NV], m_w[NV];  // the weights' scales (Q4_1: and mins), widened once for the MR rows
+  simd::vfloat d_w[NV], m_w[NV];  // the weights' scales (and mins), widened once for the MR rows
   for (int v = 0; v < NV; ++v) {
     const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
     d_w[v] = halves(scales);
-    if constexpr (F == Format::kQ4_1) m_w[v] = halves(scales + 2 * kGroup);
+    if constexpr (has_min(F)) m_w[v] = halves(scales + 2 * kGroup);
   }
   for (int m = 0; m < MR; ++m) {
     const int64_t i = (m0 + m) * act.blocks + b;
@@ -111,7 +158,7 @@ inline void scale_block(const LaneSets<F, NV>& sets, const Activations& act, int
     for (int v = 0; v < NV; ++v) {
       const simd::vfloat sum = to_float(sub32(acc[m][v], correction));
       y[m][v] = simd::fmadd(sum, simd::mul(d_w[v], da), y[m][v]);
-      if constexpr (F == Format::kQ4_1)
+      if constexpr (has_min(F))
         y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(m_w[v], da), y[m][v]);
     }
   }

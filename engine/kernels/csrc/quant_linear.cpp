@@ -1,11 +1,12 @@
-// y = x @ W^T (+ bias) with W in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, packed (quant_blocks.h): float32 x [M, K],
-// uint8 w [N, K / 32 * block_bytes] in the packed layout, bias float32 [N] or none -> float32 y [M, N].
+// y = x @ W^T (+ bias) with W in GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks, packed (quant_blocks.h):
+// float32 x [M, K], uint8 w [N, K / 32 * block_bytes] in the packed layout, bias float32 [N] or none -> float32
+// y [M, N].
 //
 // llama.cpp's arithmetic with 14-bit activations: x's rows are quantized per block of 32 to a = round(128 t)
 // (e = max |x| / 127, t = x / e; llama.cpp's int8 is round(t)), |a| <= 16320, stored in the form this build
 // multiplies fastest (quant_activations.h).
 // With its sum s, each output is a sum over blocks of exact int32 dot products with the weights' u, in float:
-//   y[m, n] = fma(float(sum_j u_j a_j - offset * s), d_w * d_a, y)      then, Q4_1 only,   (d_a = e / 128)
+//   y[m, n] = fma(float(sum_j u_j a_j - offset * s), d_w * d_a, y)      then, Q4_1 / Q5_1,  (d_a = e / 128)
 //   y[m, n] = fma(float(s), m_w * d_a, y)                               blocks in ascending order,
 // then + bias. The integer sums are exact, so the result depends on x's row and W's row alone: it is the same
 // bits whatever M is, whichever path (few rows streaming the weights once, many rows reusing a tile from
@@ -46,7 +47,7 @@ SERVAL_EXACT_ORDER float dot_reference(const Problem& p, const Activations& act,
     const float da = act.d[m * act.blocks + b];
     const int32_t s = act.s[m * act.blocks + b];
     y = std::fma(static_cast<float>(sum - q::offset(F) * s), q::half_at(rb.d) * da, y);
-    if constexpr (F == Format::kQ4_1) y = std::fma(static_cast<float>(s), q::half_at(rb.m) * da, y);
+    if constexpr (q::has_min(F)) y = std::fma(static_cast<float>(s), q::half_at(rb.m) * da, y);
   }
   return p.bias == nullptr ? y : y + p.bias[n];
 }
@@ -67,7 +68,7 @@ void few_rows(const Problem& p, const Activations& act, int64_t sets) {
 template <Format F>
 void tile_task(const Problem& p, const Activations& act, q::TileBuffer& buffer, int64_t m_begin, int64_t m_end,
                int64_t v0, int64_t v1) {
-  if (m_end - m_begin >= q::kWideRows) {
+  if (m_end - m_begin >= q::wide_rows_from<F>()) {
     if (v1 - v0 == kTileSets) return q::wide_rows<F, kTileSets>(p, act, buffer, m_begin, m_end, v0);
     for (int64_t v = v0; v < v1; ++v) q::wide_rows<F, 1>(p, act, buffer, m_begin, m_end, v);
     return;
@@ -126,7 +127,8 @@ struct Operands {
 };
 
 Operands operands(torch::Tensor x, torch::Tensor w, int64_t qtype, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(0 <= qtype && qtype <= 2, "qtype is a kernel_id: 0 (Q8_0), 1 (Q4_0) or 2 (Q4_1); got ", qtype);
+  TORCH_CHECK(0 <= qtype && qtype <= 4,
+              "qtype is a kernel_id: 0 (Q8_0), 1 (Q4_0), 2 (Q4_1), 3 (Q5_0) or 4 (Q5_1); got ", qtype);
   const auto format = static_cast<Format>(qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "float32 x [M, K] expected");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8, "uint8 w [N, row_bytes] expected");
@@ -150,6 +152,8 @@ void dispatch(int64_t qtype, const Problem& p) {
     case Format::kQ8_0: return Runner<Format::kQ8_0>::run(p);
     case Format::kQ4_0: return Runner<Format::kQ4_0>::run(p);
     case Format::kQ4_1: return Runner<Format::kQ4_1>::run(p);
+    case Format::kQ5_0: return Runner<Format::kQ5_0>::run(p);
+    case Format::kQ5_1: return Runner<Format::kQ5_1>::run(p);
   }
 }
 

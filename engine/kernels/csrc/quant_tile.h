@@ -1,8 +1,11 @@
-// quant_linear's many-rows path on the pairs builds (AVX2, AVX-512 without VNNI), where each weight must be
-// unpacked to an int16 pair before vpmaddwd can use it: a task's tile of NV lane sets is widened once to signed
-// int16 pairs (q, not u, so no offset correction) and every row of x then reads it from cache: two vpmaddwd and
-// two adds a step, nothing unpacked per row (measured in docs/lab-notes.md). The sums are the same exact
-// integers and the float steps quant_lanes.h's, so the same bits.
+// quant_linear's many-rows path where the weights take work to unpack: a task's tile of NV lane sets is unpacked
+// once into cache and every row of x then reads it, nothing unpacked per row (measured in docs/lab-notes.md).
+// * The pairs builds (AVX2, AVX-512 without VNNI), where each weight must be an int16 pair before vpmaddwd can
+//   use it, every format: the tile widened to signed int16 pairs (q, not u, so no offset correction); two
+//   vpmaddwd and two adds a step.
+// * VNNI, the 5-bit formats only (vpdpbusd multiplies the other formats' bytes as they lie, or nearly): the tile's
+//   bytes u made once (the nibbles with their fifth bits), in Q8_0's order; one vpdpbusd a step and digit.
+// The sums are the same exact integers and the float steps quant_lanes.h's, so the same bits.
 #pragma once
 
 #include <limits>
@@ -14,14 +17,19 @@
 
 namespace serval::quant {
 
-// Step s = 0 .. 7 of a block holds weights 4s .. 4s + 3 of each row (Q4: quad s / 4, chunk s % 4), so its
+// Step s = 0 .. 7 of a block holds weights 4s .. 4s + 3 of each row (Q4, Q5: quad s / 4, chunk s % 4), so its
 // activations are the block's values 4s .. 4s + 3 for every format.
 constexpr int kSteps = kBlock / 4;
-// The fewest rows of x that pay for widening a tile (measured); a VNNI build multiplies the bytes as they lie.
-constexpr int64_t kWideRows = SERVAL_QUANT_DIGITS ? std::numeric_limits<int64_t>::max() : 24;
+// The fewest rows of x that pay for unpacking a tile (measured, docs/lab-notes.md); on the pairs builds fewer for
+// the 5-bit formats, whose widening costs more; never on VNNI but for the 5-bit formats.
+template <Format F>
+constexpr int64_t wide_rows_from() {
+  if constexpr (SERVAL_QUANT_DIGITS) return has_high_bits(F) ? 16 : std::numeric_limits<int64_t>::max();
+  return has_high_bits(F) ? 8 : 24;
+}
 
-// Room for a thread's tiles of up to kTileSets lane sets over K: int16 pairs, and the scales (and Q4_1's mins)
-// as float. Allocated at the first tile and not zeroed: a tile writes every value it reads.
+// Room for a thread's tiles of up to kTileSets lane sets over K: int16 pairs (or bytes, half of it), and the scales
+// (and mins) as float. Allocated at the first tile and not zeroed: a tile writes every value it reads.
 struct TileBuffer {
   std::unique_ptr<vint[]> pairs;
   std::unique_ptr<float[]> scales;
@@ -32,12 +40,68 @@ struct TileBuffer {
   }
 };
 
+// Lane set v's scales (and mins) of block b as float, at [block][lane set][kRows] of d (and m).
+template <Format F, int NV>
+inline void store_scales(const LaneSets<F, NV>& sets, int64_t b, int v, float* d, float* m) {
+  const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
+  simd::store(d + (b * NV + v) * kRows, halves(scales));
+  if constexpr (has_min(F)) simd::store(m + (b * NV + v) * kRows, halves(scales + 2 * kGroup));
+}
+
+#if SERVAL_QUANT_DIGITS
+// NV lane sets' bytes u from row n0 (the 5-bit formats': nibbles and fifth bits) made into the buffer: step s
+// (weights 4s .. 4s + 3) of block b at bytes[(b * kSteps + s) * NV + v].
+template <Format F, int NV>
+struct ByteTile {
+  vint* bytes;
+  float* d;  // [block][lane set][kRows]: the scales as float
+  float* m;  // the same for the mins
+
+  ByteTile(TileBuffer& buffer, const Problem& p, int64_t n0) {
+    static_assert(NV <= kTileSets);
+    buffer.reserve(p.K);
+    bytes = buffer.pairs.get(), d = buffer.scales.get(), m = d + p.K / kBlock * NV * kRows;
+    const LaneSets<F, NV> sets(p, n0);
+    for (int64_t b = 0; b < p.K / kBlock; ++b)
+      for (int v = 0; v < NV; ++v) {
+        store_scales<F, NV>(sets, b, v, d, m);
+        const vint high = sets.high(v, b);
+        for_chunks<F>([&](auto c) {
+          constexpr int C = decltype(c)::value;
+          const vint chunk = sets.chunk(v, b, C);
+          bytes[(b * kSteps + C) * NV + v] = quad_bytes<F, 0, C>(chunk, high);
+          if constexpr (quads(F) == 2) bytes[(b * kSteps + 4 + C) * NV + v] = quad_bytes<F, 1, C>(chunk, high);
+        });
+      }
+  }
+  const vint* block(int64_t b) const { return bytes + b * kSteps * NV; }
+};
+
+// acc[m][v] = a block's exact int32 sums of x's row (its stored block a[m], two digits) with lane set v (bytes w).
+template <int MR, int NV>
+inline void byte_block_sums(const vint* w, const int8_t* const (&a)[MR], vint (&acc)[MR][NV]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = zero();
+  for (int digit = 0; digit < 2; ++digit) {
+    if (digit == 1)
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) acc[m][v] = shift_left<kDigitShift>(acc[m][v]);
+#pragma GCC unroll 8
+    for (int s = 0; s < kSteps; ++s)
+      for (int m = 0; m < MR; ++m) {
+        const vint a_s = bcast4(a[m] + digit * kBlock + 4 * s);
+        for (int v = 0; v < NV; ++v) acc[m][v] = dot4(acc[m][v], w[s * NV + v], a_s);
+      }
+  }
+}
+#endif
+
 // NV lane sets' weights from row n0, widened into the buffer.
 template <Format F, int NV>
 struct WideTile {
   vint* pairs;  // [block][step][lane set][even, odd]
   float* d;     // [block][lane set][kRows]: the scales as float
-  float* m;     // the same for Q4_1's mins
+  float* m;     // the same for the mins (Q4_1, Q5_1)
 
   WideTile(TileBuffer& buffer, const Problem& p, int64_t n0) {
     static_assert(NV <= kTileSets);
@@ -46,21 +110,21 @@ struct WideTile {
     const LaneSets<F, NV> sets(p, n0);
     for (int64_t b = 0; b < p.K / kBlock; ++b)
       for (int v = 0; v < NV; ++v) {
-        const uint8_t* scales = sets.block(v, b) + 2 * sets.lane[v];
-        simd::store(d + (b * NV + v) * kRows, halves(scales));
-        if constexpr (F == Format::kQ4_1) simd::store(m + (b * NV + v) * kRows, halves(scales + 2 * kGroup));
+        store_scales<F, NV>(sets, b, v, d, m);
         widen_quad<0>(sets, b, v);
         if constexpr (quads(F) == 2) widen_quad<1>(sets, b, v);
       }
   }
   template <int Quad>
   void widen_quad(const LaneSets<F, NV>& sets, int64_t b, int v) {
-    for (int c = 0; c < chunks(F); ++c) {
-      vint* at = pairs + ((b * kSteps + Quad * 4 + c) * NV + v) * 2;
-      widen<F, Quad>(load_bytes(sets.block(v, b) + sets.kHeader + 64 * c + 4 * sets.lane[v]), at, at + 1);
+    const vint high = sets.high(v, b);
+    for_chunks<F>([&](auto c) {
+      constexpr int C = decltype(c)::value;
+      vint* at = pairs + ((b * kSteps + Quad * 4 + C) * NV + v) * 2;
+      widen<F, Quad, C>(sets.chunk(v, b, C), high, at, at + 1);
       at[0] = sub16(at[0], offset(F));
       at[1] = sub16(at[1], offset(F));
-    }
+    });
   }
   const vint* block(int64_t b) const { return pairs + b * kSteps * NV * 2; }
 };
@@ -83,10 +147,11 @@ inline void tile_block_sums(const vint* w, const int8_t* const (&a)[MR], vint (&
     }
 }
 
-// y[m0 .. m0 + MR, the tile's rows) = x's rows times the tile (+ bias); micro's fused multiply-adds.
-template <Format F, int MR, int NV>
-inline void wide_micro(const Problem& p, const Activations& act, const WideTile<F, NV>& tile, int64_t m0,
-                       int64_t n0) {
+// y[m0 .. m0 + MR, the tile's rows) = x's rows times the tile (+ bias); micro's fused multiply-adds (the pairs are
+// signed q, the bytes u: an offset correction).
+template <Format F, int MR, int NV, typename Tile>
+inline void wide_micro(const Problem& p, const Activations& act, const Tile& tile, int64_t m0, int64_t n0) {
+  constexpr bool kBytes = SERVAL_QUANT_DIGITS;
   simd::vfloat y[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) y[m][v] = simd::set1(0.f);
@@ -94,14 +159,20 @@ inline void wide_micro(const Problem& p, const Activations& act, const WideTile<
     const int8_t* a[MR];
     for (int m = 0; m < MR; ++m) a[m] = act.block(m0 + m, b);
     vint acc[MR][NV];
+#if SERVAL_QUANT_DIGITS
+    byte_block_sums<MR, NV>(tile.block(b), a, acc);
+#else
     tile_block_sums<MR, NV>(tile.block(b), a, acc);
+#endif
     for (int m = 0; m < MR; ++m) {
       const int64_t i = (m0 + m) * act.blocks + b;
       const simd::vfloat da = simd::set1(act.d[i]);
+      const vint correction = set32(kBytes ? offset(F) * act.s[i] : 0);
       for (int v = 0; v < NV; ++v) {
         const int64_t at = (b * NV + v) * kRows;
-        y[m][v] = simd::fmadd(to_float(acc[m][v]), simd::mul(simd::load(tile.d + at), da), y[m][v]);
-        if constexpr (F == Format::kQ4_1)
+        const simd::vfloat sum = to_float(kBytes ? sub32(acc[m][v], correction) : acc[m][v]);
+        y[m][v] = simd::fmadd(sum, simd::mul(simd::load(tile.d + at), da), y[m][v]);
+        if constexpr (has_min(F))
           y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(simd::load(tile.m + at), da),
                                 y[m][v]);
       }
@@ -110,11 +181,19 @@ inline void wide_micro(const Problem& p, const Activations& act, const WideTile<
   store_rows<MR, NV>(p, m0, n0, y);
 }
 
-// Rows [m_begin, m_end) of x against lane sets [v0, v0 + NV), through one widened tile.
+#if SERVAL_QUANT_DIGITS
+template <Format F, int NV>
+using Tile = ByteTile<F, NV>;
+#else
+template <Format F, int NV>
+using Tile = WideTile<F, NV>;
+#endif
+
+// Rows [m_begin, m_end) of x against lane sets [v0, v0 + NV), through one unpacked tile.
 template <Format F, int NV>
 void wide_rows(const Problem& p, const Activations& act, TileBuffer& buffer, int64_t m_begin, int64_t m_end,
                int64_t v0) {
-  const WideTile<F, NV> tile(buffer, p, v0 * kRows);
+  const Tile<F, NV> tile(buffer, p, v0 * kRows);
   int64_t m = m_begin;
   for (; m + kTileRows <= m_end; m += kTileRows) wide_micro<F, kTileRows, NV>(p, act, tile, m, v0 * kRows);
   for (; m < m_end; ++m) wide_micro<F, 1, NV>(p, act, tile, m, v0 * kRows);

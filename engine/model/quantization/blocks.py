@@ -6,8 +6,11 @@ tensor-parallel shard of rows or of whole blocks is a plain ``narrow`` of the by
 * Q8_0 (34 bytes): fp16 scale d, then 32 int8 q;            w = d * q
 * Q4_0 (18 bytes): fp16 d, then 16 bytes of 4-bit q;         w = d * (q - 8)
 * Q4_1 (20 bytes): fp16 d, fp16 min m, then 16 bytes;        w = d * q + m
+* Q5_0 (22 bytes): fp16 d, uint32 qh, then 16 bytes;         w = d * (q - 16)
+* Q5_1 (24 bytes): fp16 d, fp16 m, uint32 qh, then 16 bytes; w = d * q + m
 
-In the 4-bit formats byte j of the 16 holds element j in its low nibble and element j + 16 in its high one.
+In the 4- and 5-bit formats byte j of the 16 holds element j's low 4 bits in its low nibble and element
+j + 16's in its high one; the 5-bit formats' bit j of qh (little-endian) is element j's fifth (value 16).
 
 The K-quants (Q4_K, Q5_K, Q6_K: ``kquants``) are super-blocks of 256 weights (``block_weights``), their layout
 and dequantization in ``kquants``; ``super_block`` marks them.
@@ -33,6 +36,8 @@ class QuantType(enum.Enum):
     Q8_0 = "Q8_0"
     Q4_0 = "Q4_0"
     Q4_1 = "Q4_1"
+    Q5_0 = "Q5_0"
+    Q5_1 = "Q5_1"
 
     # K-quants: super-blocks of 256 (kquants.py)
     Q4_K = "Q4_K"
@@ -53,21 +58,34 @@ class QuantType(enum.Enum):
     def block_bytes(self) -> int:
         if self.super_block:
             return kquants.LAYOUTS[self.value].block_bytes
+        return {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}[self.value]
 
-        return {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[self.value]
+    @property
+    def has_min(self) -> bool:
+        """Whether a block stores a min m after its scale d (w = d * q + m); the 32-weight formats only."""
+        return self in (QuantType.Q4_1, QuantType.Q5_1)
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of fp16 scale (and min) at a 32-weight block's start."""
+        return 4 if self.has_min else 2
+
+    @property
+    def high_bits_bytes(self) -> int:
+        """Bytes of the 5-bit formats' qh (the quants' fifth bits) after the scales; 0 in the others."""
+        return 4 if self in (QuantType.Q5_0, QuantType.Q5_1) else 0
 
     @property
     def header_bytes(self) -> int:
-        """Bytes of fp16 scale (and min) before a block's quants."""
-        return 4 if self is QuantType.Q4_1 else 2
+        """Bytes before a block's (low) quants: the scales, then qh."""
+        return self.scale_bytes + self.high_bits_bytes
 
     @property
     def kernel_id(self) -> int:
         """The number the native and Triton kernels know this format by."""
         if self.super_block:
             return {"Q4_K": 10, "Q5_K": 11, "Q6_K": 12}[self.value]
-
-        return {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}[self.value]
+        return {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4}[self.value]
 
     def row_bytes(self, k: int) -> int:
         """Bytes of one row of ``k`` weights (``k`` a multiple of ``block_weights``)."""
@@ -102,10 +120,17 @@ def dequantize(raw: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     d = _fp16(blocks, 0)
     body = blocks[..., qtype.header_bytes :]
     if qtype is QuantType.Q8_0:
-        w = d * body.view(torch.int8).float()
+        return (d * body.view(torch.int8).float()).reshape(n, -1)
+    q = torch.cat([body & 0x0F, body >> 4], dim=-1)
+    if qtype.high_bits_bytes:
+        qh = blocks[..., qtype.scale_bytes : qtype.header_bytes]  # bit j of the little-endian uint32: byte j // 8
+        bits = (qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=raw.device)) & 1
+        q = q | (bits.reshape(q.shape) << 4)
+    q = q.float()
+    if qtype.has_min:
+        w = d * q + _fp16(blocks, 2)
     else:
-        q = torch.cat([body & 0x0F, body >> 4], dim=-1).float()
-        w = d * (q - 8.0) if qtype is QuantType.Q4_0 else d * q + _fp16(blocks, 2)
+        w = d * (q - (8.0 if qtype is QuantType.Q4_0 else 16.0))
     return w.reshape(n, -1)
 
 

@@ -5,10 +5,10 @@
 bytes: ``ModelSource.iter_weights(..., blocks=...)``). ``quantization`` is ``ModelConfig.quantization``:
 
 * ``"gguf"``: every linear, embedding and LM head whose checkpoint tensors are stored in formats Serval
-  multiplies (``QuantType``: Q8_0, Q4_0, Q4_1, the K-quants) keeps them. A packed layer (qkv, gate_up) whose
-  parts are stored in different ones keeps each part in its own (``parted.PartedBlockMethod``: the module maps
-  to its shard id -> format); one with a part in another type is dequantized to the model's dtype, as is
-  every norm.
+  multiplies (``QuantType``: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants) keeps them. A packed layer (qkv,
+  gate_up) whose parts are stored in different ones keeps each part in its own (``parted.PartedBlockMethod``:
+  the module maps to its shard id -> format); one with a part in another type is dequantized to the model's
+  dtype, as is every norm.
 * ``"int8"``: every linear layer (not the embedding and LM head, as vLLM's weight-only modes) is quantized
   to Q8_0 as it loads.
 * ``"none"``: nothing kept quantized. ``None``: ``"gguf"`` if the source stores any such block, else none.
@@ -63,8 +63,8 @@ def plan_quantization(
         return QuantizationPlan()
     if quantization == "gguf" and not any(stored.values()):
         raise ValueError(
-            "quantization='gguf' needs a .gguf model storing Q8_0, Q4_0 or Q4_1 weights; this one stores none "
-            "(quantization='int8' quantizes a float checkpoint as it loads)"
+            "quantization='gguf' needs a .gguf model storing Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 weights; this one "
+            "stores none (quantization='int8' quantizes a float checkpoint as it loads)"
         )
     targets = _targets(model, stored, packed)
     if quantization == "int8":

@@ -1,7 +1,9 @@
-"""The native quantized linear (engine/kernels/csrc/quant_linear.cpp): GGUF Q8_0 / Q4_0 / Q4_1 weights and the
-K-quants Q4_K / Q5_K / Q6_K (kquant_linear.cpp: random valid super-blocks, which gguf cannot write) in the
+"""The native quantized linear (engine/kernels/csrc/quant_linear.cpp): GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 weights
+and the K-quants Q4_K / Q5_K / Q6_K (kquant_linear.cpp: random valid super-blocks, which gguf cannot write) in the
 packed layout (packed.py), activations quantized per block to 14 bits, integer dot products.
 
+* ``dequantize`` (the reference of every kernel) is the gguf package's dequantization, bit for bit, on random
+  blocks (every quant bit pattern) and on weights its quantizer wrote; ``pack`` / ``unpack_rows`` round-trip;
 * bit for bit equal to its scalar reference (``quant_linear_reference``: the same activation quantization, the
   same integer sums, the same per-block fused multiply-adds in the same order), for every format, N with rows
   past the last group of 16, and row counts on both sides of the few-rows / many-rows switch;
@@ -191,6 +193,21 @@ def test_another_isas_build_equals_its_reference_and_this_builds_bits(ops, tmp_p
     for q in QuantType:
         k = _depth(576, q)
         assert torch.equal(other[q.value], ops.quant_linear(_randn(5, k), _quantized(37, k, q), q.kernel_id)), q
+
+
+@pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.value)
+def test_dequantize_is_ggufs_on_random_blocks_and_quantized_weights(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    g = torch.Generator().manual_seed(5)
+    random = torch.randint(0, 256, (64, 8 * qtype.block_bytes), dtype=torch.uint8, generator=g)
+    blocks = random.view(64, 8, qtype.block_bytes)
+    scales = (torch.rand(64, 8, qtype.scale_bytes // 2, generator=g) - 0.5).half()  # finite: NaN != NaN
+    blocks[..., : qtype.scale_bytes] = scales.view(torch.uint8)
+    for raw in (random, _raw(45, 576, qtype, seed=4)):
+        want = gguf_dequantize(raw.numpy(), GGMLQuantizationType[qtype.value])
+        assert torch.equal(dequantize(raw, qtype), torch.from_numpy(want)), qtype
 
 
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.value)

@@ -5,8 +5,8 @@ names, q/k rows permuted for its rope, 1-D tensors in F32, the matrices in the t
 loads that file with its own GGUF reader and is the reference: Serval's offline engine on the file (the
 tokenizer from the checkpoint directory, as vLLM's ``tokenizer=``) must generate its greedy tokens exactly.
 Types whose rounding errors are large (Q4_x, Q5_x) still match: both sides compute with the same weights.
-Serval keeps Q8_0 / Q4_0 / Q4_1 tensors as blocks (its quantized kernels, activations to 14 bits) and
-dequantizes the other types, where transformers dequantizes every tensor: the random model's near-uniform
+Serval keeps Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 tensors as blocks (its quantized kernels, activations to 14
+bits) and dequantizes the other types, where transformers dequantizes every tensor: the random model's near-uniform
 logits would part greedy paths at the 8-bit activations of llama.cpp's arithmetic, and do not at these.
 """
 

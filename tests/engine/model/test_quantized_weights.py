@@ -102,7 +102,7 @@ def test_none_int8_and_a_gguf_request_on_float_weights(smollm2_path):
     plain = get_model(str(GGUF), quantization="none")
     assert not any(m.quant_method.is_quantized for m in _linears(plain).values())
     assert plain.model.embed_tokens.weight.dtype == torch.float32
-    with pytest.raises(ValueError, match="needs a .gguf model storing Q8_0, Q4_0 or Q4_1"):
+    with pytest.raises(ValueError, match="needs a .gguf model storing Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1"):
         get_model(smollm2_path, quantization="gguf")
     int8 = get_model(smollm2_path, quantization="int8")
     down = int8.model.local_layers[3].mlp.down_proj

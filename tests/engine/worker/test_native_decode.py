@@ -140,8 +140,9 @@ def test_the_stack_reads_each_layers_product_as_chosen_at_load(tiny_checkpoint):
 
 
 class _MixedFormats(Plan):
-    """A ``quantize_gguf`` plan: within each layer three formats, and layers unlike their neighbours (the file's
-    type says Q4_1, its most common)."""
+    """A ``quantize_gguf`` plan: every block format, within each layer three or four, and layers unlike their
+    neighbours (the file's type says Q4_1); Q5_0 beside Q8_0 as in a Q4_K_M file of a model whose widths are no
+    multiple of 256."""
 
     def target(self, name: str) -> str | None:
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
@@ -152,19 +153,22 @@ class _MixedFormats(Plan):
             return "Q8_0"
         if part in ("ffn_gate", "ffn_up"):
             return "Q4_0"
+        odd = int(match[1]) % 2
         if part == "ffn_down":
-            return "Q8_0" if int(match[1]) % 2 else "Q4_1"
-        return None  # attn_output: Q4_1, as stored
+            return "Q8_0" if odd else "Q5_1"
+        if part == "attn_output":
+            return "Q5_0" if odd else None  # Q4_1 as stored in the even layers
+        return None  # the norms
 
 
 def test_a_file_whose_layers_mix_formats_keeps_the_stack_bit_for_bit(tmp_path):
     assert GGUF.is_file(), "run `make models`"
     path = tmp_path / "mixed.gguf"
     counts = quantize_gguf(GGUF, path, _MixedFormats("Q4_1"))
-    assert counts["Q8_0"] and counts["Q4_0"] and counts["Q4_1"]
+    assert all(counts[kind] for kind in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
     llm = LLM(str(path), max_num_seqs=4, enable_prefix_caching=False)
     stack = _runner(llm).native_decode
-    assert stack is not None and stack.weight_formats[:8] == [0, 2, 1, 2, 0, 2, 1, 0]  # layers 0 and 1
+    assert stack is not None and stack.weight_formats[:8] == [0, 2, 1, 4, 0, 3, 1, 0]  # layers 0 and 1
     for lengths in ([9], [5, 17, 30]):  # batch 1, a few rows
         prompts = _prompts(llm.get_tokenizer().vocab_size, lengths)
         fused = _generate(llm, prompts, True)
