@@ -67,11 +67,33 @@ class Plan:
         return None
 
 
+# What the gguf package cannot write (the K-quants and llama.cpp's mixes of them): llama.cpp's quantizer does.
+K_QUANT_HINT = (
+    "{name} is written by llama.cpp's quantizer, not here: llama-quantize IN.gguf OUT.gguf {name} (best from a"
+    " float32 file: serval quantize-gguf IN.gguf F32.gguf --type F32 --embedding-type F32); Serval serves the"
+    " result's blocks as stored (docs/quantization.md)"
+)
+
+
+def output_type(name: str) -> str:
+    """``--type``'s value: one of ``TYPES``; a K-quant type or mix (Q4_K, Q4_K_M, ...) names llama.cpp's tool."""
+    name = name.upper()
+    if name in TYPES:
+        return name
+    if re.fullmatch(r"Q[2-6]_K(_[SML])?", name):
+        raise argparse.ArgumentTypeError(K_QUANT_HINT.format(name=name))
+    raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(TYPES)})")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", type=Path, help="the .gguf file to read")
     parser.add_argument("out", type=Path, help="the .gguf file to write (replaced if it exists)")
     parser.add_argument(
-        "--type", required=True, type=str.upper, choices=list(TYPES), help="the type of every block linear weight"
+        "--type",
+        required=True,
+        type=output_type,
+        metavar="{" + ",".join(TYPES) + "}",
+        help="the type of every block linear weight (the K-quants: llama.cpp's quantizer, which says how)",
     )
     parser.add_argument(
         "--embedding-type",

@@ -114,6 +114,16 @@ def test_serval_loads_the_output_and_f32_answers_as_the_source_does(quantized):
     assert outputs["Q8_0"].token_ids and outputs["Q8_0"].finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("kind", ["Q4_K_M", "q6_k"])
+def test_a_k_quant_type_is_refused_naming_llama_cpps_quantizer(tmp_path, capsys, kind):
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["quantize-gguf", str(SOURCE), str(tmp_path / "out.gguf"), "--type", kind])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{kind.upper()} is written by llama.cpp's quantizer" in err and "llama-quantize" in err
+    assert not (tmp_path / "out.gguf").exists()
+
+
 def test_a_file_that_is_not_gguf_and_the_source_as_output_are_refused(tmp_path, capsys):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all, just bytes")
