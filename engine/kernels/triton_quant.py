@@ -45,6 +45,7 @@ class BlockFormat(Protocol):
 
     value: str
     kernel_id: int
+    block_weights: int  # 32: the kernel reads no K-quant super-block (256)
     block_bytes: int
     header_bytes: int
 
@@ -171,6 +172,8 @@ def _quant_linear_kernel(
 
 def _check(x: torch.Tensor, w: torch.Tensor, qtype: BlockFormat, bias: torch.Tensor | None) -> None:
     """Raises ValueError unless the operands fit the module docstring's contract."""
+    if qtype.block_weights != 32:
+        raise ValueError(f"quant_linear reads 32-weight blocks; {qtype.value}'s are {qtype.block_weights}")
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"quant_linear needs x [M, K] of float16, bfloat16 or float32, got {x.dtype} {list(x.shape)}")
     row_bytes = qtype.row_bytes(x.shape[1])  # raises unless K is a multiple of 32
