@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the top-level ``serval`` argument parser with all subcommands."""
     parser = argparse.ArgumentParser(prog="serval", description="Serval LLM serving on Ray")
     parser.add_argument("--version", action="version", version=f"serval {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the details behind an error (a refused config: pydantic's report)"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups = {}
     for path, module_name in SUBCOMMANDS.items():

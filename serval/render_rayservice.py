@@ -6,6 +6,9 @@ The Serve config goes to the chart (``helm/serval``) as ``serveConfigFile``, wha
 --set-file serveConfigFile=<config>`` passes, so the printed manifest is what ``helm template`` / ``helm
 install`` would produce for the same inputs. Rendering is real Helm (the Helm v4 library bundled by the
 ``helm-python-sdk`` package), offline: the chart's ``values.schema.json`` and its checks apply.
+
+The Serve config is checked first as its app builders will check it in the cluster (``serval.config_check``):
+a problem is refused in one line, exit code 2, nothing rendered.
 """
 
 from __future__ import annotations
@@ -51,11 +54,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import helm_python  # the kubernetes extra (serval.extras: the command line checks it is installed)
 
+    from deployments.config_errors import ConfigError
+    from deployments.serve_config import check_serve_config
+    from serval.config_check import load_serve_config, refuse
+
     try:
         with open(args.config, encoding="utf-8") as f:
             config_text = f.read()
+        check_serve_config(load_serve_config(config_text, args.config))
         values = chart_values(config_text, args.values, args.set)
         manifests = render_chart(args.chart, values, args.name, args.namespace)
+    except ConfigError as error:
+        return refuse(error, "serval render-rayservice", args.config, getattr(args, "debug", False))
     except (OSError, helm_python.HelmError) as error:
         print(f"serval render-rayservice: {error}", file=sys.stderr)
         return 1

@@ -75,12 +75,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Checks the config as the app builder will (a problem: one line, exit code 2, nothing started), then
+    serves it (``lifecycle.serve``)."""
     import yaml
-    from pydantic import ValidationError
+
+    from deployments.config_errors import ConfigError
+    from serval.config_check import refuse
 
     try:
         config, path = _config(args)
-    except (ValidationError, ValueError, OSError) as error:
+    except ConfigError as error:
+        return refuse(error, "serval serve", args.config, getattr(args, "debug", False))
+    except (ValueError, OSError) as error:  # no model there, no such file
         print(f"serval serve: {error}", file=sys.stderr)
         return 1
     if args.print_config:
@@ -109,15 +115,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> tuple[dict, str | None]:
-    """The config to serve and its file (None: made from the flags, not written yet)."""
+    """The config to serve, checked (``ConfigError``: its first problem), and its file (None: made from the
+    flags, not written yet)."""
+    from deployments.serve_config import check_serve_config
+    from serval.config_check import load_serve_config
+
     if (args.model is None) == (args.config is None):
         raise ValueError("give a model or --config PATH (one of them)")
     if args.config is None:
         return build_serve_config(args), None
-    import yaml
-
     with open(args.config, encoding="utf-8") as f:
-        config = yaml.safe_load(f)
+        config = load_serve_config(f.read(), args.config)
+    check_serve_config(config)  # the endpoint flags below are typed by argparse
     return with_endpoint_flags(config, args), args.config
 
 
@@ -137,9 +146,9 @@ def with_endpoint_flags(config: dict, args: argparse.Namespace) -> dict:
 def build_serve_config(args: argparse.Namespace) -> dict:
     """The one-model Serve config the flags describe, checked as the app builder will check it.
 
-    Raises ``ValueError`` (or pydantic's ``ValidationError``, naming the key) for a bad setting.
+    Raises ``ConfigError`` (one line naming the key) for a bad setting, ``ValueError`` for a missing model.
     """
-    from deployments.llm_config import LLMConfig
+    from deployments.serve_config import check_serve_config
     from serval.fetch_model import is_hub_id
 
     actor_options = {"num_cpus": _whole_if_integral(args.num_cpus_per_replica)}
@@ -158,7 +167,6 @@ def build_serve_config(args: argparse.Namespace) -> dict:
             "ray_actor_options": actor_options,
         },
     }
-    LLMConfig.model_validate(llm_config)
     config = {
         "proxy_location": "HeadOnly",
         "http_options": {"host": DEFAULT_HOST, "port": DEFAULT_PORT},
@@ -171,7 +179,9 @@ def build_serve_config(args: argparse.Namespace) -> dict:
             }
         ],
     }
-    return with_endpoint_flags(config, args)
+    config = with_endpoint_flags(config, args)
+    check_serve_config(config)
+    return config
 
 
 def model_source(model: str) -> str:

@@ -94,6 +94,20 @@ def test_render_rayservice_reports_bad_values(capsys, tmp_path):
     assert "missing.yaml" in capsys.readouterr().err
 
 
+def test_render_rayservice_refuses_a_mistyped_serve_config_in_one_line(capsys, tmp_path):
+    """The Serve config is checked as its builder will check it in the cluster, before the chart renders."""
+    config = load_yaml(SERVAL_ROOT / "configs/serve/default.yaml")
+    config["applications"][0]["args"]["llm_configs"][0]["deployment_config"]["num_replica"] = 2
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(config))
+    assert main(["render-rayservice", str(tmp_path / "typo.yaml")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"serval render-rayservice: {tmp_path / 'typo.yaml'}: applications[0].args.llm_configs[0].deployment_config"
+        ".num_replica: unknown key; did you mean num_replicas?\n"
+    )
+
+
 def test_serve_print_config_is_a_valid_serve_config(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a model directory (serval serve refuses anything else)
     output = cli_output(
@@ -176,10 +190,11 @@ def test_a_gguf_file_is_served_under_its_name(capsys):
 
 def test_serve_refuses_bad_engine_flags_naming_them(capsys, tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    assert main(["serve", str(tmp_path), "--max-num-seqs", "0", "--print-config"]) == 1
-    assert "max_num_seqs" in capsys.readouterr().err
-    assert main(["serve", str(tmp_path), "--engine-kwargs", '{"max_num_seq": 8}', "--print-config"]) == 1
-    assert "max_num_seq" in capsys.readouterr().err
+    engine_kwargs = "serval serve: applications[0].args.llm_configs[0].engine_kwargs"
+    assert main(["serve", str(tmp_path), "--max-num-seqs", "0", "--print-config"]) == 2
+    assert capsys.readouterr().err == f"{engine_kwargs}.max_num_seqs: should be greater than or equal to 1, got 0\n"
+    assert main(["serve", str(tmp_path), "--engine-kwargs", '{"max_num_seq": 8}', "--print-config"]) == 2
+    assert capsys.readouterr().err == f"{engine_kwargs}.max_num_seq: unknown key; did you mean max_num_seqs?\n"
 
 
 def test_every_engine_args_field_is_a_serve_flag():

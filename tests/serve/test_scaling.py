@@ -22,6 +22,7 @@ import pytest
 from ray import serve
 
 from serval.launcher import lifecycle as launcher
+from serval.launcher import serve_client
 from tests.serve.cluster import (
     RayHead,
     Replica,
@@ -173,11 +174,19 @@ def config(ray_head, tiny_checkpoint):
 
 
 def test_an_unknown_key_fails_the_deploy_with_its_name(ray_head, config):
+    """Deployed as ``serve deploy`` does (the builder runs in Serve): the app's DEPLOY_FAILED message is Serve's
+    header and the builder's one line (deployments/config_errors.py), no traceback, and the launcher (what
+    ``serval serve`` and ``serval status`` print) shows that line whole."""
     bad = copy.deepcopy(config)
     bad["applications"][0]["args"]["llm_configs"][0]["engine_kwargs"]["max_num_seqz"] = 4
     launcher.deploy(bad, ray_head.dashboard_url)
-    with pytest.raises(RuntimeError, match="max_num_seqz"):
+    with pytest.raises(RuntimeError, match="max_num_seqz") as failed:
         launcher.wait_until_running(ray_head.dashboard_url, ["llm"], timeout_s=120)
+    line = "args.llm_configs[0].engine_kwargs.max_num_seqz: unknown key; did you mean max_num_seqs?"
+    app = serve_client.instance_details(ray_head.dashboard_url).applications["llm"]
+    assert app.status == "DEPLOY_FAILED"
+    assert app.message.splitlines() == ["Deploying app 'llm' failed with exception:", line]
+    assert line in str(failed.value), str(failed.value)
 
 
 def test_scale_up_and_down_keeps_streams_in_flight(ray_head, config):
