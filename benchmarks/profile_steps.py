@@ -59,7 +59,7 @@ def instrument(llm, totals: dict) -> None:
         metadata.get = timed(totals, "runner.sample: metadata", metadata.get)
     runner.model.forward = timed(totals, "model.forward", runner.model.forward)
     if getattr(runner, "native_decode", None) is not None:  # decode-only steps in one native call
-        runner.native_decode.run = timed(totals, "model.forward: native_decode", runner.native_decode.run)
+        runner.decode_step.run = timed(totals, "model.forward: native_decode", runner.decode_step.run)
     runner.model.compute_logits = timed(totals, "model.compute_logits", runner.model.compute_logits)
     engine.output_processor.process_outputs = timed(totals, "output_processor", engine.output_processor.process_outputs)
     kernels = torch_paged.load_cpu_kernels()

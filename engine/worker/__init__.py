@@ -8,6 +8,8 @@
 - ``sampling_inputs``: what the logits stages read from the request states.
 - ``spec_decode_runner``: ``SpecDecodeRunner``, the proposer after sampling; ``draft_verifier``:
   ``DraftVerifier``, draft tokens through the rejection sampler.
-- ``cuda_graphs``: decode steps captured once per batch size and replayed.
+- ``decode_step``: ``DecodeStep``, the one other way a runner may run decode steps: ``native_decode``'s
+  ``NativeDecodeStep`` (CPU, the stack in one native call) or ``cuda_graphs``' ``DecodeGraphRunner`` (CUDA,
+  captured once per batch size and replayed).
 - ``profiling``: ``profile_forward``, the largest step, run once before the KV cache exists.
 """

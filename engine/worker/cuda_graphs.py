@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Mapping
 
 import torch
 
 from engine.attention.metadata import PAD_SLOT_ID, AttentionMetadata
 from engine.config import EngineConfig
+from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS
+from engine.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +99,19 @@ class DecodeGraphRunner:
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def can_run(self, attn_metadata: AttentionMetadata) -> bool:
+    def fits(self, attn_metadata: AttentionMetadata) -> bool:
         """Whether the step is decode-only and small enough for a captured size."""
         return attn_metadata.max_query_len == 1 and 0 < attn_metadata.num_actual_tokens <= self.max_batch_size
+
+    # A ``decode_step.DecodeStep``: the model runner's choice for decode steps on CUDA.
+    logits_rows = NO_NATIVE_ROWS  # the LM head takes the product it would in an eager step
+
+    def can_run(self, inputs: StepInputs, requests: Mapping) -> bool:
+        return self.fits(inputs.attn_metadata)
+
+    def run(self, inputs: StepInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """A view of the graph's output (use before the next step); ``kv_caches`` are the captured ones."""
+        return self.replay(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     def padded_size(self, num_tokens: int) -> int:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_tokens)]
@@ -119,7 +132,9 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
         logger.info("Captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """The step's last hidden states [n, hidden] (a view of the graph's output: use before the next step)."""
         n = attn_metadata.num_actual_tokens
         size = self.padded_size(n)

@@ -34,9 +34,10 @@ from engine.sample.grammar_bitmask import apply_grammar_bitmask_rows, grammar_ro
 from engine.sample.prompt_logprobs import PromptLogprobs
 from engine.sched.kv_transfer import KVTransferOutput
 from engine.sched.step_outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from engine.worker.cuda_graphs import DecodeGraphRunner, capture_decode_graphs
+from engine.worker.cuda_graphs import capture_decode_graphs
+from engine.worker.decode_step import DecodeStep
 from engine.worker.input_batch import InputBatch
-from engine.worker.native_decode import NativeDecodeStep, native_decode_step
+from engine.worker.native_decode import native_decode_step
 from engine.worker.profiling import profile_forward
 from engine.worker.request_state import CachedRequestState
 from engine.worker.sampling_inputs import SamplingMetadataCache, prompt_chunks
@@ -50,8 +51,8 @@ class ModelRunner:
     A step goes through fixed stages, each owned by its own unit: the deltas
     and the flattened batch (``InputBatch``), KV loads before the forward and
     saves after it (``KVConnectorWorker``), the forward (eager, or a replayed
-    ``DecodeGraphRunner`` graph on CUDA, or the ``NativeDecodeStep`` on CPU,
-    chosen at load), prompt logprobs (``PromptLogprobs``), logits at
+    ``DecodeGraphRunner`` graph on CUDA, or the ``NativeDecodeStep`` on CPU:
+    the runner's one ``decode_step``), prompt logprobs (``PromptLogprobs``), logits at
     each sampled request's last token, the grammar bitmask of
     structured-output requests (``apply_grammar_bitmask``), then the
     ``Sampler`` (or, in a step where requests verify drafts, the
@@ -80,10 +81,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
-        self.decode_graphs: DecodeGraphRunner | None = None  # CUDA only, set up with the caches
         self.spec_decode: SpecDecodeRunner | None = None  # speculative decoding, on the output rank only
         self.lora: LoRAManager | None = None  # multi-LoRA (enable_lora) only
-        self.native_decode: NativeDecodeStep | None = None  # decode-only CPU steps in one native call, where it fits
+        # Decode steps run another way than the eager forward, where one fits (decode_step.py): chosen once.
+        self.decode_step: DecodeStep | None = None
         # Disaggregated prefill: loads remote KV before a step's forward, saves finished prompts after it.
         self.kv_connector = (
             None
@@ -109,7 +110,7 @@ class ModelRunner:
         )
         process_weights_after_loading(self.model)  # each layer's product chosen once, its layouts made
         enable_lora = self.config.lora_config.enable_lora
-        self.native_decode = native_decode_step(self.model, enable_lora)  # chosen once; logs why not
+        self.decode_step = native_decode_step(self.model, enable_lora)  # CPU; logs why not
         if enable_lora:
             self.lora = LoRAManager(self.model, self.config.lora_config, self.dtype, self.device)
         self.vocab_size = self.model.arch_config.vocab_size
@@ -135,13 +136,10 @@ class ModelRunner:
         if self.spec_decode is not None:
             self.spec_decode.initialize_kv_cache(num_blocks)
         # LoRA's per-step grouping is host-side control flow a graph cannot replay: eager with adapters.
-        self.decode_graphs = (
-            None
-            if self.lora is not None
-            else capture_decode_graphs(
+        if self.decode_step is None and self.lora is None:
+            self.decode_step = capture_decode_graphs(
                 self.model, self.kv_caches, self.config, self.max_num_blocks_per_req, self.device
             )
-        )
 
     def profile_run(self) -> None:
         """One forward of a full step's token budget, to find (on GPU) the activation peak (``profile_forward``)."""
@@ -173,7 +171,7 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if parallel.is_output_rank else None
         inputs = self.input_batch.prepare_inputs(scheduler_output.num_scheduled_tokens)
-        fused = self.native_decode is not None and self.native_decode.can_run(inputs, self.requests)
+        fused = self.decode_step is not None and self.decode_step.can_run(inputs, self.requests)
         output = self._forward(inputs, fused)
         self.input_batch.advance(inputs)  # the step's KV is in the cache now
         if not parallel.is_last_stage:
@@ -212,14 +210,14 @@ class ModelRunner:
         return kv_output
 
     def _forward(self, inputs: StepInputs, fused: bool = False):
-        """This rank's stage on the step's batch: a replayed CUDA graph for a small decode-only step, the
-        ``NativeDecodeStep`` for a decode-only CPU step (``fused``), else eagerly (a verify step's products
-        learn it from ``attn_metadata.max_verify_query_len``: ``cpu_prepack.native_rows_of_step``).
+        """This rank's stage on the step's batch: the ``decode_step`` where it runs the step (``fused``), else
+        eagerly (a verify step's products learn it from ``attn_metadata.max_verify_query_len``:
+        ``cpu_prepack.native_rows_of_step``).
 
         A stage after the first takes (hidden, residual) from the one before it.
         """
         if fused:
-            return self.native_decode.run(inputs, self.kv_caches)
+            return self.decode_step.run(inputs, self.kv_caches)
         intermediate = None
         if not self.parallel_state.is_first_stage:
             intermediate = recv_from_prev_stage(
@@ -227,8 +225,6 @@ class ModelRunner:
             )
         if self.lora is not None:  # which adapter slot each token's rows go through
             self.lora.prepare([self.requests[r].lora_request for r in inputs.req_ids], inputs.query_lens)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(inputs.attn_metadata):
-            return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, intermediate)
 
     def _logits(self, inputs: StepInputs, hidden: torch.Tensor, fused: bool) -> torch.Tensor | None:
@@ -237,7 +233,7 @@ class ModelRunner:
         product, as its layers did."""
         if not inputs.sampled_req_ids:
             return None
-        native_rows = self.native_decode.logits_rows if fused else NO_NATIVE_ROWS
+        native_rows = self.decode_step.logits_rows if fused else NO_NATIVE_ROWS
         return self.model.compute_logits(hidden[inputs.sample_indices], native_rows)
 
     def _sample(

@@ -206,7 +206,7 @@ def test_the_native_decode_stack_runs_k_quant_layers_bit_for_bit(tmp_path, tiny_
         kv_cache_memory_bytes=8 << 20,
         enable_prefix_caching=False,  # as test_native_decode's: with a hit the layers' own logprobs move run to run
     )
-    stack = _runner(llm).native_decode
+    stack = _runner(llm).decode_step
     assert stack is not None and stack.weight_formats[:4] == native  # qkv, o, gate_up, down
     for lengths in ([9], [5, 17, 30]):
         prompts = _prompts(VOCAB, lengths)

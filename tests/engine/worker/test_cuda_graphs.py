@@ -64,8 +64,8 @@ def test_padded_decode_steps_equal_eager_forwards_and_write_only_their_own_slots
         positions = torch.tensor(lengths[:num_reqs], device=DEVICE)
         eager_caches = [cache.clone() for cache in kv_caches]
         expected = model(ids, positions, eager_caches, metadata)
-        assert runner.can_run(metadata)
-        hidden = runner.run(ids, positions, metadata)
+        assert runner.fits(metadata)
+        hidden = runner.replay(ids, positions, metadata)
         torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
         # The same K/V landed in the same slots, and the padded rows wrote nothing (the null block included).
         for cache, eager_cache in zip(kv_caches, eager_caches):
@@ -78,5 +78,5 @@ def test_mixed_and_oversized_steps_are_left_to_eager(model):
     runner = DecodeGraphRunner(model, kv_caches, [1, 2], 8, MAX_MODEL_LEN, torch.device(DEVICE), use_cuda_graphs=False)
     mixed = build_attention_metadata([1, 3], [5, 3], [[1], [2]], BLOCK_SIZE, DEVICE)
     too_big = build_attention_metadata([1, 1, 1], [2, 2, 2], [[1], [2], [3]], BLOCK_SIZE, DEVICE)
-    assert not runner.can_run(mixed) and not runner.can_run(too_big)
+    assert not runner.fits(mixed) and not runner.fits(too_big)
     assert runner.padded_size(1) == 1 and runner.padded_size(2) == 2

@@ -42,21 +42,21 @@ def _prompts(vocab_size: int, lengths: list[int]) -> list[dict]:
 
 def _generate(llm, prompts, fused: bool, native_rows: int | None = None):
     runner = _runner(llm)
-    stack = runner.native_decode
+    stack = runner.decode_step
     default_rows = stack.native_rows
     stack.native_rows = default_rows if native_rows is None else native_rows
-    runner.native_decode = stack if fused else None
+    runner.decode_step = stack if fused else None
     try:
         return llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
-        runner.native_decode, stack.native_rows = stack, default_rows
+        runner.decode_step, stack.native_rows = stack, default_rows
 
 
 @pytest.mark.parametrize(("arch", "tie"), [("llama", True), ("llama", False), ("qwen2", None)])
 @pytest.mark.parametrize("native_rows", [0, None, 8])  # None: the default, 2 rows (the rest on packed weights)
 def test_fused_decode_equals_the_layers(tiny_checkpoint, arch, tie, native_rows):
     llm = LLM(tiny_checkpoint(arch, tie), dtype="float32", max_num_seqs=12, enable_prefix_caching=False)
-    stack = _runner(llm).native_decode
+    stack = _runner(llm).decode_step
     assert (
         stack is not None and stack.native_rows == 2 and len(stack.packed_weights) == 4 * len(stack.layer_weights) // 7
     )
@@ -76,13 +76,13 @@ def test_only_decode_steps_of_generated_tokens_are_fused(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("llama", True), dtype="float32", enable_prefix_caching=False)
     runner = _runner(llm)
     calls: list[list[int]] = []
-    run = runner.native_decode.run
+    run = runner.decode_step.run
 
     def recording_run(inputs, kv_caches):
         calls.append(list(inputs.query_lens))
         return run(inputs, kv_caches)
 
-    runner.native_decode.run = recording_run
+    runner.decode_step.run = recording_run
     llm.generate(_prompts(llm.get_tokenizer().vocab_size, [1, 6]), GREEDY, use_tqdm=False)
     # The one-token prompt's first step is a prompt token: not fused; every later step is (12 tokens each,
     # the first sampled from the prompt step, 11 decode steps after it).
@@ -92,8 +92,8 @@ def test_only_decode_steps_of_generated_tokens_are_fused(tiny_checkpoint):
 
 def test_not_built_for_bfloat16_or_lora(tiny_checkpoint):
     path = tiny_checkpoint("llama", True)
-    assert _runner(LLM(path, dtype="bfloat16")).native_decode is None
-    assert _runner(LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8)).native_decode is None
+    assert _runner(LLM(path, dtype="bfloat16")).decode_step is None
+    assert _runner(LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8)).decode_step is None
 
 
 def _loaded(path: str, dtype: torch.dtype = torch.float32, formats: dict[str, QuantType] | None = None):
@@ -167,7 +167,7 @@ def test_a_file_whose_layers_mix_formats_keeps_the_stack_bit_for_bit(tmp_path):
     counts = quantize_gguf(GGUF, path, _MixedFormats("Q4_1"))
     assert all(counts[kind] for kind in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"))
     llm = LLM(str(path), max_num_seqs=4, enable_prefix_caching=False)
-    stack = _runner(llm).native_decode
+    stack = _runner(llm).decode_step
     assert stack is not None and stack.weight_formats[:8] == [0, 2, 1, 4, 0, 3, 1, 0]  # layers 0 and 1
     for lengths in ([9], [5, 17, 30]):  # batch 1, a few rows
         prompts = _prompts(llm.get_tokenizer().vocab_size, lengths)
