@@ -3,14 +3,14 @@
 * A fresh interpreter without ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` (Ray reads it when first imported)
   starts ``LLM(..., tensor_parallel_size=2)`` on a new local cluster whose every listener is on
   127.0.0.1, and greedy tokens equal the single-device run.
-* Dropping an ``LLM`` (``del`` and ``gc.collect()``), ``shutdown()`` (twice: idempotent) and leaving a
-  ``with LLM(...)`` block each free the worker actors and remove the placement group, so the next
-  engine of the same size starts at once on a cluster it would not fit beside the first.
+* Then, on that cluster, dropping an ``LLM`` (``del`` and ``gc.collect()``) and leaving a ``with LLM(...)``
+  block (``shutdown()`` after it is a no-op) each free the worker actors and remove the placement group, so
+  the next engine of the same size (each takes the whole cluster) starts at once.
 * In-process (one device, no Ray) the same three release the worker: its weights and KV caches.
 
-The Ray cases run in subprocesses (``python -m tests.cluster.test_llm_lifecycle <case> <model>``): one
-cluster each, and an interpreter that has not imported Ray nor this suite's conftest (which sets the
-variable for every test).
+The Ray cases run in one subprocess (``python -m tests.cluster.test_llm_lifecycle ray <model>``): one
+cluster, and an interpreter that has not imported Ray nor this suite's conftest (which sets the variable
+for every test).
 """
 
 from __future__ import annotations
@@ -91,16 +91,10 @@ def _env_without(*names: str) -> dict[str, str]:
 
 
 @pytest.mark.ray
-def test_tensor_parallel_llm_starts_ray_on_loopback(tiny_checkpoint):
+def test_a_tp_llm_starts_ray_on_loopback_and_releasing_it_frees_workers_and_placement_group(tiny_checkpoint):
     env = _env_without("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")
-    assert "loopback: ok" in _run_child("loopback", tiny_checkpoint("llama"), env)
-
-
-@pytest.mark.ray
-def test_released_llm_frees_workers_and_placement_group(tiny_checkpoint):
-    env = {**_env_without("RAY_ADDRESS"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    stdout = _run_child("lifecycle", tiny_checkpoint("llama"), env)
-    assert stdout.count("released: ") == 3, stdout
+    stdout = _run_child("ray", tiny_checkpoint("llama"), env)
+    assert "loopback: ok" in stdout and stdout.count("released: ") == 2, stdout
 
 
 def _process_tree(root_pid: int) -> set[int]:
@@ -186,11 +180,14 @@ def _wait_released(group, actor_ids: list[str]) -> None:
 
 
 def _start_ray_llm(model: str, **parallel):
-    """An LLM that takes both of the cluster's CPUs, so the next one fits only once this one is released."""
+    """An LLM that takes all of the cluster's CPUs, so the next one fits only once this one is released."""
+    import ray
+
     from engine import LLM
 
     start = time.monotonic()
-    llm = LLM(model, distributed_executor_backend="ray", num_cpus_per_worker=1.0, **parallel, **ENGINE_KWARGS)
+    num_cpus = ray.cluster_resources()["CPU"] / 2  # two workers each
+    llm = LLM(model, distributed_executor_backend="ray", num_cpus_per_worker=num_cpus, **parallel, **ENGINE_KWARGS)
     executor = llm.llm_engine.engine_core.engine_core.executor
     handles = (executor.placement_group, [worker._actor_id.hex() for worker in executor.workers])
     assert len(_greedy_token_ids(llm)) == len(PROMPTS)
@@ -198,20 +195,12 @@ def _start_ray_llm(model: str, **parallel):
     return llm, handles
 
 
-def _child_lifecycle(model: str) -> None:
-    import ray  # loopback: the test sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 for this child
-
+def _child_ray(model: str) -> None:
+    """Loopback first (it starts the cluster), then two releases on that cluster."""
+    _child_loopback(model)
     import cluster.placement
 
     cluster.placement.PLACEMENT_GROUP_READY_TIMEOUT_S = PLACEMENT_WAIT_S
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="warning",
-        log_to_driver=False,
-    )
     # Dropped: the compiled graph is the control path that also kept its actors alive.
     llm, (group, actor_ids) = _start_ray_llm(model, pipeline_parallel_size=2, ray_compiled_graph=True)
     del llm
@@ -219,17 +208,13 @@ def _child_lifecycle(model: str) -> None:
     _wait_released(group, actor_ids)
     print("released: del", flush=True)
     llm, (group, actor_ids) = _start_ray_llm(model, tensor_parallel_size=2)
-    llm.shutdown()
-    llm.shutdown()
-    _wait_released(group, actor_ids)
-    print("released: shutdown", flush=True)
-    llm, (group, actor_ids) = _start_ray_llm(model, pipeline_parallel_size=2)
     with llm:
         assert len(_greedy_token_ids(llm)) == len(PROMPTS)
     _wait_released(group, actor_ids)  # on leaving the block, while ``llm`` is still referenced
-    print("released: with", flush=True)
+    llm.shutdown()  # idempotent after the block's
+    print("released: with, then shutdown", flush=True)
 
 
 if __name__ == "__main__":
     case, model_dir = sys.argv[1], sys.argv[2]
-    {"loopback": _child_loopback, "lifecycle": _child_lifecycle}[case](model_dir)
+    {"ray": _child_ray}[case](model_dir)
