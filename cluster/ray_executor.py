@@ -52,7 +52,13 @@ from ray.dag.context import DAGContext
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.kv_transfer.ray_direct import KVDirectClient
-from cluster.placement import acquire_placement_group, release_placement_group, uses_gpus, worker_resources
+from cluster.placement import (
+    acquire_placement_group,
+    describe_group,
+    release_placement_group,
+    uses_gpus,
+    worker_resources,
+)
 from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, KV_CONCURRENCY_GROUP, LORA_CONCURRENCY_GROUP, RayWorker
 from engine.config import EngineConfig
 from engine.executor.base import Executor, StepFuture, all_of
@@ -61,6 +67,9 @@ from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 10.0
+# The start path waits for nothing without a limit: each wait's error names what it waited for.
+WORKER_START_TIMEOUT_S = 180.0  # a worker actor placed in its bundle, its process started and answering
+WORKER_LOAD_TIMEOUT_S = 900.0  # init_worker: the process group's rendezvous and loading the weights
 # Below Ray's limit for task arguments sent inline (max_direct_call_object_size, 100 KiB).
 INLINE_PAYLOAD_MAX_BYTES = 64 * 1024
 
@@ -88,13 +97,22 @@ def ensure_ray_initialized() -> None:
     ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, logging_level="warning")
 
 
-def config_for_workers(config: EngineConfig) -> EngineConfig:
-    """On CPU each worker uses as many torch threads as CPUs it reserved, unless num_threads says."""
+def config_for_worker(config: EngineConfig, resources: dict[str, float]) -> EngineConfig:
+    """On CPU a worker uses as many torch threads as CPUs it reserved (``resources``), unless num_threads says."""
     device_config = config.device_config
     if device_config.num_threads is not None:
         return config
-    num_threads = max(1, math.floor(config.parallel_config.num_cpus_per_worker))
+    num_threads = max(1, math.floor(resources.get("CPU", 0.0)))
     return dataclasses.replace(config, device_config=device_config.model_copy(update={"num_threads": num_threads}))
+
+
+def _actor_options(demand: dict[str, float]) -> dict:
+    """``demand`` (a bundle's form: CPU, GPU, memory, custom) as ``ray.remote`` options."""
+    custom = {name: amount for name, amount in demand.items() if name not in ("CPU", "GPU", "memory")}
+    options = {"num_cpus": demand.get("CPU", 0.0), "num_gpus": demand.get("GPU", 0.0), "resources": custom}
+    if "memory" in demand:
+        options["memory"] = demand["memory"]
+    return options
 
 
 class _GraphStep:
@@ -137,8 +155,9 @@ class RayExecutor(Executor):
         self.placement_group, self._owns_placement_group = acquire_placement_group(parallel, use_gpu)
         self.kv_direct: KVDirectClient | None = None
         try:
-            self.workers = self._start_workers(worker_resources(parallel, use_gpu))
-            self._init_workers(config_for_workers(self.config))
+            demands = [worker_resources(parallel, use_gpu, rank) for rank in range(self.world_size)]
+            self.workers = self._start_workers(demands)
+            self._init_workers(demands)
             kv_config = self.config.kv_transfer_config
             if kv_config is not None and kv_config.kv_connector == "ray_direct":
                 self.kv_direct = KVDirectClient(self.workers[0], kv_config, use_gpu)
@@ -146,27 +165,45 @@ class RayExecutor(Executor):
             self.shutdown()
             raise
 
-    def _start_workers(self, resources: dict[str, float]) -> list:
+    def _start_workers(self, demands: list[dict[str, float]]) -> list:
+        """One worker actor per rank, in its bundle, asking for ``demands[rank]``; returns once all answer."""
         groups = {HEALTH_CONCURRENCY_GROUP: 1, KV_CONCURRENCY_GROUP: 2, LORA_CONCURRENCY_GROUP: 1}
         actor_class = ray.remote(concurrency_groups=groups)(RayWorker)
-        return [
-            actor_class.options(
-                num_cpus=resources["CPU"],
-                num_gpus=resources.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False
-                ),
-            ).remote()
-            for rank in range(self.world_size)
-        ]
+        workers = []
+        for rank, demand in enumerate(demands):
+            placement = PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=rank, placement_group_capture_child_tasks=False
+            )
+            workers.append(actor_class.options(**_actor_options(demand), scheduling_strategy=placement).remote())
+        pings = [worker.ping.remote() for worker in workers]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=WORKER_START_TIMEOUT_S)
+        missing = [rank for rank, ping in enumerate(pings) if ping not in ready]
+        if missing:
+            for worker in workers:
+                ray.kill(worker)
+            asks = "; ".join(f"worker {rank} asks for {demands[rank]} in bundle {rank}" for rank in missing)
+            raise WorkerFailedError(
+                f"{len(missing)} of this engine's {len(demands)} worker actors did not start within "
+                f"{WORKER_START_TIMEOUT_S:.0f} s ({asks}) of {describe_group(self.placement_group)}."
+            )
+        ray.get(pings)  # a worker whose process failed to start raises here
+        return workers
 
-    def _init_workers(self, worker_config: EngineConfig) -> None:
-        host, port = ray.get(self.workers[0].get_address.remote())
+    def _init_workers(self, demands: list[dict[str, float]]) -> None:
+        host, port = ray.get(self.workers[0].get_address.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
         init_method = f"tcp://{host}:{port}"
         # All ranks at once: joining the process group blocks until every rank has joined.
-        pids = ray.get(
-            [worker.init_worker.remote(worker_config, rank, init_method) for rank, worker in enumerate(self.workers)]
-        )
+        inits = [
+            worker.init_worker.remote(config_for_worker(self.config, demands[rank]), rank, init_method)
+            for rank, worker in enumerate(self.workers)
+        ]
+        try:
+            pids = ray.get(inits, timeout=WORKER_LOAD_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerFailedError(
+                f"This engine's {self.world_size} workers did not join their process group at {init_method} and "
+                f"load the model within {WORKER_LOAD_TIMEOUT_S:.0f} s."
+            ) from None
         logger.info("%d workers up (pids %s), process group at %s", self.world_size, pids, init_method)
 
     @property
@@ -174,10 +211,12 @@ class RayExecutor(Executor):
         return self.config.parallel_config.pipeline_parallel_size
 
     def determine_num_available_blocks(self) -> int:
-        return min(ray.get([worker.determine_num_available_blocks.remote() for worker in self.workers]))
+        refs = [worker.determine_num_available_blocks.remote() for worker in self.workers]
+        return min(self._collect(lambda timeout_s: ray.get(refs, timeout=timeout_s)))
 
     def initialize_cache(self, num_blocks: int) -> None:
-        ray.get([worker.initialize_cache.remote(num_blocks) for worker in self.workers])
+        refs = [worker.initialize_cache.remote(num_blocks) for worker in self.workers]
+        self._collect(lambda timeout_s: ray.get(refs, timeout=timeout_s))
         if self.use_compiled_graph:
             self.dag = self._compile_dag()
 

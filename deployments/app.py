@@ -24,7 +24,8 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster.placement import engine_bundles, placement_strategy, uses_gpus
+from cluster.placement import engine_bundles, nonzero, placement_strategy, uses_gpus
+from deployments.config_errors import validated
 from deployments.deployment_options import DeploymentConfig
 from deployments.ingress import IngressLLMServer, OpenAiIngress
 from deployments.llm_config import LLMConfig, LLMServingArgs
@@ -51,25 +52,22 @@ def replica_resources(actor_options: dict[str, Any]) -> dict[str, float]:
 
 def placement_options(llm_config: LLMConfig, actor_options: dict[str, Any]) -> dict[str, Any]:
     """Each replica's placement group when its engine runs Ray workers (TP/PP): one bundle per worker
-    (``placement_group_config``'s, else the engine's), a GPU type's resource in each, the replica's own
-    resources added to bundle 0 (Serve places the replica there), as Ray Serve LLM builds it."""
+    holding what it asks for (``placement_group_config``'s bundles, else the engine's), a GPU type's resource
+    in each, the replica's own resources added to bundle 0 (Serve places the replica there), as Ray Serve
+    LLM builds it."""
     engine_args = llm_config.engine_args()
     parallel = engine_args.create_parallel_config()
     if parallel.executor_backend != "ray":
         return {}
+    bundles = engine_bundles(parallel, uses_gpus(engine_args.device))
     configured = llm_config.placement_group_config
-    if configured is None:
-        bundles = engine_bundles(parallel, uses_gpus(engine_args.device))
-        strategy = placement_strategy(parallel)
-    else:
-        bundles, strategy = configured.worker_bundles(parallel.world_size), configured.strategy
+    strategy = placement_strategy(parallel) if configured is None else configured.strategy
     if llm_config.accelerator_type is not None:
         for bundle in bundles:
             bundle.setdefault(accelerator_resource(llm_config.accelerator_type), ACCELERATOR_HINT)
     for name, amount in replica_resources(actor_options).items():
         bundles[0][name] = bundles[0].get(name, 0.0) + amount
-    bundles = [{name: amount for name, amount in bundle.items() if amount > 0} or {"CPU": 0.01} for bundle in bundles]
-    return {"placement_group_bundles": bundles, "placement_group_strategy": strategy}
+    return {"placement_group_bundles": [nonzero(bundle) for bundle in bundles], "placement_group_strategy": strategy}
 
 
 def server_options(llm_config: LLMConfig) -> dict[str, Any]:
@@ -117,8 +115,9 @@ def build_ingress(deployment_config: DeploymentConfig) -> Any:
 
 
 def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
-    """Validates ``args`` (unknown keys are an error here, at deploy time) and builds the app."""
-    serving_args = args if isinstance(args, LLMServingArgs) else LLMServingArgs.model_validate(args)
+    """Validates ``args`` (unknown keys are an error here, at deploy time) and builds the app; a bad config
+    raises ``ConfigError``, one line naming the key (Serve's DEPLOY_FAILED message)."""
+    serving_args = args if isinstance(args, LLMServingArgs) else validated(LLMServingArgs, args)
     if not serving_args.separate_ingress:  # one model: its LLM servers are the HTTP ingress
         [llm_config] = serving_args.llm_configs
         return build_llm_server(llm_config, IngressLLMServer, None, serving_args.server_options())
@@ -128,8 +127,9 @@ def build_openai_app(args: dict[str, Any] | LLMServingArgs) -> Application:
 
 
 def build_pd_openai_app(args: dict[str, Any] | PDServingArgs) -> Application:
-    """Validates ``args`` and builds the disaggregated app: ingress -> decode pool -> prefill pool."""
-    pd_args = args if isinstance(args, PDServingArgs) else PDServingArgs.model_validate(args)
+    """Validates ``args`` (``ConfigError`` as above) and builds the disaggregated app: ingress -> decode pool ->
+    prefill pool."""
+    pd_args = args if isinstance(args, PDServingArgs) else validated(PDServingArgs, args)
     prefill = build_llm_server(
         pd_args.with_role(pd_args.prefill_config, "kv_producer"), PrefillServer, pd_args.prefill_deployment_name()
     )

@@ -12,23 +12,22 @@ Serval declares none of these options: the names are the parameters of Serve's `
 ``DeploymentConfig``, ``AutoscalingConfig``, ``ReplicaConfig``), and an option left out keeps Serve's
 default, except the few ``SERVAL_DEFAULTS`` an LLM server needs (as Ray Serve LLM keeps its own
 ``DEFAULT_DEPLOYMENT_OPTIONS``). Serve's nested models ignore unknown keys; here they are an error naming
-the key, so a typo fails the deploy instead of being dropped.
+the key and the nearest valid one (``config_errors``), so a typo fails the deploy instead of being dropped.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import types
-import typing
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, RootModel, model_validator
+from pydantic import BaseModel, ConfigDict, RootModel, ValidationError, model_validator
 from ray import serve
 from ray.serve._private.config import DeploymentConfig as ServeDeploymentConfig
 from ray.serve.deployment import Deployment
 
 from deployments.autoscaling import TTFT_POLICY, TTFTPolicyOptions
+from deployments.config_errors import KeysOf, models_in, under
 from deployments.kv_index import KVRouterOptions
 
 # Every option Serve's Deployment.options takes, by its name there.
@@ -52,49 +51,52 @@ class _Probe:
 _PROBE = serve.deployment(_Probe)
 
 
-def _nested_models(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models an annotation allows (``X | None``, ``Union[dict, X]``, ``list[X]``)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
-        return [model for arg in typing.get_args(annotation) for model in _nested_models(arg)]
-    return []
-
-
-def unknown_keys(model: type[BaseModel], value: Any, path: str) -> list[str]:
-    """Keys of ``value`` (and of its nested dicts) that Serve's ``model`` has no field for."""
+def unknown_keys(model: type[BaseModel], value: Any, loc: tuple[str | int, ...]) -> list[tuple[tuple, Any]]:
+    """(location, value) of each key of ``value`` (and of its nested dicts and lists) that Serve's ``model``
+    has no field for; locations are under ``loc``."""
+    if isinstance(value, list):
+        return [found for index, item in enumerate(value) for found in unknown_keys(model, item, (*loc, index))]
     if not isinstance(value, dict):
-        return [key for item in value for key in unknown_keys(model, item, path)] if isinstance(value, list) else []
-    found = [f"{path}.{key}" for key in value if key not in model.model_fields]
+        return []
+    found = [((*loc, key), item) for key, item in value.items() if key not in model.model_fields]
     for key, item in value.items():
         if key in model.model_fields:
-            for nested in _nested_models(model.model_fields[key].annotation):
-                found += unknown_keys(nested, item, f"{path}.{key}")
+            for nested in models_in(model.model_fields[key].annotation):
+                found += unknown_keys(nested, item, (*loc, key))
     return found
 
 
-def check_serve_options(options: dict[str, Any], where: str) -> None:
-    """Raises ValueError naming what Serve would refuse (or silently drop) in ``options``."""
-    unknown = sorted(set(options) - SERVE_OPTIONS)
-    if unknown:
-        raise ValueError(f"{where}: {unknown} are not Serve deployment options; Serve's are {sorted(SERVE_OPTIONS)}.")
+def serve_option_keys() -> dict[str, Any]:
+    """Each ``Deployment.options`` name -> what its value is (Serve's field, with its nested models)."""
     fields = ServeDeploymentConfig.model_fields
-    dropped = [
+    return {name: fields.get(name, Any) for name in sorted(SERVE_OPTIONS)}
+
+
+def check_serve_options(options: dict[str, Any], where: str) -> None:
+    """Raises what Serve would refuse (or silently drop) in ``options``: pydantic's ValidationError with an
+    ``extra_forbidden`` error at each unknown key's location (``config_errors`` suggests the nearest valid
+    key), ValueError for values Serve refuses."""
+    fields = ServeDeploymentConfig.model_fields
+    unknown = [((key,), value) for key, value in options.items() if key not in SERVE_OPTIONS]
+    unknown += [
         found
         for key, value in options.items()
         if key in fields
-        for nested in _nested_models(fields[key].annotation)
-        for found in unknown_keys(nested, value, f"{where}.{key}")
+        for nested in models_in(fields[key].annotation)
+        for found in unknown_keys(nested, value, (key,))
     ]
-    if dropped:
-        raise ValueError(f"Unknown keys {dropped}: not fields of Serve's deployment config.")
+    if unknown:  # Serve's nested models would drop these keys without a word
+        errors = [{"type": "extra_forbidden", "loc": loc, "input": value} for loc, value in unknown]
+        raise ValidationError.from_exception_data(where, errors)
     try:
         _PROBE.options(**copy.deepcopy(options))
-    except (TypeError, ValueError, ImportError) as exc:  # pydantic's ValidationError is a ValueError; a class path
-        raise ValueError(f"{where}: Serve refuses these options: {exc}") from None
+    except ValidationError as exc:  # Serve's models: locations are option names, as written
+        raise under(exc) from None
+    except (TypeError, ValueError, ImportError) as exc:  # a class path that does not import
+        raise ValueError(f"Serve refuses these options: {exc}") from None
 
 
-class DeploymentConfig(RootModel[dict[str, Any]]):
+class DeploymentConfig(RootModel[Annotated[dict[str, Any], KeysOf(serve_option_keys)]]):
     """Options of one Serve deployment (``Deployment.options``' keyword arguments, checked by Serve)."""
 
     model_config = ConfigDict(frozen=True)
@@ -107,8 +109,8 @@ class DeploymentConfig(RootModel[dict[str, Any]]):
         if self.uses_kv_router():
             try:
                 KVRouterOptions.model_validate(router.get("request_router_kwargs") or {})
-            except ValueError as exc:
-                raise ValueError(f"Bad request_router_kwargs for {KV_ROUTER_CLASS}: {exc}") from None
+            except ValidationError as exc:  # KVAwareRouter's options, at their path
+                raise under(exc, "request_router_config", "request_router_kwargs") from None
         return self
 
     def get(self, name: str, default: Any = None) -> Any:
@@ -132,5 +134,5 @@ class DeploymentConfig(RootModel[dict[str, Any]]):
             return None
         try:
             return TTFTPolicyOptions.model_validate(policy.get("policy_kwargs") or {})
-        except ValueError as exc:
-            raise ValueError(f"Bad policy_kwargs for {TTFT_POLICY}: {exc}") from None
+        except ValidationError as exc:  # TTFTPolicy's options, at their path
+            raise under(exc, "autoscaling_config", "policy", "policy_kwargs") from None

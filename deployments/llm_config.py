@@ -26,12 +26,13 @@ honour get a message saying so (``RAY_SERVE_LLM_ONLY``).
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from deployments.autoscaling import TTFT_POLICY
+from deployments.config_errors import KeysOf, from_file
 from deployments.deployment_options import KV_ROUTER_CLASS, DeploymentConfig
 from deployments.model_paths import SERVAL_ROOT as SERVAL_ROOT
 from deployments.model_paths import ResolvesPaths, refuse_cloud_uri, resolve_path, search_bases
@@ -42,6 +43,7 @@ from engine.entrypoints.openai.lora_models import check_adapter_name
 from engine.entrypoints.openai.server_options import ServerOptions
 
 SERVER_NAME_PREFIX = "LLMServer:"
+ENGINE_KEYS_LISTED = "they are EngineArgs' fields: `serval serve --help` lists them as flags"
 DEFAULT_MIGRATION_LIMIT = 3  # LLMServingArgs.migration_limit's default, also the ingress's own
 # Ray Serve LLM's LLMConfig keys with no Serval meaning: key -> why, and what to do instead.
 RAY_SERVE_LLM_ONLY = {
@@ -142,7 +144,7 @@ class LLMConfig(_StrictModel):
     """One served model: where it comes from, how its engine runs and how it is deployed."""
 
     model_loading_config: ModelLoadingConfig
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    engine_kwargs: Annotated[dict[str, Any], KeysOf.model(EngineArgs, ENGINE_KEYS_LISTED)] = Field(default_factory=dict)
     lora_config: LoraConfig | None = Field(None, description="Multi-LoRA adapters over this model.")
     deployment_config: DeploymentConfig = Field(default_factory=lambda: DeploymentConfig({}))
     runtime_env: dict[str, Any] | None = Field(None, description="The replica's (and its engine workers').")
@@ -191,13 +193,11 @@ class LLMConfig(_StrictModel):
         for key in ("placement_group_bundles", "placement_group_strategy"):
             if key in self.deployment_config.root:
                 raise ValueError(f"deployment_config.{key}: set placement_group_config on the LLM config instead.")
-        engine_args = self.engine_args()
+        if "worker_resources" in self.engine_kwargs:
+            raise ValueError("engine_kwargs.worker_resources: set placement_group_config's bundles instead.")
         if self.placement_group_config is not None:
-            self.placement_group_config.worker_bundles(engine_args.create_parallel_config().world_size)
-            if self.engine_kwargs.get("distributed_executor_backend") == "uni":
-                raise ValueError("placement_group_config places Ray engine workers; the executor is uni.")
-            if self.accelerator_type is not None and not self.placement_group_config.uses_gpus():
-                raise ValueError(f"accelerator_type {self.accelerator_type} is a GPU; placement_group_config has none.")
+            self.placement_group_config.check_engine_kwargs(self.engine_kwargs, self.accelerator_type)
+        self.engine_args()  # the engine's own checks, and the bundles' against its workers
         if self.implies_cuda() and self.engine_kwargs.get("device") == "cpu":
             raise ValueError("accelerator_type / placement_group_config GPUs run the engine on CUDA; device is cpu.")
         return self
@@ -275,9 +275,14 @@ class LLMConfig(_StrictModel):
             engine_kwargs["tokenizer"] = self.model_loading_config.resolved_tokenizer()
         if self.implies_cuda():
             engine_kwargs["device"] = "cuda"
-        if self.placement_group_config is not None:
-            engine_kwargs["distributed_executor_backend"] = "ray"
-        return EngineArgs(model=self.model_loading_config.resolved_source(), **engine_kwargs)
+        model = self.model_loading_config.resolved_source()
+        if self.placement_group_config is None:
+            return EngineArgs(model=model, **engine_kwargs)
+        engine_kwargs["distributed_executor_backend"] = "ray"
+        world_size = EngineArgs(model=model, **engine_kwargs).create_parallel_config().world_size
+        on_cuda = engine_kwargs.get("device") == "cuda"
+        engine_kwargs["worker_resources"] = self.placement_group_config.worker_resources(world_size, on_cuda)
+        return EngineArgs(model=model, **engine_kwargs)
 
     def server_deployment_name(self, prefix: str = SERVER_NAME_PREFIX) -> str:
         """``deployment_config.name``, else ``<prefix><model id>`` with characters Serve and URLs dislike replaced."""
@@ -329,7 +334,9 @@ class LLMServingArgs(_StrictModel, ServerOptions):
     @field_validator("llm_configs")
     @classmethod
     def _load_paths_and_check_ids(cls, configs: list[LLMConfig | str]) -> list[LLMConfig]:
-        loaded = [load_llm_config_file(c) if isinstance(c, str) else c for c in configs]
+        loaded = [
+            from_file(load_llm_config_file, LLMConfig, c, i) if isinstance(c, str) else c for i, c in enumerate(configs)
+        ]
         model_ids = [c.model_id for c in loaded]
         duplicates = sorted({m for m in model_ids if model_ids.count(m) > 1})
         if duplicates:

@@ -41,8 +41,9 @@ def accelerator_resource(accelerator_type: str) -> str:
 
 
 class PlacementGroupConfig(BaseModel):
-    """Each replica's placement group: one bundle per engine worker, in rank order; the replica's own
-    resources join bundle 0 (Serve places the replica there)."""
+    """Each replica's placement group: one bundle per engine worker, in rank order, which that worker takes
+    whole (``ParallelConfig.worker_resources``); the replica's own resources join bundle 0 (Serve places the
+    replica there, and the engine core beside it, asking for nothing)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -69,3 +70,30 @@ class PlacementGroupConfig(BaseModel):
                 "(tensor_parallel_size x pipeline_parallel_size), one bundle each."
             )
         return [dict(bundle) for bundle in self.bundles]
+
+    def check_engine_kwargs(self, engine_kwargs: dict, accelerator_type: str | None) -> None:
+        """ValueError for an LLM config's ``engine_kwargs`` / ``accelerator_type`` that contradict these bundles."""
+        if "num_cpus_per_worker" in engine_kwargs:
+            raise ValueError(
+                "engine_kwargs.num_cpus_per_worker: with placement_group_config each worker takes its bundle's "
+                "CPUs; leave it out."
+            )
+        if engine_kwargs.get("distributed_executor_backend") == "uni":
+            raise ValueError("placement_group_config places Ray engine workers; the executor is uni.")
+        if accelerator_type is not None and not self.uses_gpus():
+            raise ValueError(f"accelerator_type {accelerator_type} is a GPU; placement_group_config has none.")
+
+    def worker_resources(self, world_size: int, on_cuda: bool) -> list[dict[str, float]]:
+        """What each engine worker asks Ray for, in rank order: its bundle. ValueError naming a bundle that
+        cannot hold its worker (a CPU engine's worker computes on the CPUs it holds, a CUDA one on a GPU)."""
+        bundles = self.worker_bundles(world_size)
+        needed = "GPU" if on_cuda else "CPU"
+        for rank, bundle in enumerate(bundles):
+            if bundle.get(needed, 0.0) <= 0:
+                where = f"bundles[{rank}]" if self.bundles is not None else "bundle_per_worker"
+                engine = "the engine runs on CUDA" if on_cuda else "its torch threads run on them"
+                raise ValueError(
+                    f"placement_group_config.{where} holds {bundle}; worker {rank} takes its resources from it and "
+                    f"needs {needed} ({engine})."
+                )
+        return bundles

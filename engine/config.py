@@ -141,6 +141,12 @@ class ParallelConfig(_FrozenConfig):
         ge=0.0,
         description="CPUs each Ray worker reserves (on CPU devices also its torch threads unless num_threads is set).",
     )
+    # A serve YAML's placement_group_config sets this (deployments.llm_config): its bundles are the workers'.
+    worker_resources: list[dict[str, float]] | None = Field(
+        None,
+        description="Ray executor: each worker's resources (CPU, GPU, custom), in rank order; "
+        "None: num_cpus_per_worker CPUs each, plus a GPU on CUDA.",
+    )
     execute_timeout_s: float = Field(
         300.0, gt=0, description="Ray executor: a step taking longer means a hung worker; the engine fails."
     )
@@ -162,6 +168,15 @@ class ParallelConfig(_FrozenConfig):
         "process: a child process, or with the Ray executor (TP/PP) a Ray actor beside the server. The offline "
         "LLM and KV transfer keep it in process.",
     )
+
+    @model_validator(mode="after")
+    def _one_resource_dict_per_worker(self) -> ParallelConfig:
+        if self.worker_resources is not None and len(self.worker_resources) != self.world_size:
+            raise ValueError(
+                f"worker_resources has {len(self.worker_resources)} entries; the engine has {self.world_size} "
+                "workers (tensor_parallel_size x pipeline_parallel_size), one each."
+            )
+        return self
 
     @property
     def world_size(self) -> int:

@@ -1,8 +1,9 @@
 """``serval status``: what runs on the Ray cluster ``serval serve`` uses (``serve status``, in Serval's words).
 
 Each application with its status, route and endpoint, each deployment with its replicas' states and,
-when one is stuck, Serve's reason (unschedulable resources, a failing constructor); for a cluster on this
-machine, the native CPU kernels' state (built, building for how long, not built). Exit status 0 when
+when one is stuck, Serve's reason (unschedulable resources, a failing constructor) and what the cluster
+has not placed yet (pending placement groups and actors, what they ask for, what is free); for a cluster
+on this machine, the native CPU kernels' state (built, building for how long, not built). Exit status 0 when
 every application is RUNNING, 1 when none runs or the cluster does not answer, 3 while any is not RUNNING.
 """
 
@@ -21,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serval.launcher import lifecycle, serve_client, status
+    from serval.launcher import lifecycle, pending, serve_client, status
     from serval.launcher.kernels import KernelBuild
 
     elsewhere = lifecycle.cluster_address(args.address)
@@ -38,4 +39,11 @@ def run(args: argparse.Namespace) -> int:
         print("No Serve application runs there (serval serve starts one).")
         return 1
     print("\n".join(status.status_lines(details)))
-    return 0 if status.is_running(details, list(details.applications)) else 3
+    if status.is_running(details, list(details.applications)):
+        return 0
+    waiting = pending.Pending.fetch(dashboard)
+    for line in pending.lines(waiting):
+        print(line)
+    if reason := pending.infeasible_reason(waiting, list(details.applications)):
+        print(reason)
+    return 3

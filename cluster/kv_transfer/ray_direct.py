@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 COORDINATOR_NAME = "serval-kv-direct"
 COORDINATOR_NAMESPACE = "serval"
+REGISTER_TIMEOUT_S = 120.0  # the detached coordinator's start (it asks for no resources) and one call
 # Ray's names for the gloo backend: the collective group's, and the tensor transport's.
 GROUP_BACKENDS = {"gloo": "torch_gloo", "nccl": "nccl"}
 
@@ -106,7 +107,14 @@ class KVDirectClient:
         self.coordinator = KVDirectCoordinator.options(
             name=COORDINATOR_NAME, namespace=COORDINATOR_NAMESPACE, get_if_exists=True, lifetime="detached"
         ).remote()
-        ray.get(self.coordinator.register.remote(worker, resolve_tensor_transport(config, uses_gpu)))
+        registered = self.coordinator.register.remote(worker, resolve_tensor_transport(config, uses_gpu))
+        try:
+            ray.get(registered, timeout=REGISTER_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"The KV transfer coordinator ({COORDINATOR_NAMESPACE}/{COORDINATOR_NAME}) did not register this "
+                f"engine's worker within {REGISTER_TIMEOUT_S:.0f} s."
+            ) from None
 
     def pull(self, loads: list[KVLoad]) -> None:
         """Delivers every load's blocks to this engine's worker before its step; failures are left to the

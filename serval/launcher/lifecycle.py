@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from serval.launcher import haproxy, processes, report, serve_client, status, timings
+from serval.launcher import haproxy, pending, processes, report, serve_client, status, timings
 from serval.launcher.head import (  # noqa: F401 -- re-exported: the launcher's API for tests and benchmarks
     LOOPBACK,
     dashboard_url,
@@ -36,9 +36,13 @@ from serval.launcher.head import (  # noqa: F401 -- re-exported: the launcher's 
 )
 from serval.launcher.kernels import KernelBuild
 from serval.launcher.logs import LogFollower
+from serval.launcher.pending import Pending
 from serval.launcher.serve_client import deploy, serve_details  # noqa: F401 -- re-exported, as above
 
 POLL_S = 0.25  # how often the launcher asks Serve for its status
+# How often it asks what the cluster has not placed yet (Ray's state API: the dashboard asks the GCS, on
+# cores the replicas starting up need too); the first time after as long.
+PENDING_POLL_S = 4.0
 HEARTBEAT_S = 10.0  # an unchanged status is printed again this often
 LIVENESS_S = 5.0  # how often the foreground server checks that its apps still exist
 
@@ -123,21 +127,26 @@ def wait_until_running(
     start, last, last_print = time.monotonic(), "", 0.0
     nodes = serve_client.cluster_nodes(dashboard) if fixed_cluster else []
     kernels = kernels or KernelBuild.observe()
+    waiting, asked = Pending(), 0.0  # the first ask after PENDING_POLL_S: most deploys need none
     while True:
         details = serve_client.instance_details(dashboard)
         if clock is not None:
             clock.observe(details, time.time())
         if built := kernels.poll():
             print(built, flush=True)
-        activities = status.replica_activities(details, app_names, kernels.activity())
-        text = "\n".join(status.progress_lines(details, app_names, activities))
         elapsed = time.monotonic() - start
+        if elapsed - asked >= PENDING_POLL_S:  # the state API's answers cost the head more than Serve's status
+            waiting, asked = Pending.fetch(dashboard), elapsed
+        activities = status.replica_activities(details, app_names, kernels.activity())
+        text = "\n".join(status.progress_lines(details, app_names, activities) + pending.lines(waiting))
         if text != last or elapsed - last_print >= HEARTBEAT_S:
             print(f"  [{elapsed:5.1f} s] " + text.replace("\n", "\n           "), flush=True)
             last, last_print = text, elapsed
         if status.is_running(details, app_names):
             return details
         if reason := status.final_reason(details, app_names, nodes, config_path):
+            raise RuntimeError(reason)
+        if fixed_cluster and (reason := pending.infeasible_reason(waiting, app_names)):
             raise RuntimeError(reason)
         if elapsed > timeout_s:
             raise TimeoutError(f"Not RUNNING after {timeout_s:.0f} s:\n{text}")

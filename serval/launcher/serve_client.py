@@ -139,3 +139,15 @@ def cluster_nodes(dashboard: str) -> list[dict[str, float]]:
     except Exception:  # noqa: BLE001 -- the state API raises several kinds; no answer means no verdict
         return []
     return [dict(node.resources_total) for node in nodes if node.state == "ALIVE"]
+
+
+def cluster_usage(dashboard: str) -> dict[str, tuple[float, float]]:
+    """Each resource's (used, total) over the cluster, from the autoscaler's report (what ``ray status``
+    prints as Usage); {} when it cannot say."""
+    try:
+        # Ray's client sends the cluster's auth token; the dashboard's /api/cluster_status has no SDK call.
+        response = client(dashboard)._do_request("GET", "/api/cluster_status")
+        report = response.json()["data"]["clusterStatus"]["loadMetricsReport"]["usage"]
+    except Exception:  # noqa: BLE001 -- no answer, or a report of another shape: no verdict
+        return {}
+    return {name: (float(used), float(total)) for name, (used, total) in report.items()}

@@ -228,7 +228,10 @@ def test_the_yaml_reaches_serve_which_builds_the_policy_with_its_options():
     ],
 )
 def test_bad_policy_options_fail_the_deploy_with_their_name(policy_kwargs, message):
-    with pytest.raises(ValidationError, match=f"(?s)policy_kwargs for {TTFT_POLICY}.*{message}"):
+    # At the key's own path (deployments/config_errors.py makes it the one line a refused deploy shows).
+    with pytest.raises(
+        ValidationError, match=rf"deployment_config\.autoscaling_config\.policy\.policy_kwargs\.{message}\n"
+    ):
         LLMConfig.model_validate(llm_config(ttft_autoscaling(**policy_kwargs)))
 
 

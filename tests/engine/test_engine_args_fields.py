@@ -57,6 +57,7 @@ NON_DEFAULTS = dict(
     pipeline_parallel_size=1,
     distributed_executor_backend="ray",
     num_cpus_per_worker=2.0,
+    worker_resources=[{"CPU": 0.5, "memory": 1e9}],
     execute_timeout_s=10.0,
     ray_compiled_graph=False,
     engine_core_process=False,

@@ -6,6 +6,7 @@ one head's processes by id (psutil; never ``ray stop``)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import socket
 import subprocess
@@ -17,9 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 from ray.serve.schema import ServeInstanceDetails
+from ray.util.state.common import ActorState, PlacementGroupState
 
 from serval.launcher import haproxy as haproxy_admin
 from serval.launcher import head as launcher
+from serval.launcher import pending as launcher_pending
 from serval.launcher import processes as ray_processes
 from serval.launcher import status as launcher_status
 from serval.launcher import timings as launcher_timings
@@ -150,6 +153,48 @@ def test_final_reasons_a_failed_deploy_and_resources_that_never_fit():
         },
     )
     assert "2.1 CPUs" in launcher_status.final_reason(unfit, ["llm"], TWO_CPUS, "c.yaml")
+
+
+GROUP_ID = "c8ec7a94103f4e0771da79c1d02501000000"  # as Ray writes a placement group's id (18 bytes, hex)
+
+
+def pending_group(name: str, bundles: list[dict], scheduling_state: str) -> PlacementGroupState:
+    """A pending placement group as Ray's state API returns it (``ray list placement-groups --detail``)."""
+    specs = [{"bundle_id": {"bundle_index": i}, "unit_resources": b, "node_id": ""} for i, b in enumerate(bundles)]
+    stats = {"scheduling_state": scheduling_state, "scheduling_attempt": 1}
+    return PlacementGroupState(GROUP_ID, name, "01000000", "PENDING", specs, False, stats, {}, {})
+
+
+def pending_actor(name: str, required: dict, group: str | None = None) -> ActorState:
+    return ActorState(
+        actor_id="df97184e3de88d3435702d2c01000000", class_name="RayWorker", state="PENDING_CREATION",
+        job_id="01000000", name=name, node_id=None, pid=0, ray_namespace="serve", serialized_runtime_env="{}",
+        required_resources=required, death_cause=None, is_detached=False, placement_group_id=group,
+        repr_name="", num_restarts=0, num_restarts_due_to_lineage_reconstruction=0,
+        num_restarts_due_to_node_preemption=0, call_site=None, label_selector={}, fallback_strategy=None,
+    )  # fmt: skip
+
+
+def test_pending_work_is_shown_with_its_demands_and_an_infeasible_replica_is_final():
+    replica = "SERVE_REPLICA::llm#LLMServer:m#wg78fgga"
+    waiting = launcher_pending.Pending(
+        groups=[pending_group(replica, [{"CPU": 2.5}], "INFEASIBLE")],
+        actors=[pending_actor("", {f"CPU_group_0_{GROUP_ID}": 0.5, f"bundle_group_{GROUP_ID}": 0.001}, GROUP_ID)],
+        usage={"CPU": (0.1, 2.0), f"CPUGroup0{GROUP_ID.upper()}": (0.0, 1.5), "objectStoreMemory": (0, 1e9)},
+        nodes=TWO_CPUS,
+    )
+    lines = launcher_pending.lines(waiting)
+    assert lines[0] == "Pending on the cluster:"
+    assert "placement group llm#LLMServer:m#wg78fgga: bundles [{CPU: 2.5}], INFEASIBLE" in lines[1]
+    assert "actor RayWorker df97184e3de8: asks for {CPU: 0.5} in its placement group" in lines[2]
+    assert lines[3] == "  free: 1.9 of 2 CPU"  # a placement group's own resources and the object store left out
+    reason = launcher_pending.infeasible_reason(waiting, ["llm"])
+    assert "replica llm#LLMServer:m#wg78fgga asks for bundles [{CPU: 2.5}]" in reason
+    assert "the most any node has: {CPU: 2, memory: 9.31 GiB}" in reason and "bundles[0]" in reason
+    assert launcher_pending.infeasible_reason(waiting, ["other"]) is None  # another app's group is not ours
+    placeable = dataclasses.replace(waiting, groups=[pending_group(replica, [{"CPU": 1}], "QUEUED")])
+    assert launcher_pending.infeasible_reason(placeable, ["llm"]) is None  # it may still be placed
+    assert launcher_pending.lines(launcher_pending.Pending()) == []
 
 
 def hold_lock(lock: Path) -> int:

@@ -1,7 +1,8 @@
 """``serval serve``'s lifecycle, run as a user runs it (the real command in a subprocess, a real Ray head on
 127.0.0.1, real HTTP): in the foreground one request, then SIGINT, then nothing of what it started is left
 (no process of its head, no listener); ``--detach`` with ``serval status`` and ``serval stop``; a second
-``serval serve`` refused while the first runs; and a Hugging Face id resolved from the local cache only.
+``serval serve`` refused while the first runs, and one whose replica no node can hold given up within seconds
+with the reason; and a Hugging Face id resolved from the local cache only.
 """
 
 from __future__ import annotations
@@ -105,6 +106,18 @@ def test_foreground_serves_until_sigint_then_leaves_nothing_running(tmp_path):
     assert not ports.listening()
 
 
+def never_placed_config() -> dict:
+    """An app whose replica's placement group asks for a resource no node has."""
+    never = {
+        "model_loading_config": {"model_id": "never", "model_source": str(TINY)},
+        "placement_group_config": {"bundles": [{"CPU": 0.5, "serval_test_missing": 1}]},
+        # A replica that never started has nothing to drain, but Serve's delete waits this long for it.
+        "deployment_config": {"ray_actor_options": {"num_cpus": 0.1}, "graceful_shutdown_timeout_s": 1},
+    }
+    app = {"name": "never", "route_prefix": "/never", "import_path": "deployments.app:build_openai_app"}
+    return {"applications": [{**app, "args": {"llm_configs": [never]}}]}
+
+
 def test_detach_status_stop_and_a_second_serve_is_refused(tmp_path):
     ports = Ports()
     run = dict(env=env(), cwd=tmp_path, capture_output=True, text=True)
@@ -132,6 +145,17 @@ def test_detach_status_stop_and_a_second_serve_is_refused(tmp_path):
         )
         assert refused.returncode == 2 and "can never be scheduled" in refused.stderr, refused.stderr
         assert isinstance(chat(ports, "tiny-llama"), str)  # the first app still serves, untouched
+        # A replica no node can ever hold (a resource the cluster lacks): given up within seconds with the reason,
+        # which `serval status` shows too; `serval stop` below then ends it with the rest.
+        (tmp_path / "never.yaml").write_text(yaml.safe_dump(never_placed_config()))
+        never = subprocess.run(
+            serval("serve", "--config", "never.yaml", "--detach", *ports.flags()), timeout=300, **run
+        )
+        assert never.returncode == 1 and "no node of the cluster can hold" in never.stderr, never.stderr
+        assert "[{CPU: 0.6, serval_test_missing: 1}]" in never.stderr  # the replica's 0.1 CPU and its worker's 0.5
+        status = subprocess.run(serval("status", "--dashboard-port", str(ports.dashboard)), timeout=120, **run)
+        assert status.returncode == 3 and "INFEASIBLE" in status.stdout, status.stdout + status.stderr
+        assert "no node of the cluster can hold" in status.stdout and "llm: RUNNING" in status.stdout
 
         stop = subprocess.run(serval("stop", "--dashboard-port", str(ports.dashboard)), timeout=300, **run)
         assert stop.returncode == 0 and "Stopped the Ray head" in stop.stdout, stop.stdout + stop.stderr

@@ -260,10 +260,28 @@ def test_placement_group_config_gives_the_bundles_and_strategy_checked_against_t
     options = server_options(config)
     assert options["placement_group_strategy"] == "SPREAD" and config.engine_args().device == "cuda"
     assert options["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert config.engine_args().create_parallel_config().worker_resources == pg["bundles"]  # each takes its own
     one = LLMConfig.model_validate({**MINIMAL, "placement_group_config": {"bundle_per_worker": {"CPU": 1}}})
     assert one.engine_args().distributed_executor_backend == "ray"  # the engine's worker runs in the bundle
+    # Ray Serve LLM's form on a 2-core node: the replica (Serve's 1 CPU) joins bundle 0, the worker takes 0.5.
+    half = LLMConfig.model_validate({**MINIMAL, "placement_group_config": {"bundles": [{"CPU": 0.5}]}})
+    assert half.engine_args().create_parallel_config().worker_resources == [{"CPU": 0.5}]
+    assert server_options(half)["placement_group_bundles"] == [{"CPU": 1.5}]
     for bad, message in (
         ({"placement_group_config": pg}, "has 2 bundles; the engine has 1 workers"),
+        (
+            {"placement_group_config": {"bundles": [{"memory": 1e9}]}},
+            r"placement_group_config.bundles\[0\] holds \{'memory': 1000000000.0\}; worker 0 .* needs CPU",
+        ),
+        (
+            {"engine_kwargs": two_stages, "placement_group_config": {"bundles": [{"GPU": 1}, {"CPU": 4}]}},
+            r"bundles\[1\] holds \{'CPU': 4.0\}; worker 1 .* needs GPU \(the engine runs on CUDA\)",
+        ),
+        (
+            {"engine_kwargs": {"num_cpus_per_worker": 1}, "placement_group_config": {"bundles": [{"CPU": 0.5}]}},
+            "each worker takes its bundle's CPUs",
+        ),
+        ({"engine_kwargs": {"worker_resources": [{"CPU": 1}]}}, "set placement_group_config's bundles"),
         ({"placement_group_config": {"bundles": [{"CPU": 1}], "strategy": "TIGHT"}}, "strategy"),
         ({"placement_group_config": {"bundles": [{"CPU": 1}], "bundle_per_worker": {"CPU": 1}}}, "either"),
         ({"deployment_config": {"placement_group_bundles": [{"CPU": 1}]}}, "placement_group_config"),

@@ -3,7 +3,8 @@
 The fixtures under ``ray_serve_llm/`` are Ray's documentation examples as published (their source is noted in
 each): the quickstart's two-model configuration, the multi-LoRA example, and prefill/decode disaggregation
 with NIXL. Each is deployed on a real Ray head on 127.0.0.1 (``tests/helm/local_head.py``, one for the module)
-through the dashboard's REST API, as ``serve deploy`` does, and answers one completion per model.
+through the dashboard's REST API, as ``serve deploy`` does, and answers one completion per model over the
+openai client. Beside them, ``EVERY_KEY``: one YAML with every LLMConfig key the README calls honoured.
 
 What ``localized`` changes, and nothing else: ``import_path`` (``ray.serve.llm:`` -> ``serval.serve:``), where
 the weights are (``model_source``, or ``model_id`` where the example has no source, to a local checkpoint; the
@@ -18,9 +19,11 @@ session's tiny checkpoint, whose KV cache is a quarter of models/tiny-llama's).
 from __future__ import annotations
 
 import copy
+import json
+import re
 from pathlib import Path
 
-import httpx
+import openai
 import pytest
 import yaml
 
@@ -82,12 +85,14 @@ def deploy(head, config: dict, name: str) -> None:
     launcher.wait_until_running(head.dashboard_url, apps, START_TIMEOUT_S, name, fixed_cluster=True)
 
 
-def complete(head, model: str) -> dict:
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True}
-    response = httpx.post(f"{head.base_url}/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 4
-    return response.json()
+def complete(head, model: str) -> openai.types.Completion:
+    """One completion over the openai client, as a Ray Serve LLM user calls the app."""
+    client = openai.OpenAI(base_url=f"{head.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    completion = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    assert completion.usage.completion_tokens == 4
+    return completion
 
 
 def test_the_quickstart_configuration_serves_both_models(head):
@@ -96,13 +101,66 @@ def test_the_quickstart_configuration_serves_both_models(head):
     (app,) = config["applications"]
     assert served_models(app) == ["qwen-0.5b", "qwen-1.5b"]
     for model in served_models(app):
-        assert complete(head, model)["model"] == model
+        assert complete(head, model).model == model
 
 
 def test_the_multi_lora_example_serves_an_adapter_by_rays_name(head):
     config = localized("multi_lora.yaml", head.http_port, "models/tiny-llama")
     deploy(head, config, "multi_lora.yaml")
-    assert complete(head, "qwen-0.5b:lora-1")["model"] == "qwen-0.5b:lora-1"
+    assert complete(head, "qwen-0.5b:lora-1").model == "qwen-0.5b:lora-1"
+
+
+# Not one of Ray's examples: every LLMConfig key the README calls honoured, in one YAML written as a Ray Serve LLM
+# user writes it (the report of issue 58, whose replica never started, and a TP=2 engine with a bundle per worker).
+EVERY_KEY = """
+applications:
+- name: every_key
+  route_prefix: /
+  import_path: serval.serve:build_openai_app
+  args:
+    llm_configs:
+    - model_loading_config: {model_id: qwen-0.5b, model_source: models/tiny-llama}
+      engine_kwargs: {max_model_len: 1024, enable_lora: true, max_loras: 2}
+      lora_config: {dynamic_lora_loading_path: models/tiny-llama-loras, max_num_adapters_per_replica: 2}
+      placement_group_config: {bundles: [{CPU: 0.5}], strategy: PACK}
+      runtime_env: {env_vars: {SERVAL_BAR: "1"}}
+      deployment_config:
+        autoscaling_config: {min_replicas: 1, max_replicas: 1, upscaling_factor: 1.0}
+        graceful_shutdown_wait_loop_s: 2
+    - model_loading_config: {model_id: tiny-tp2, model_source: models/tiny-llama}
+      engine_kwargs: {max_model_len: 512, tensor_parallel_size: 2}
+      placement_group_config: {bundles: [{CPU: 0.25}, {CPU: 0.25}], strategy: STRICT_PACK}
+      deployment_config: {ray_actor_options: {num_cpus: 0.5}}
+"""
+
+
+def bundle_cpus(actor) -> float:
+    """The CPUs an actor in a placement group holds (Ray names them CPU_group_<bundle>_<group id>)."""
+    return sum(v for k, v in actor.required_resources.items() if re.fullmatch(r"CPU_group_\d+_[0-9a-f]+", k))
+
+
+def test_every_honoured_key_deploys_and_each_worker_takes_its_own_bundle(head):
+    from ray.util.state import list_actors
+
+    config = {"http_options": {"host": LOOPBACK, "port": head.http_port}, **yaml.safe_load(EVERY_KEY)}
+    deploy(head, config, "every key")
+    for model in ("qwen-0.5b", "qwen-0.5b:lora-1", "tiny-tp2"):
+        assert complete(head, model).model == model
+    actors = list_actors(address=head.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True, limit=1000)
+    replicas = {a.placement_group_id: a for a in actors if a.class_name.startswith("ServeReplica:every_key:LLM")}
+    assert len(replicas) == 2
+    for group, replica in replicas.items():
+        workers = sorted(
+            bundle_cpus(a) for a in actors if a.class_name == "RayWorker" and a.placement_group_id == group
+        )
+        cores = [a for a in actors if a.class_name == "EngineCoreActor" and a.placement_group_id == group]
+        assert len(cores) == 1 and bundle_cpus(cores[0]) == 0  # the core sits in bundle 0 and asks for nothing
+        model = replica.class_name.rsplit("LLMServer:", 1)[1]
+        expected_env = {"qwen-0.5b": {"SERVAL_BAR": "1"}, "tiny-tp2": None}
+        assert workers == {"qwen-0.5b": [0.5], "tiny-tp2": [0.25, 0.25]}[model]
+        # runtime_env reaches the replica, its engine core and its workers (the other model has none)
+        envs = [json.loads(a.serialized_runtime_env).get("env_vars") for a in actors if a.placement_group_id == group]
+        assert len(envs) == 2 + len(workers) and set(map(str, envs)) == {str(expected_env[model])}
 
 
 def test_the_prefill_decode_example_serves_through_both_pools(head, tiny_checkpoint):
