@@ -68,8 +68,9 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
+# -X faulthandler: a crash (in a test or at the interpreter's exit) prints every thread's Python stack.
 test: venv $(TEST_STAMP) models prometheus iproute2 lint
-	$(PY) -m pytest -q
+	$(PY) -X faulthandler -m pytest -q
 
 # The tests' embedded model: a deterministic random-weight checkpoint made locally (no downloads); remade
 # when the tokenizer / chat template source is newer (--force: make-model's own check compares only the spec).
