@@ -12,7 +12,7 @@ parameter's ``weight_loader`` to the engine's dtype.
   dimensions, Hugging Face's pairs the two halves); ``_unpermute`` undoes it, as transformers does.
 * Types: those the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
   and others it lists); any other raises ``ValueError`` naming the tensor and its type before anything loads.
-  Tensors stored as Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 can also be read as their block bytes (``stored_formats``,
+  Tensors stored as Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 can also be read as their block bytes (``stored_types``,
   ``iter_weights(blocks=...)``), which the quantized layers keep as they are; so can the K-quants (Q4_K,
   Q5_K, Q6_K: ``QuantType.super_block``).
 """
@@ -171,11 +171,9 @@ class GGUFFile:
         _free_parse()  # transformers' parse of the metadata
         return tokenizer
 
-    def stored_formats(self) -> dict[str, QuantType | None]:
-        """Hugging Face name -> the block format Serval multiplies that the tensor is stored in, or None."""
-        return {
-            hf_tensor_name(name): QuantType.of_gguf(kind.name) for name, kind in self._tensors if name not in _SKIPPED
-        }
+    def stored_types(self) -> dict[str, str]:
+        """Hugging Face name -> its GGUF tensor type (``Q4_K``, ``F32``, ...)."""
+        return {hf_tensor_name(name): kind.name for name, kind in self._tensors if name not in _SKIPPED}
 
     def iter_weights(
         self, name_filter: Callable[[str], bool] | None = None, blocks: Mapping[str, QuantType] = {}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 
 import torch
 from torch import nn
@@ -13,6 +15,8 @@ from engine.model.llama import PACKED_MODULES, LlamaForCausalLM
 from engine.model.quantization.plan import plan_quantization
 from engine.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.model.source import open_model_source
+
+logger = logging.getLogger(__name__)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -75,7 +79,22 @@ def get_model(
             pp_rank=pp_rank,
             pp_size=pp_size,
         )
-        plan = plan_quantization(model, source.stored_formats(), PACKED_MODULES, quantization)
+        stored_types = source.stored_types()
+        plan = plan_quantization(model, stored_types, PACKED_MODULES, quantization)
         plan.apply(model, dtype)
     model.load_weights(source.iter_weights(model.wants_weight, blocks=plan.checkpoint))
+    logger.info(
+        "Weights of %s: %.1f MB held; %s (float and dequantized tensors as %s)",
+        os.path.basename(os.path.normpath(model_path)),
+        held_bytes(model) / 1e6,
+        plan.describe(stored_types, model.wants_weight),
+        str(dtype).removeprefix("torch."),
+    )
     return model.eval()
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (block bytes, rope tables), each storage counted once."""
+    tensors = [*model.parameters(), *model.buffers()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())

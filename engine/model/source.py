@@ -50,8 +50,9 @@ class ModelSource(Protocol):
     def load_tokenizer(self):
         """A transformers tokenizer (with the model's chat template when it has one)."""
 
-    def stored_formats(self) -> dict[str, QuantType | None]:
-        """Every weight's Hugging Face name -> the block format it is stored in (None: float values)."""
+    def stored_types(self) -> dict[str, str]:
+        """Every weight's Hugging Face name -> the type it is stored as: a GGUF tensor type (``Q4_K``,
+        ``F32``; ``QuantType.of_gguf`` names the block formats Serval multiplies) or a safetensors dtype."""
 
     def iter_weights(
         self, name_filter: Callable[[str], bool] | None = None, blocks: Mapping[str, QuantType] = {}
@@ -96,14 +97,14 @@ class HFDirectory:
             raise FileNotFoundError(f"no safetensors weights in {self.path!r}")
         return files
 
-    def stored_formats(self) -> dict[str, QuantType | None]:
+    def stored_types(self) -> dict[str, str]:
         from safetensors import safe_open
 
-        names: dict[str, QuantType | None] = {}
+        types: dict[str, str] = {}
         for path in self.safetensors_files():
             with safe_open(path, framework="pt", device="cpu") as f:
-                names.update((name, None) for name in f.keys())
-        return names
+                types.update((name, f.get_slice(name).get_dtype()) for name in f.keys())
+        return types
 
     def iter_weights(
         self, name_filter: Callable[[str], bool] | None = None, blocks: Mapping[str, QuantType] = {}

@@ -1,8 +1,9 @@
 """Which layers of a model keep their weights in block formats, decided before the checkpoint loads.
 
-``plan_quantization(model, source, quantization)`` returns a ``QuantizationPlan``: module name -> format
-(the layers to ``quantize_as``) and checkpoint tensor name -> format (what the source must yield as block
-bytes: ``ModelSource.iter_weights(..., blocks=...)``). ``quantization`` is ``ModelConfig.quantization``:
+``plan_quantization(model, stored_types, packed, quantization)`` returns a ``QuantizationPlan``: module name ->
+format (the layers to ``quantize_as``) and checkpoint tensor name -> format (what the source must yield as
+block bytes: ``ModelSource.iter_weights(..., blocks=...)``); its ``describe`` is the load's one-line account
+(what is kept as blocks, what is dequantized). ``quantization`` is ``ModelConfig.quantization``:
 
 * ``"gguf"``: every linear, embedding and LM head whose checkpoint tensors are stored in formats Serval
   multiplies (``QuantType``: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants) keeps them. A packed layer (qkv,
@@ -18,7 +19,8 @@ A tied LM head follows its embedding.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +33,7 @@ from engine.model.quantization.blocks import QuantType
 from engine.model.quantization.parted import PartedBlockMethod
 
 _WEIGHT = ".weight"
+FLOAT_TYPES = frozenset({"F64", "F32", "F16", "BF16"})  # stored types that hold values, not blocks
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,29 @@ class QuantizationPlan:
             if name in self.modules:
                 module.quantize_as(methods[self.modules[name]])
 
+    def describe(self, stored_types: Mapping[str, str], wanted: Callable[[str], bool]) -> str:
+        """The checkpoint tensors this rank loads (``wanted``), counted by stored type and what becomes of
+        them: ``kept as blocks: Q4_K 97, Q6_K 11; dequantized: Q2_K 1; float: F32 37``."""
+        counts: dict[str, Counter] = {"kept as blocks": Counter(), "dequantized": Counter(), "float": Counter()}
+        for name, kind in stored_types.items():
+            if wanted(name):
+                fate = (
+                    "kept as blocks" if name in self.checkpoint else "float" if kind in FLOAT_TYPES else "dequantized"
+                )
+                counts[fate][kind] += 1
+        return "; ".join(
+            f"{fate}: " + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+            for fate, kinds in counts.items()
+            if kinds
+        )
+
 
 def plan_quantization(
-    model: nn.Module, stored: Mapping[str, QuantType | None], packed: list, quantization: str | None
+    model: nn.Module, stored_types: Mapping[str, str], packed: list, quantization: str | None
 ) -> QuantizationPlan:
-    """The plan (module docstring) for ``model``; ``stored``: the source's checkpoint name -> stored format
-    (``ModelSource.stored_formats()``); ``packed``: the model's packed-module table."""
+    """The plan (module docstring) for ``model``; ``stored_types``: the source's checkpoint name -> stored type
+    (``ModelSource.stored_types()``); ``packed``: the model's packed-module table."""
+    stored = {name: QuantType.of_gguf(kind) for name, kind in stored_types.items()}
     if quantization is None:
         quantization = "gguf" if any(stored.values()) else "none"
     if quantization == "none":

@@ -133,6 +133,20 @@ def test_every_matrix_stays_in_its_files_format_within_its_size(kquant_file):
     assert qkv.weight.numel() == 384 * QuantType.Q4_K.row_bytes(256) + 128 * QuantType.Q6_K.row_bytes(256)
 
 
+def test_the_load_says_what_it_kept_as_blocks_and_what_it_dequantized(kquant_file, caplog):
+    """The start-up line of a load: per stored type, the tensors kept, dequantized and float (two layers of
+    seven matrices and two norms, the Q6_K embedding, the final norm)."""
+    with caplog.at_level("INFO", logger="engine.model.registry"):
+        kept = get_model(str(kquant_file))
+        get_model(str(kquant_file), quantization="none")
+    first, second = (r.getMessage() for r in caplog.records if r.name == "engine.model.registry")
+    assert f"Weights of {kquant_file.name}: " in first
+    assert "MB held; kept as blocks: Q4_K 6, Q5_K 4, Q6_K 5; float: F32 5 (float and dequantized" in first
+    assert "; dequantized: Q4_K 6, Q5_K 4, Q6_K 5; float: F32 5 (float and dequantized tensors as float32)" in second
+    held = float(first.split(": ")[1].split(" MB")[0]) * 1e6
+    assert abs(held - os.path.getsize(kquant_file)) < 0.1 * os.path.getsize(kquant_file), (held, kept)
+
+
 def _dequantized(model_path: Path):
     return get_model(str(model_path), quantization="none")
 
