@@ -29,6 +29,7 @@ import os
 import pathlib
 import random
 import shutil
+import sys
 import time
 
 # Ray reads this at import: with it, "127.0.0.1" stays loopback instead of being swapped for this
@@ -59,6 +60,29 @@ MODEL_PATH_ARCH = "qwen2"
 # (``-m "not ray"`` then never starts Ray). Fixtures depending on these count too (pytest's closure).
 RAY_FIXTURES = frozenset({"local_ray", "ray_head", "three_node_cluster"})
 SERVE_FIXTURES = frozenset({"ray_head"})
+
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)  # every report written, every other plugin's unconfigure run
+def pytest_unconfigure(config) -> None:
+    """Ends a run whose process held a Ray driver without C++ static destructors (``os._exit``).
+
+    Ray 2.60's OpenTelemetry metric reader keeps a thread that exports every few seconds for the life of the
+    process, long after ``ray.shutdown()``. When an export falls inside ``exit()``'s destructors (torch's take
+    seconds in a process this size), it fails, logs, and the log reaches the already destroyed spdlog registry:
+    a segfault after every test had passed, which fails the run (CI's core file, gdb: ``RayLog::~RayLog`` under
+    ``OpenTelemetryMetricExporter::Export`` while the main thread ran ``__run_exit_handlers``). Nothing is left
+    to tear down here: each fixture has stopped what it started."""
+    if "ray._raylet" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash.get(_EXIT_STATUS, 0))
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker

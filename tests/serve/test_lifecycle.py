@@ -70,10 +70,12 @@ def wait_for_line(log: Path, text: str, process: subprocess.Popen, timeout_s: fl
 def chat(ports: Ports, model: str, api_key: str = "none") -> str:
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"http://127.0.0.1:{ports.http}/v1", api_key=api_key, timeout=120)
-    reply = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
-    )
+    # Closed after the call: an idle keep-alive connection keeps an HAProxy that Serve has since reloaded
+    # (a later deploy) alive, and `serval stop` waits for that process up to its drain timeout (60 s).
+    with OpenAI(base_url=f"http://127.0.0.1:{ports.http}/v1", api_key=api_key, timeout=120) as client:
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+        )
     return reply.choices[0].message.content
 
 
