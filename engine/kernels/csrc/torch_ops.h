@@ -1,7 +1,7 @@
 // What the op files need of torch and no more: the Tensor, its checks, at::parallel_for and the few ops
-// they call (empty, empty_like, cat, linear). Only bindings.cpp includes <torch/extension.h> (pybind11 and
-// the whole C++ frontend): each file that includes it takes about 20 s longer to compile, and a first start
-// compiles every file.
+// they call (empty, empty_like, cat, linear). No file includes <torch/extension.h> (pybind11 and the whole
+// C++ frontend): each file that did took about 20 s longer to compile, and a first start compiles every file;
+// bindings.cpp takes torch's pybind11 type casters alone.
 #pragma once
 
 #include <ATen/Parallel.h>
