@@ -13,8 +13,8 @@
 #   q8_0       SmolLM2 by llama.cpp's own converter from the float32 directory (../shared/peers/gguf_from_hf.sh q8_0);
 #   q4_k_m     SmolLM2 as users download it: llama.cpp's quantizer (../shared/peers/quantize_gguf.sh Q4_K_M) on the
 #              converter's float32 file (its widths are not multiples of 256: Q5_0 and Q8_0 blocks);
-#   1b_q8_0, 1b_q4_k_m   `serval make-model --size 1b` (Llama-3.2-1B's shapes, random weights, its own tokenizer;
-#              4.3 GB of float32), converted and quantized the same way (Q4_K, Q6_K, ... blocks).
+#   1b_q8_0, 1b_q4_k_m   `serval make-model --size 1b` (Llama-3.2-1B's shapes, random weights, SmolLM2's
+#              tokenizer; 4.3 GB of float32), converted and quantized the same way (Q4_K, Q6_K, ... blocks).
 # llama-server runs with --parallel set
 # to the load's concurrency. Serval serves configs/serve/default.yaml with model_source set to the file and, on a
 # GGUF file, kv_cache_dtype KV_CACHE_DTYPE (default float16: llama-server's own default K and V type; "auto" for
@@ -69,7 +69,11 @@ make_file() {  # make_file FILE: writes gguf_of FILE where it is missing (minute
   path=$(gguf_of "$1") dir=$(checkpoint_of "$1")
   [[ -f $path ]] && return
   echo "making $path ..." >&2
-  [[ $1 != 1b_* || -f $dir/config.json ]] || .venv/bin/serval make-model "$dir" --size 1b --threads 2 >&2
+  if [[ $1 == 1b_* && ! -f $dir/config.json ]]; then
+    .venv/bin/serval make-model "$dir" --size 1b --threads 2 >&2
+    # SmolLM2's tokenizer (the same 49,152 ids): llama.cpp's converter refuses a BPE pre-tokenizer it does not know.
+    cp "$PWD/models/$MODEL_ID"/tokenizer.json "$PWD/models/$MODEL_ID"/tokenizer_config.json "$dir/"
+  fi
   if [[ $1 == *q8_0 ]]; then ../shared/peers/gguf_from_hf.sh "$dir" "$path" q8_0 >> "$OUT/convert.log" 2>&1; return; fi
   f32=${path%.*.gguf}.f32.gguf
   [[ -f $f32 ]] || ../shared/peers/gguf_from_hf.sh "$dir" "$f32" f32 >> "$OUT/convert.log" 2>&1
