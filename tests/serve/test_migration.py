@@ -92,6 +92,12 @@ class Stream(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
+    def summary(self) -> str:
+        """What the stream got so far: its error, or its chunks and the last one's finish reason (a stream that
+        ends with neither an error nor a finish reason was cut: the openai client ends it without a word)."""
+        last = self.chunks[-1].choices[0].finish_reason if self.chunks and self.chunks[-1].choices else None
+        return f"{self.kind}: {self.error!r}" if self.error else f"{self.kind}: {len(self.chunks)} chunks, last {last}"
+
     def result(self) -> dict:
         assert self.error is None, f"{self.kind} stream failed: {self.error!r}"
         text, tokens, finish, usage = "", [], None, None
@@ -233,7 +239,7 @@ def test_streams_survive_the_kill_of_their_replica(app):
     streams = [Stream(head, kind) for kind in ("completion", "chat", "completion", "chat")]
 
     def reached() -> bool:  # each stream has reached its client: the ingress continues it, not resends it
-        assert all(s.is_alive() for s in streams), f"a stream ended before the kill: {[s.error for s in streams]}"
+        assert all(s.is_alive() for s in streams), f"a stream ended before the kill: {[s.summary() for s in streams]}"
         return all(s.chunks for s in streams)
 
     num_killed = kill_mid_stream(replicas, lambda: [s.start() for s in streams], len(streams), reached)
