@@ -93,10 +93,13 @@ class Stream(threading.Thread):
             self.error = exc
 
     def summary(self) -> str:
-        """What the stream got so far: its error, or its chunks and the last one's finish reason (a stream that
-        ends with neither an error nor a finish reason was cut: the openai client ends it without a word)."""
-        last = self.chunks[-1].choices[0].finish_reason if self.chunks and self.chunks[-1].choices else None
-        return f"{self.kind}: {self.error!r}" if self.error else f"{self.kind}: {len(self.chunks)} chunks, last {last}"
+        """What the stream got so far: its error, or its chunks, finish reason and usage (a stream that ends with
+        neither an error nor a finish reason was cut: the openai client ends it without a word)."""
+        if self.error:
+            return f"{self.kind}: {self.error!r}"
+        finish = next((c.finish_reason for chunk in self.chunks for c in chunk.choices if c.finish_reason), None)
+        usage = next((chunk.usage.completion_tokens for chunk in self.chunks if chunk.usage), None)
+        return f"{self.kind}: {len(self.chunks)} chunks, finish {finish}, completion tokens {usage}"
 
     def result(self) -> dict:
         assert self.error is None, f"{self.kind} stream failed: {self.error!r}"
