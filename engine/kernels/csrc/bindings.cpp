@@ -31,6 +31,7 @@ torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> laye
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if !SERVAL_QUANT_ONLY  // SERVAL_QUANT_ONLY: the block products alone (cpu.py's SERVAL_CPU_KERNELS_SUBSET=quant)
   m.def("argmax_rows", &argmax_rows, "Row-wise argmax of float32 logits [n, V] -> int64 [n]");
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (float32 logits, int32 bitmask)");
@@ -38,7 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D], written into out if given)",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("out") = py::none());
-#if SERVAL_FUSED_OPS
+#endif
+#if SERVAL_FUSED_OPS && !SERVAL_QUANT_ONLY
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "In place: residual = x + residual; x = rms_norm(residual) * weight (rows of the last dim)");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight over the last dim, as Hugging Face computes it");
@@ -47,6 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "In place: rope on q [T, H, D] and k [T, Hk, D]; then k, v rows into kv_cache at slot_mapping");
   m.def("skinny_linear", &skinny_linear, "x [M, K] @ w[N, K]^T (+ bias) for 1 <= M <= 8 rows, float32",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+#endif
+#if SERVAL_FUSED_OPS
   m.def("quant_linear", &quant_linear,
         "x [M, K] @ dequantize(w [N, row_bytes], qtype)^T (+ bias), float32; qtype: 0 Q8_0, 1 Q4_0, 2 Q4_1, "
         "3 Q5_0, 4 Q5_1, 10 Q4_K, 11 Q5_K, 12 Q6_K; batch-invariant",
@@ -54,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_reference", &quant_linear_reference,
         "quant_linear's arithmetic in scalar code, operation for operation (its bit-exact reference)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
+#endif
+#if SERVAL_FUSED_OPS && !SERVAL_QUANT_ONLY
   m.def("decode_stack", &decode_stack,
         "A Llama decoder stack's decode-only step (one token per request, float32): final-normed hidden [T, hidden]",
         py::arg("hidden"), py::arg("layer_weights"), py::arg("packed_weights"), py::arg("kv_caches"), py::arg("final_norm"), py::arg("positions"),
