@@ -5,8 +5,9 @@ exactly the streams the killed replica held as migrations; with ``migration_limi
 stream with an error event, not a cut.
 
 No race decides what is proved: the replica killed is the one whose engine holds the most requests, asked of
-each replica (not through Serve's router), and the engines are held still around the kill
-(``kill_mid_stream``), so every request is in flight when it lands, on a fast CPU or a loaded one."""
+each replica (not through Serve's router), and the engines are held still around the kill, stepped only
+while a request they hold has not started (``kill_mid_stream``), so every request is in flight when it
+lands, on a fast CPU or a loaded one."""
 
 from __future__ import annotations
 
@@ -127,34 +128,49 @@ class EnginePause:
     replica serves on (the tokens already made still reach their clients)."""
 
     def __init__(self, replicas: list[Replica]) -> None:
-        self.processes = [
-            child for replica in replicas for child in psutil.Process(replica.pid).children(recursive=True)
-        ]
+        self.processes = {
+            replica.replica_id: psutil.Process(replica.pid).children(recursive=True) for replica in replicas
+        }
 
     def stop(self) -> None:
-        for process in self.processes:
-            process.send_signal(signal.SIGSTOP)
+        for processes in self.processes.values():
+            for process in processes:
+                process.send_signal(signal.SIGSTOP)
 
     def cont(self) -> None:
-        for process in self.processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.send_signal(signal.SIGCONT)
+        for processes in self.processes.values():
+            for process in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.send_signal(signal.SIGCONT)
 
-    def step(self, cpu_s: float = 0.004, timeout_s: float = 0.2) -> None:
-        """Continues the engines until one has used ``cpu_s`` of CPU (a few steps of the tiny model), or
-        for ``timeout_s`` (an idle engine uses none), then stops them: a measure of work, not of time, on
-        a machine whose load decides how much CPU a moment holds."""
-        start = {process: self._cpu(process) for process in self.processes}
-        self.cont()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and all(self._cpu(p) - t < cpu_s for p, t in start.items()):
-            time.sleep(0.001)
-        self.stop()
+    def step(self, replica_ids: list[str], cpu_s: float = 0.004, timeout_s: float = 0.2) -> None:
+        """Continues the engines of ``replica_ids`` one at a time, each until it has used ``cpu_s`` of CPU (a
+        few steps of the tiny model) or for ``timeout_s`` (an idle engine uses none), then stops it: a measure
+        of work, not of time, on a machine whose load decides how much CPU a moment holds. One at a time, so
+        that each gets its share: continued together, the first one scheduled could use the share of all."""
+        for process in (process for replica_id in replica_ids for process in self.processes[replica_id]):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                start = self._cpu(process)
+                process.send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + timeout_s
+                while time.monotonic() < deadline and self._cpu(process) - start < cpu_s:
+                    time.sleep(0.001)
+                process.send_signal(signal.SIGSTOP)
 
     @staticmethod
     def _cpu(process: psutil.Process) -> float:
         times = process.cpu_times()
         return times.user + times.system
+
+
+def unstarted_requests(replicas: list[Replica]) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Per replica, the requests it holds (Serve's count of its ongoing calls) that its engine has not yet
+    started (running in its engine's latest snapshot: ``replica_loads``), and those loads."""
+    ongoing = {replica.replica_id: replica.actor.get_num_ongoing_requests.remote() for replica in replicas}
+    loads = replica_loads(replicas)
+    for replica_id, call in ongoing.items():
+        loads[replica_id]["num_ongoing"] = ray.get(call, timeout=30)
+    return {replica_id: load["num_ongoing"] - load["num_running"] for replica_id, load in loads.items()}, loads
 
 
 def kill_mid_stream(
@@ -165,9 +181,11 @@ def kill_mid_stream(
     has ended: there is nothing left to kill it in); returns how many it held.
 
     By construction, whatever the speed and the load of the CPU: from before the start to the kill the
-    engines only run in short steps of CPU work (``EnginePause.step``) with pauses between them for the
-    requests and their first tokens to travel, far too little work to finish a request. The killed
-    replica's engine core, continued, sees its parent gone and exits.
+    engines are stopped, and one runs only in short steps of CPU work (``EnginePause.step``) while its
+    replica holds a request that it has not started: no engine makes a token while a request is still on
+    its way through the ingress and Serve's router (which, on a loaded machine, can take seconds), so the
+    requests that started early cannot finish while the last ones travel. The killed replica's engine
+    core, continued, sees its parent gone and exits.
     """
     pause = EnginePause(replicas)
     pause.stop()
@@ -175,14 +193,17 @@ def kill_mid_stream(
         start()
         deadline = time.monotonic() + 60
         while True:
-            loads = replica_loads(replicas)
-            # Every request running has its first token made: stopped, the engines let it reach its client.
+            unstarted, loads = unstarted_requests(replicas)
             is_running = sum(load["num_running"] for load in loads.values()) == num_requests
-            has_reached = reached()  # asked every time: it raises once a request has ended
+            try:
+                has_reached = reached()  # asked every time: it raises once a request has ended
+            except AssertionError as error:
+                raise AssertionError(f"{error}; the replicas' loads: {loads}") from None
+            # Every request running has its first token made: stopped, the engines let it reach its client.
             if is_running and (has_reached or wait_until(reached, 1.0)):
                 break
             assert time.monotonic() < deadline, f"the requests did not all run and reach their clients: {loads}"
-            pause.step()
+            pause.step([replica_id for replica_id, count in unstarted.items() if count > 0])
             time.sleep(0.02)
         held = {replica_id: load["num_running"] + load["num_waiting"] for replica_id, load in loads.items()}
         victim = max(replicas, key=lambda replica: held[replica.replica_id])
