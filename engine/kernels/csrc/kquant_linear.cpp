@@ -102,11 +102,16 @@ inline void q6_block(const k::KLanes<KFormat::kQ6_K, NV>& L, const k::RowBlocks<
   using Fl = k::Fields<KFormat::kQ6_K>;
   const int n = b / 4, t = b % 4;
   q::vint sum[MR][NV];
+  // Unrolled whole, as q45_block's loops are by the compiler's own choice: rolled, the accumulators live on the
+  // stack (the step was 4x Q4_K's time for 1.5x its bytes).
+#pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
     k::Acc acc[MR][NV];
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < NV; ++v) k::clear(acc[m][v]);
+#pragma GCC unroll 4
     for (int c = 4 * h; c < 4 * h + 4; ++c)
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         const q::vint low = q::and16(k::srl16(L.chunk(v, sb, Fl::qs, 16 * n + 8 * (t % 2) + c), 4 * (t / 2)), 0x0F0F);
         const q::vint high = q::and16(k::srl16(L.chunk(v, sb, Fl::qh, 8 * n + c), 2 * t), 0x0303);
