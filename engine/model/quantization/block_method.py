@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.cpu import load_cpu_kernels
+from engine.kernels.huge_pages import on_huge_pages
 from engine.model.layers.linear_method import LinearMethod
 from engine.model.quantization.blocks import QuantType, dequantize
 from engine.model.quantization.packed import pack, unpack_rows
@@ -88,7 +89,7 @@ def block_product(weight: torch.Tensor, qtype: QuantType) -> TorchBlockProduct:
         raise RuntimeError(f"a {qtype.value} weight packed for the native kernels, which are off now")
     if kernels is not None:
         if not getattr(weight, "packed", False):
-            weight.data = pack(weight.data, qtype)
+            weight.data = on_huge_pages(pack(weight.data, qtype))  # streamed whole each step: few TLB misses
             weight.packed = True
         return NativeBlockProduct(weight, qtype, kernels)
     if weight.device.type == "cuda" and not qtype.super_block:  # the Triton kernel reads 32-weight blocks only
