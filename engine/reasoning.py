@@ -22,7 +22,8 @@ The rules (one ``Phase`` machine, the same for text and, in the engine core, for
 
 ``prompt`` (the rendered prompt's text) moves the start: when its last tag is an open ``<think>``, the
 output starts inside the reasoning (both parsers); when it is ``</think>`` (the reasoning prefilled or
-switched off), the output may only open a new reasoning with a leading ``<think>`` (both parsers). Tags are
+switched off), ``deepseek_r1``'s output is all content and ``qwen3``'s may open a new reasoning with a
+leading ``<think>`` (Qwen3's template keeps the reasoning of earlier turns of a tool loop). Tags are
 matched as text, exactly; a ``<think>`` later in the content is content. vLLM differs on one case: its
 ``qwen3`` returns a reasoning that never closed as content when not streamed; here it is reasoning, streamed
 or not.
@@ -68,16 +69,17 @@ class ReasoningParser:
         last_end = -1 if prompt is None else prompt.rfind(end)
         if last_start > last_end:
             return Phase.REASONING
-        if last_end >= 0 or not self.starts_in_reasoning:
+        if not self.starts_in_reasoning:
             return Phase.OPENING
-        return Phase.REASONING
+        return Phase.CONTENT if last_end >= 0 else Phase.REASONING
 
     def stream(self, prompt: AnyStr | None = None, *, binary: bool = False) -> ReasoningStream:
         """A stream over one output's pieces (bytes with ``binary`` or a bytes ``prompt``, else text)."""
         kind = bytes if binary or isinstance(prompt, bytes) else str
         phase = self.initial_phase(prompt)
         # deepseek_r1's model may write the <think> its template did not: dropped, if it leads the output.
-        at_start = phase is Phase.OPENING or (prompt is None or self._tags(kind)[0] not in prompt)
+        opened_by_prompt = prompt is not None and self._tags(kind)[0] in prompt
+        at_start = phase is Phase.OPENING or (phase is Phase.REASONING and not opened_by_prompt)
         return ReasoningStream(*self._tags(kind), phase, at_start)
 
     def extract(self, text: str, prompt: str | None = None) -> tuple[str | None, str | None]:

@@ -6,9 +6,8 @@ and runs the parser's ``Phase`` machine (``engine.reasoning``) over the bytes of
 front end runs it over the text, so both split the output at the same place:
 
 * ``REASONING``: every token is allowed and the grammar does not move (nor can it end the request);
-* ``OPENING`` (the output may still open a reasoning: ``qwen3``, or after a prompt whose last tag closed
-  one): the grammar's tokens plus those that begin the start tag; once a token began it, only tokens that
-  go on with it are allowed until it is complete;
+* ``OPENING`` (``qwen3``'s output may still open a reasoning): the grammar's tokens plus those that begin
+  the start tag; once a token began it, only tokens that go on with it are allowed until it is complete;
 * ``CONTENT``: the grammar's tokens only. The token that ends the reasoning hands the grammar the bytes it
   holds after the end tag (none where, as in Qwen3's and DeepSeek-R1's vocabularies, the tag is one token).
 

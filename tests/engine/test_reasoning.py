@@ -26,7 +26,8 @@ QWEN3, DEEPSEEK_R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"
         (QWEN3, "", None, (None, "")),
         (QWEN3, "y</think>z", "<|im_start|>assistant\n<think>\n", ("y", "z")),  # the template opened it
         (DEEPSEEK_R1, '{"a": 1}', "assistant\n<think>a b c</think>", (None, '{"a": 1}')),  # prefilled
-        (DEEPSEEK_R1, "<think>r</think>c", "<think>old</think>", ("r", "c")),  # a new one may open
+        (DEEPSEEK_R1, "<think>r</think>c", "<think>old</think>", (None, "<think>r</think>c")),
+        (QWEN3, "<think>r</think>c", "<think>old</think>", ("r", "c")),  # a new one may open
     ],
 )
 def test_extract(parser, text, prompt, expected):
