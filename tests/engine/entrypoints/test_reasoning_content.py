@@ -1,8 +1,8 @@
 """Reasoning content in chat completions (``reasoning_parser``), the real ``openai`` client against servers
 on the tiny checkpoint.
 
-* ``qwen3`` with ``enable_in_reasoning``: a regex forces the whole output, ``<think>`` included, so the
-  reasoning is exact: ``message.reasoning_content`` / ``delta.reasoning_content``, the content after it, its
+* ``qwen3`` with ``enable_in_reasoning`` (``qwen3_base_url``): a regex forces the whole output, ``<think>``
+  included, so the reasoning is exact: ``message.reasoning_content`` / ``delta.reasoning_content``, the content after it, its
   tokens in ``usage``, tool calls parsed from the content only.
 * ``deepseek_r1`` (a constraint starts after the reasoning): the model starts inside its reasoning, which a
   JSON schema leaves free; a prompt that closed the reasoning gets the schema from the first token.
@@ -31,11 +31,6 @@ SCHEMA = {
 }
 
 
-def serve(model_path, **engine_kwargs):
-    engine = make_async_llm(model_path, max_num_seqs=4, **engine_kwargs)
-    return engine, serve_models({MODEL: OpenAIServing(engine, MODEL)})
-
-
 @pytest.fixture(scope="module")
 def deepseek_r1_engine(model_path):
     # Compact JSON: the grammar, not luck, ends a schema's answer.
@@ -50,13 +45,8 @@ def deepseek_r1_engine(model_path):
 
 
 @pytest.fixture(scope="module")
-def qwen3(model_path):
-    engine, server = serve(
-        model_path, reasoning_parser="qwen3", structured_outputs_config={"enable_in_reasoning": True}
-    )
-    with server:
-        yield make_client(server.base_url)
-    engine.shutdown()
+def qwen3(qwen3_base_url):
+    return make_client(qwen3_base_url)
 
 
 @pytest.fixture(scope="module")
