@@ -2,8 +2,8 @@
 on the tiny checkpoint.
 
 * ``qwen3`` with ``enable_in_reasoning`` (``qwen3_base_url``): a regex forces the whole output, ``<think>``
-  included, so the reasoning is exact: ``message.reasoning_content`` / ``delta.reasoning_content``, the content after it, its
-  tokens in ``usage``, tool calls parsed from the content only.
+  included, so the reasoning is exact: ``message.reasoning_content`` / ``delta.reasoning_content``, the
+  content after it, its tokens in ``usage``, tool calls parsed from the content only.
 * ``deepseek_r1`` (a constraint starts after the reasoning): the model starts inside its reasoning, which a
   JSON schema leaves free; a prompt that closed the reasoning gets the schema from the first token.
 """
