@@ -50,7 +50,7 @@ class PromptTokenizer:
     def prompt(self, endpoint: Endpoint, request: Any) -> PrecomputedPrompt | None:
         """The first prompt as the serving would render (chat: ``text``) and tokenize it; None for other
         endpoints."""
-        if endpoint is Endpoint.CHAT:
+        if endpoint.renders_chat:
             text, token_ids = render_chat(self.tokenizer, request)
             return PrecomputedPrompt(token_ids, text)
         if endpoint is Endpoint.COMPLETIONS:
@@ -90,7 +90,7 @@ def precomputed_prompt(endpoint: Endpoint, hint: Any) -> PrecomputedPrompt | Non
     hint without it is not used)."""
     if not isinstance(hint, RoutingHint) or hint.prompt_token_ids is None:
         return None
-    if endpoint is Endpoint.CHAT:
+    if endpoint.renders_chat:
         return None if hint.prompt_text is None else PrecomputedPrompt(hint.prompt_token_ids, hint.prompt_text)
     if endpoint is Endpoint.COMPLETIONS:
         return PrecomputedPrompt(hint.prompt_token_ids)

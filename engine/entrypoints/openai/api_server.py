@@ -1,12 +1,10 @@
-"""The OpenAI HTTP routes: handler functions of ``(router, raw_request)`` and ``build_app``.
+"""The HTTP routes (OpenAI's, and Anthropic's ``/v1/messages``): handler functions of ``(router,
+raw_request)`` and ``build_app``.
 
 The handlers parse and validate the body (malformed JSON or invalid fields
--> 400 in OpenAI's error shape), pick the model (unknown -> 404; omitted ->
-the only one served), call the router's ``Endpoint`` and turn its item stream
-(``serving.StreamItem``) into a response by the declared type of its first
-item: an ``SSEChunk`` -> an SSE stream of it and the rest; an
-``ErrorResponse`` -> that status; a response model -> a JSON body. A client
-that disconnects closes the item stream, which aborts the engine requests.
+-> 400 in the route's error shape, ``Endpoint.style``), pick the model
+(unknown -> 404; omitted -> the only one served), call the router's
+``Endpoint`` and turn its item stream into a response (``http_responses``).
 
 They are free functions so the Ray ingress can register them on its own
 app with a router that calls Ray handles; ``build_app(LocalModelRouter(...))``
@@ -16,7 +14,6 @@ serves in-process models.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.metadata
 import json
 import logging
@@ -28,11 +25,13 @@ from fastapi import FastAPI
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, resolve_api_keys
 from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import (
+    MESSAGES_PATH,
+    ApiStyle,
     ErrorResponse,
     bad_request,
     error_response,
@@ -40,6 +39,7 @@ from engine.entrypoints.openai.errors import (
     from_validation_error,
     make_error,
 )
+from engine.entrypoints.openai.http_responses import json_response, respond
 from engine.entrypoints.openai.limits import LimitedRouter, RequestBodyLimit
 from engine.entrypoints.openai.lora_routes import (
     handle_load_lora_adapter,
@@ -47,6 +47,7 @@ from engine.entrypoints.openai.lora_routes import (
     model_cards,
     resolve_model,
 )
+from engine.entrypoints.openai.messages_protocol import MessagesRequest
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,12 +62,8 @@ from engine.entrypoints.openai.protocol import (
 from engine.entrypoints.openai.responses import ModelList
 from engine.entrypoints.openai.server_options import ServerOptions
 from engine.entrypoints.openai.serving import OpenAIServing, StreamItem
-from engine.entrypoints.openai.streaming import DONE_EVENT, SSEChunk, sse_event
 
 logger = logging.getLogger(__name__)
-
-# Returned (never sent) when the client went away before the first item.
-HTTP_CLIENT_CLOSED_REQUEST = 499
 
 
 class ModelRouter(Protocol):
@@ -126,6 +123,11 @@ async def handle_chat(router: ModelRouter, raw_request: Request) -> Response:
     return await _handle_endpoint(router, raw_request, Endpoint.CHAT, ChatCompletionRequest.model_validate)
 
 
+async def handle_messages(router: ModelRouter, raw_request: Request) -> Response:
+    """Anthropic's Messages API: the request mapped onto a chat completion (``messages_protocol``)."""
+    return await _handle_endpoint(router, raw_request, Endpoint.MESSAGES, parse_messages_request)
+
+
 async def handle_tokenize(router: ModelRouter, raw_request: Request) -> Response:
     return await _handle_endpoint(router, raw_request, Endpoint.TOKENIZE, _parse_tokenize_request)
 
@@ -163,6 +165,7 @@ async def handle_version(router: ModelRouter, raw_request: Request) -> Response:
 ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response]]]] = [
     ("POST", "/v1/completions", handle_completions),
     ("POST", "/v1/chat/completions", handle_chat),
+    ("POST", MESSAGES_PATH, handle_messages),
     ("GET", "/v1/models", handle_models),
     ("POST", "/tokenize", handle_tokenize),
     ("POST", "/detokenize", handle_detokenize),
@@ -176,6 +179,7 @@ ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response
 REQUEST_MODELS: dict[str, Any] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    MESSAGES_PATH: MessagesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
@@ -228,12 +232,13 @@ def build_app(router: ModelRouter, options: ServerOptions | None = None) -> Fast
 
 
 async def http_exception_handler(raw_request: Request, exc: HTTPException) -> Response:
-    return error_response(make_error(str(exc.detail), HTTPStatus(exc.status_code)))
+    style = ApiStyle.of_path(raw_request.url.path)
+    return style.response(make_error(str(exc.detail), HTTPStatus(exc.status_code)))
 
 
 async def internal_error_handler(raw_request: Request, exc: Exception) -> Response:
-    """A fault no handler caught (a router bug): 500 in OpenAI's shape instead of plain text."""
-    return error_response(from_exception(exc))
+    """A fault no handler caught (a router bug): 500 in the route's shape instead of plain text."""
+    return ApiStyle.of_path(raw_request.url.path).response(from_exception(exc))
 
 
 def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitable[Response]]):
@@ -244,103 +249,28 @@ def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitab
     return endpoint
 
 
-# ---------------------------------------------------------------------------------------------------- responses
-
-
-def json_response(model: BaseModel, status_code: int = HTTPStatus.OK, headers: dict | None = None) -> Response:
-    return Response(model.model_dump_json(), status_code=status_code, headers=headers, media_type="application/json")
-
-
-class EventStreamResponse(StreamingResponse):
-    """SSE; closes its item stream however the response ends (the client gone mid-stream included)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
 async def _handle_endpoint(
     router: ModelRouter, raw_request: Request, endpoint: Endpoint, parse: Callable[[dict], BaseModel]
 ) -> Response:
+    style = endpoint.style
     try:
         request = parse(parse_json_object(await raw_request.body()))
     except ValidationError as exc:
-        return error_response(from_validation_error(exc))
+        return style.response(from_validation_error(exc))
     except ValueError as exc:
-        return error_response(bad_request(str(exc)))
+        return style.response(bad_request(str(exc)))
     model_id = await resolve_model(router, getattr(request, "model", None))
     if isinstance(model_id, ErrorResponse):
-        return error_response(model_id)
-    return await _respond(router.call(model_id, endpoint, request), raw_request)
+        return style.response(model_id)
+    return await respond(router.call(model_id, endpoint, request), raw_request, style)
+
+
+def parse_messages_request(body: dict) -> ChatCompletionRequest:
+    """A Messages API body as the chat completion it maps to (``MessagesRequest.chat_request``)."""
+    return MessagesRequest.model_validate(body).chat_request()
 
 
 def _parse_tokenize_request(body: dict) -> BaseModel:
     if "messages" in body:
         return TokenizeChatRequest.model_validate(body)
     return TokenizeCompletionRequest.model_validate(body)
-
-
-async def _respond(items: AsyncGenerator[StreamItem, None], raw_request: Request) -> Response:
-    """The response the first item's type calls for (the stream is closed unless an SSE response takes it over)."""
-    try:
-        first = await _first_item_unless_disconnected(items, raw_request)
-    except StopAsyncIteration:
-        first = make_error("The model server returned no response.", HTTPStatus.INTERNAL_SERVER_ERROR)
-    except Exception as exc:  # noqa: BLE001 - e.g. a replica that died
-        first = from_exception(exc)
-    match first:
-        case SSEChunk():
-            return EventStreamResponse(_continue_stream(first, items))
-        case None:
-            response = Response(status_code=HTTP_CLIENT_CLOSED_REQUEST)
-        case ErrorResponse():
-            response = error_response(first)
-        case _:
-            response = json_response(first)
-    await items.aclose()
-    return response
-
-
-async def _first_item_unless_disconnected(
-    items: AsyncGenerator[StreamItem, None], raw_request: Request
-) -> StreamItem | None:
-    """The first item, or None if the client disconnected first (the pending call is then cancelled).
-
-    A long non-streamed generation would otherwise run to the end for nobody.
-    """
-    next_item = asyncio.ensure_future(anext(items))
-    disconnected = asyncio.ensure_future(_wait_for_disconnect(raw_request))
-    try:
-        await asyncio.wait({next_item, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnected.cancel()
-        if not next_item.done():
-            next_item.cancel()  # runs the stream's cleanup (engine abort) before it is closed
-            await asyncio.wait({next_item})
-    if next_item.cancelled():
-        return None
-    return next_item.result()
-
-
-async def _wait_for_disconnect(raw_request: Request) -> None:
-    while (await raw_request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _continue_stream(first: SSEChunk, items: AsyncGenerator[StreamItem, None]) -> AsyncGenerator[str, None]:
-    async with contextlib.aclosing(items):
-        yield first.text
-        try:
-            async for item in items:
-                match item:
-                    case SSEChunk():
-                        yield item.text
-                    case ErrorResponse():  # a router may report a late failure as an item
-                        yield sse_event(item.body()) + DONE_EVENT
-                        return
-        except Exception as exc:  # noqa: BLE001 - e.g. a replica that died mid-stream
-            yield sse_event(from_exception(exc).body()) + DONE_EVENT

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from enum import Enum
 
+from engine.entrypoints.openai.errors import ApiStyle
+
 
 class Endpoint(Enum):
     COMPLETIONS = "completions"
     CHAT = "chat"
+    MESSAGES = "messages"  # Anthropic's Messages API: a chat request, answered in Anthropic's shapes
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
     LOAD_LORA_ADAPTER = "load_lora_adapter"
@@ -21,4 +24,14 @@ class Endpoint(Enum):
     def generates(self) -> bool:
         """Whether the endpoint runs engine requests (chat, completions): the calls a router tokenizes to route,
         and the only ones whose streams can be continued elsewhere."""
-        return self in (Endpoint.COMPLETIONS, Endpoint.CHAT)
+        return self in (Endpoint.COMPLETIONS, Endpoint.CHAT, Endpoint.MESSAGES)
+
+    @property
+    def renders_chat(self) -> bool:
+        """Whether its request is a ``ChatCompletionRequest`` whose messages go through the chat template."""
+        return self in (Endpoint.CHAT, Endpoint.MESSAGES)
+
+    @property
+    def style(self) -> ApiStyle:
+        """Whose shapes its errors (and a stream's end) take: Anthropic's for the Messages API, else OpenAI's."""
+        return ApiStyle.ANTHROPIC if self is Endpoint.MESSAGES else ApiStyle.OPENAI

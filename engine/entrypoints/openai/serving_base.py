@@ -16,11 +16,12 @@ from typing import Any
 
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.continuation import ResumedRequest, resumed_outputs
-from engine.entrypoints.openai.errors import from_exception
+from engine.entrypoints.openai.errors import ApiStyle, from_exception
 from engine.entrypoints.openai.protocol import SamplingRequest
 from engine.entrypoints.openai.streaming import ResponseStream, collect_final_outputs, merge_streams, stream_events
 from engine.inputs import RequestOptions
 from engine.model.source import sampling_defaults
+from engine.reasoning import reasoning_parser
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.request import check_prompt_not_empty
@@ -40,6 +41,7 @@ class ServingBase:
         self.max_model_len = engine.max_model_len
         config = engine.model_config
         self.sampling_defaults = sampling_defaults(config.model, config.generation_config)
+        self.reasoning = reasoning_parser(config.reasoning_parser)  # None: the output is all content
 
     def sampling_params(
         self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -104,9 +106,11 @@ class ServingBase:
         is_stream: bool,
         make_response: Callable[[list[RequestOutput]], Any],
         make_stream: Callable[[], ResponseStream],
+        style: ApiStyle = ApiStyle.OPENAI,
     ) -> AsyncIterator[Any]:
         """The items of started engine requests: not streamed, one response built from the final outputs
-        (or one error); streamed, the ``SSEChunk``\\ s of ``make_stream()`` (``streaming.stream_events``)."""
+        (or one error); streamed, the ``SSEChunk``\\ s of ``make_stream()`` (``streaming.stream_events``, its
+        end and late errors in ``style``)."""
         if not is_stream:
             try:
                 outputs = await collect_final_outputs(generators)
@@ -115,6 +119,6 @@ class ServingBase:
                 return
             yield make_response(outputs)
             return
-        async with contextlib.aclosing(stream_events(merge_streams(generators), make_stream())) as items:
+        async with contextlib.aclosing(stream_events(merge_streams(generators), make_stream(), style)) as items:
             async for item in items:
                 yield item
