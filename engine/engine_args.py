@@ -26,6 +26,7 @@ from engine.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -62,6 +63,10 @@ UNROUTED_FIELDS: dict[str, tuple[Any, FieldInfo]] = {
     "structured_outputs_config": (
         StructuredOutputsConfig,
         Field(StructuredOutputsConfig(), description="Structured outputs: backend, disable_any_whitespace."),
+    ),
+    "pooler_config": (
+        PoolerConfig,
+        Field(PoolerConfig(), description="Embeddings: pooling_type (LAST, MEAN, CLS), normalize."),
     ),
     "speculative_config": (
         SpeculativeConfig | None,
@@ -138,6 +143,7 @@ class _EngineArgsBase(BaseModel):
             structured_outputs_config=self.structured_outputs_config,
             speculative_config=self._checked_speculative_config(max_model_len),
             lora_config=LoRAConfig(**self._routed_values(LoRAConfig)),
+            pooler_config=self.pooler_config,
         )
 
     def _checked_speculative_config(self, max_model_len: int) -> SpeculativeConfig | None:
