@@ -14,6 +14,7 @@ class Endpoint(Enum):
     CHAT = "chat"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    EMBEDDINGS = "embeddings"
     LOAD_LORA_ADAPTER = "load_lora_adapter"
     UNLOAD_LORA_ADAPTER = "unload_lora_adapter"
 
