@@ -71,7 +71,8 @@ class Pooler:
         if self.pooling_type == "LAST":
             return rows[-1].float() if is_done else None
         if self.pooling_type == "CLS":
-            first = rows[0].float() if start == 0 else self._partial.pop(req_id)
+            # A copy: ``rows`` may be a view of a CUDA graph's output, which the next step overwrites.
+            first = rows[0].to(torch.float32, copy=True) if start == 0 else self._partial.pop(req_id)
             if not is_done:
                 self._partial[req_id] = first
             return first if is_done else None
