@@ -167,8 +167,7 @@ class AsyncLLM(EngineClient):
         """vLLM's ``encode``: yields the prompt's one ``EmbeddingRequestOutput`` once it is pooled (nothing if
         the request is aborted first). Errors, closing and ``abort`` as for ``generate``."""
         collector = PoolingOutputCollector()
-        added = self._frontend.add(request_id, prompt, pooling_params, options, collector)
-        collector.prompt, collector.prompt_token_ids = added
+        self._frontend.add(request_id, prompt, pooling_params, options, collector)
         output = None
         try:
             output = await collector.get()

@@ -107,8 +107,6 @@ class PoolingOutputCollector:
     None once the request was aborted (it has no partial output to end with)."""
 
     def __init__(self) -> None:
-        self.prompt: str | None = None
-        self.prompt_token_ids: list[int] = []
         self.is_finished = False
         self._output: EmbeddingRequestOutput | None = None
         self._error: BaseException | None = None

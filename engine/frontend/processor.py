@@ -101,6 +101,7 @@ class Processor:
                 self.eos_token_id,
                 priority=options.priority,
                 arrival_time=time.time(),
+                cache_salt=options.cache_salt,  # the blocks it computes are cached under its salt
                 lora_request=options.lora_request,
                 pooling_params=params,
             )

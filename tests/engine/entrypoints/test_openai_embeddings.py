@@ -133,6 +133,7 @@ def test_one_engine_serves_generation_and_embeddings_at_once(client, offline, to
         ({"input": ["a"] * 2049}, "at most 2048"),
         ({"input": [7] * (MAX_MODEL_LEN + 1)}, "maximum context length is 2048"),
         ({"input": [10**9]}, "outside the vocabulary"),
+        ({"input": [[5, 6, 7], [10**9]]}, "outside the vocabulary"),  # the good one queued: aborted, not leaked
         ({"input": "Hi", "encoding_format": "bytes"}, "encoding_format"),
         ({"input": "Hi", "dimensions": 8}, "does not support Matryoshka"),
         ({"input": "Hi", "dimensions": 0}, "dimensions"),
