@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
+from ray.util import metrics as ray_metrics
 
 from deployments.llm_config import DEFAULT_MIGRATION_LIMIT, LLMConfig
 from deployments.llm_server import LLMServer
@@ -45,6 +46,8 @@ from engine.entrypoints.openai.errors import RETRY_AFTER_S, from_exception, make
 from engine.entrypoints.openai.server_options import ServerOptions
 from engine.entrypoints.openai.serving import StreamItem
 from engine.model.source import load_tokenizer
+
+ENDPOINT_TAG_KEYS = ("model_name", "replica", "endpoint")
 
 
 class RayModelRouter:
@@ -140,13 +143,44 @@ class RayModelRouter:
         await self.servers[model_id].check_health.remote()
 
 
+class CountedRouter:
+    """An ``api_server.ModelRouter`` counting each call it passes on to ``router`` in ``serval_endpoint_requests``,
+    by model and by ``Endpoint`` value (``completions``, ``chat``, ``embeddings``, ...): every API call that passed
+    the request limits, whatever its outcome (the engine's ``serval_request_success`` counts those)."""
+
+    def __init__(self, router: api_server.ModelRouter, replica: str) -> None:
+        self.router = router
+        self.replica = replica
+        self.requests = ray_metrics.Counter(
+            "serval_endpoint_requests", "API calls routed to a model, by endpoint.", ENDPOINT_TAG_KEYS
+        )
+
+    def call(self, model_id: str, endpoint: Endpoint, request: BaseModel) -> AsyncGenerator[StreamItem, None]:
+        self.requests.inc(1, {"model_name": model_id, "replica": self.replica, "endpoint": endpoint.value})
+        return self.router.call(model_id, endpoint, request)  # its own stream: no extra hop per item
+
+    def model_ids(self) -> list[str]:
+        return self.router.model_ids()
+
+    async def model_card(self, model_id: str) -> BaseModel:
+        return await self.router.model_card(model_id)
+
+    async def adapter_cards(self, model_id: str) -> list[BaseModel]:
+        return await self.router.adapter_cards(model_id)
+
+    async def check_health(self, model_id: str) -> None:
+        await self.router.check_health(model_id)
+
+
 async def metrics() -> Response:
     """Every LLM-server replica's ``serval_*`` metrics, in Prometheus' text format."""
     return Response(await scrape_serval_metrics(), media_type=CONTENT_TYPE_LATEST)
 
 
 def build_http_app(router: api_server.ModelRouter, server_options: ServerOptions) -> FastAPI:
-    """The engine's OpenAI app over ``router``, plus ``GET /metrics`` (every replica's, not one's)."""
+    """The engine's OpenAI app over ``router`` (its calls counted: ``CountedRouter``), plus ``GET /metrics``
+    (every replica's, not one's); on a Serve replica."""
+    router = CountedRouter(router, serve.get_replica_context().replica_id.unique_id)
     app = api_server.build_app(router, server_options)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_middleware(session_middleware)  # x-session-id, for KVAwareRouter

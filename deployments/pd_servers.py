@@ -38,7 +38,8 @@ from engine.engine_client import EngineClient
 from engine.entrypoints.openai.errors import ServiceUnavailableError
 from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.metrics import EngineStats
-from engine.request_output import RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.request_output import EmbeddingRequestOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -131,6 +132,17 @@ class RemotePrefillEngine(EngineClient):
         decode_options = dataclasses.replace(options, kv_transfer_params=kv_transfer_params)
         async for output in self.engine.generate(prompt, sampling_params, request_id, decode_options):
             yield output
+
+    def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        options: RequestOptions = PLAIN_REQUEST,
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """The local engine's: an embedding needs the prompt's hidden states, which a remote prefill's KV
+        handle does not carry, so the decode replica computes it whole."""
+        return self.engine.encode(prompt, pooling_params, request_id, options)
 
     async def _remote_prefill(
         self, prompt_token_ids: list[int], request_id: str, cache_salt: str | None

@@ -16,8 +16,10 @@ The root's modules, the entry points and the types their callers import:
   ``EngineOverloadedError``.
 - ``config``: the frozen, validated configs, one per concern, bundled in ``EngineConfig``.
 - ``engine_args``: ``EngineArgs``, the flat vLLM-style keyword arguments, turned into an ``EngineConfig``.
-- ``sampling_params``: ``SamplingParams``, ``StructuredOutputsParams``, ``RequestOutputKind``.
-- ``request_output``: ``RequestOutput``, ``CompletionOutput``, ``Logprob``: what users get back.
+- ``sampling_params``: ``SamplingParams``, ``StructuredOutputsParams``, ``RequestOutputKind``, ``RequestKind``.
+- ``pooling_params``: ``PoolingParams``, how an embedding request's vector is finished.
+- ``request_output``: ``RequestOutput``, ``CompletionOutput``, ``Logprob``, ``EmbeddingRequestOutput``: what
+  users get back.
 - ``lora_request``: ``LoRARequest``, which adapter a request runs with (a record every layer reads).
 
 The layers, top first (``tests/test_import_graph.py`` keeps every import pointing down or sideways): the
@@ -25,7 +27,8 @@ front doors (``llm``, ``async_llm``, ``entrypoints``); the front end (``llm_engi
 ``frontend``, ``engine_args``, ``engine_client``); the core and its executor; a rank's worker (``worker``,
 ``spec_decode``, ``kv_transfer``); the model's parts (``model``, ``lora``, ``sample``, ``structured_output``,
 ``attention``); the kernels and ``distributed``; the scheduler's records (``sched``, ``metrics``); the
-records every layer shares (``config``, ``sampling_params``, ``request_output``, ``inputs``, ``lora_request``).
+records every layer shares (``config``, ``sampling_params``, ``pooling_params``, ``request_output``, ``inputs``,
+``lora_request``).
 
 Packages: ``frontend`` (text around the core), ``core`` (the engine core and its clients), ``sched`` (the
 scheduler, pure Python), ``executor``, ``worker``, ``model``, ``attention``, ``kernels``, ``sample``,
@@ -33,6 +36,7 @@ scheduler, pure Python), ``executor``, ``worker``, ``model``, ``attention``, ``k
 ``entrypoints`` (the OpenAI API).
 """
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "EngineOverloadedError",
     "EngineArgs",
     "SamplingParams",
+    "PoolingParams",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

@@ -29,12 +29,13 @@ from engine.core.core_client import CorePlacement, serving_placement
 from engine.engine_args import EngineArgs
 from engine.engine_client import EngineClient, EngineDeadError, EngineOverloadedError
 from engine.executor.base import Executor
-from engine.frontend.output_collector import RequestOutputCollector
+from engine.frontend.output_collector import PoolingOutputCollector, RequestOutputCollector
 from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats, LoggingStatLogger, StatLogger
 from engine.output_handler import OutputHandler
-from engine.request_output import RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.request_output import EmbeddingRequestOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_events import KVEventBatch
 
@@ -154,6 +155,26 @@ class AsyncLLM(EngineClient):
                 yield output
         finally:
             if not is_finished:  # the consumer left early: the request stops and frees its KV blocks
+                self._frontend.abort(request_id)
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        options: RequestOptions = PLAIN_REQUEST,
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """vLLM's ``encode``: yields the prompt's one ``EmbeddingRequestOutput`` once it is pooled (nothing if
+        the request is aborted first). Errors, closing and ``abort`` as for ``generate``."""
+        collector = PoolingOutputCollector()
+        self._frontend.add(request_id, prompt, pooling_params, options, collector)
+        output = None
+        try:
+            output = await collector.get()
+            if output is not None:
+                yield output
+        finally:
+            if output is None:  # the consumer left early: the request stops and frees its KV blocks
                 self._frontend.abort(request_id)
 
     async def abort(self, request_id: str) -> None:

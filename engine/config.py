@@ -114,6 +114,12 @@ class ModelConfig(_FrozenConfig):
         description="How the model marks its reasoning (<think>...</think>, engine/reasoning.py): chat answers "
         "carry it as reasoning_content, and output constraints apply after it; None: the output is all content.",
     )
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto",
+        description="What requests the engine serves (vLLM's --runner): generate: generation; pooling: embeddings "
+        "(pooler_config); auto: both, since every architecture served is a causal decoder whose final hidden "
+        "states pool.",
+    )
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: triton on CUDA devices, torch (the reference) elsewhere."
     )
@@ -134,6 +140,16 @@ class ModelConfig(_FrozenConfig):
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+
+class PoolerConfig(_FrozenConfig):
+    """Embeddings (vLLM's ``pooler_config``): how a pooling request's final hidden states become one vector."""
+
+    pooling_type: Literal["LAST", "MEAN", "CLS"] = Field(
+        "LAST",
+        description="LAST: the last prompt token's hidden state; MEAN: the mean over the prompt; CLS: the first.",
+    )
+    normalize: bool = Field(True, description="L2-normalize each vector unless its request says otherwise.")
 
 
 class ParallelConfig(_FrozenConfig):
@@ -336,3 +352,4 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     speculative_config: SpeculativeConfig | None = None  # speculative decoding only
     lora_config: LoRAConfig = LoRAConfig()  # multi-LoRA; off by default
+    pooler_config: PoolerConfig = PoolerConfig()  # embeddings (runner auto or pooling)

@@ -26,6 +26,7 @@ from engine.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -65,6 +66,10 @@ UNROUTED_FIELDS: dict[str, tuple[Any, FieldInfo]] = {
             StructuredOutputsConfig(),
             description="Structured outputs: backend, disable_any_whitespace, enable_in_reasoning.",
         ),
+    ),
+    "pooler_config": (
+        PoolerConfig,
+        Field(PoolerConfig(), description="Embeddings: pooling_type (LAST, MEAN, CLS), normalize."),
     ),
     "speculative_config": (
         SpeculativeConfig | None,
@@ -141,6 +146,7 @@ class _EngineArgsBase(BaseModel):
             structured_outputs_config=self.structured_outputs_config,
             speculative_config=self._checked_speculative_config(max_model_len),
             lora_config=LoRAConfig(**self._routed_values(LoRAConfig)),
+            pooler_config=self.pooler_config,
         )
 
     def _checked_speculative_config(self, max_model_len: int) -> SpeculativeConfig | None:

@@ -32,7 +32,8 @@ from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 if TYPE_CHECKING:  # annotations only: the engine modules import this one
     from engine.config import ModelConfig
     from engine.metrics import EngineStats
-    from engine.request_output import RequestOutput
+    from engine.pooling_params import PoolingParams
+    from engine.request_output import EmbeddingRequestOutput, RequestOutput
     from engine.sampling_params import SamplingParams
 
 
@@ -46,7 +47,7 @@ class EngineOverloadedError(RuntimeError):
 
 @runtime_checkable
 class EngineClient(Protocol):
-    """One model's engine as a server sees it: stream a request, stop it, ask about the engine.
+    """One model's engine as a server sees it: stream a request (or pool one), stop it, ask about the engine.
 
     ``isinstance(obj, EngineClient)`` checks only that every member exists; the
     promises below are each implementation's to keep.
@@ -87,6 +88,17 @@ class EngineClient(Protocol):
         ends the stream if the engine dies. Closing or cancelling the generator
         before its last output aborts the request and frees its KV blocks.
         """
+
+    def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        options: RequestOptions = PLAIN_REQUEST,
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """A pooling request (embeddings): yields its one output once the prompt is pooled, nothing if it is
+        aborted first. Errors and closing as for ``generate``; an engine whose ``runner`` serves no embeddings
+        raises ValueError."""
 
     async def abort(self, request_id: str) -> None:
         """Stops the request before the next step; its stream ends with finish_reason "abort".

@@ -2,12 +2,14 @@
 
 with LLM(model="/path/to/checkpoint", dtype="bfloat16", max_model_len=2048) as llm:  # shut down on leaving
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    vectors = [output.outputs.embedding for output in llm.embed(["Hello"])]  # runner "auto" or "pooling"
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from engine.engine_args import EngineArgs
 from engine.inputs import PromptType, RequestOptions
@@ -15,7 +17,8 @@ from engine.llm_engine import LLMEngine
 from engine.lora_request import LoRARequest
 from engine.metrics.reader import Metric, engine_metrics
 from engine.model.source import sampling_defaults
-from engine.request_output import RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.request_output import EmbeddingRequestOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -64,19 +67,41 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_per_prompt(sampling_params or self.get_default_sampling_params(), len(prompts))
+        final_only = [params.clone(output_kind=RequestOutputKind.FINAL_ONLY) for params in params_list]
+        request_ids = self._add_requests(prompts, final_only, priority, lora_request)
+        return self._run_engine(request_ids, use_tqdm, _num_generated_tokens)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: each prompt's vector (``output.outputs.embedding``), in the prompts' order,
+        pooled as the engine's ``pooler_config`` says (default: the last token's final hidden state,
+        L2-normalized); ``pooling_params`` may cut it (``dimensions``) or leave it unnormalized. Needs
+        ``runner`` "auto" or "pooling". A bad prompt or parameter raises ValueError before any of them runs."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_per_prompt(pooling_params or PoolingParams(), len(prompts), PoolingParams)
+        request_ids = self._add_requests(prompts, params_list, None, lora_request)
+        return self._run_engine(request_ids, use_tqdm, lambda output: len(output.prompt_token_ids))
+
+    def _add_requests(self, prompts, params_list: list, priority, lora_request) -> list[str]:
+        """Queues one request per prompt; on a ValueError aborts those already queued and raises it."""
         loras = self._loras_per_prompt(lora_request, len(prompts))
         request_ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._request_counter))
                 options = RequestOptions(priority=priority[i] if priority else 0, lora_request=loras[i])
-                final_only = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                self.llm_engine.add_request(request_id, prompt, final_only, options)
+                self.llm_engine.add_request(request_id, prompt, params, options)
                 request_ids.append(request_id)
         except ValueError:
             self.llm_engine.abort_request(request_ids)
             raise
-        return self._run_engine(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -105,12 +130,12 @@ class LLM:
         return SamplingParams(**sampling_defaults(config.model, config.generation_config))
 
     @staticmethod
-    def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
-        if len(sampling_params) != num_prompts:
-            raise ValueError(f"Got {len(sampling_params)} SamplingParams for {num_prompts} prompts.")
-        return list(sampling_params)
+    def _params_per_prompt(params, num_prompts: int, params_type: type = SamplingParams) -> list:
+        if isinstance(params, params_type):
+            return [params] * num_prompts
+        if len(params) != num_prompts:
+            raise ValueError(f"Got {len(params)} {params_type.__name__} for {num_prompts} prompts.")
+        return list(params)
 
     @staticmethod
     def _loras_per_prompt(lora_request, num_prompts: int) -> list[LoRARequest | None]:
@@ -120,22 +145,26 @@ class LLM:
             raise ValueError(f"Got {len(lora_request)} LoRA requests for {num_prompts} prompts.")
         return list(lora_request)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool, count_tokens: Callable[[Any], int]) -> list:
+        """Steps until every request finished; their outputs in ``request_ids``' order. ``count_tokens``: the
+        tokens of a finished output the progress bar's throughput counts."""
         from tqdm.auto import tqdm
 
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(
             total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True
         )
-        num_generated = 0
+        num_tokens = 0
         while self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
                 if output.finished:
                     finished[output.request_id] = output
-                    num_generated += sum(len(completion.token_ids) for completion in output.outputs)
+                    num_tokens += count_tokens(output)
                     progress.update(1)
-                    progress.set_postfix_str(
-                        f"gen {num_generated / max(progress.format_dict['elapsed'], 1e-9):.0f} tok/s"
-                    )
+                    progress.set_postfix_str(f"{num_tokens / max(progress.format_dict['elapsed'], 1e-9):.0f} tok/s")
         progress.close()
         return [finished[request_id] for request_id in request_ids]
+
+
+def _num_generated_tokens(output: RequestOutput) -> int:
+    return sum(len(completion.token_ids) for completion in output.outputs)

@@ -23,7 +23,8 @@ from engine.lora.loading import check_lora_supported
 from engine.metrics import EngineStats, EngineTotals, IterationStats, StatLogger
 from engine.model.architecture import Architecture
 from engine.model.source import load_tokenizer, open_model_source
-from engine.request_output import RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.request_output import EmbeddingRequestOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_events import KVEventBatch
 
@@ -82,14 +83,14 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         options: RequestOptions = PLAIN_REQUEST,
         stream: OutputStream | None = None,
     ) -> tuple[str | None, list[int]]:
-        """Queues a request (``n`` > 1 fans out into n core requests, each with ``options``); returns its
-        (prompt text, prompt token ids). Raises ValueError on bad input (the adapter included) or an id in
-        use, having queued nothing. ``stream``: where its outputs go (None: ``step``/``process_core_step``
-        return them)."""
+        """Queues a request of ``params.kind`` (``n`` > 1 fans out into n core requests, each with ``options``;
+        a pooling request is one); returns its (prompt text, prompt token ids). Raises ValueError on bad input
+        (the adapter included) or an id in use, having queued nothing. ``stream``: where its outputs go (None:
+        ``step``/``process_core_step`` return them)."""
         children = self._fan_out(request_id, params)
         self.output_processor.check_ids_free(request_id, [core_id for core_id, _ in children])
         prompt_text, prompt_token_ids = self.processor.tokenize_prompt(prompt)
@@ -105,7 +106,7 @@ class LLMEngine:
         return prompt_text, prompt_token_ids
 
     @staticmethod
-    def _fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    def _fan_out(request_id: str, params: SamplingParams | PoolingParams) -> list[tuple[str, SamplingParams]]:
         """The request's (core id, params) children, in completion order."""
         if params.n == 1:
             return [(request_id, params)]
@@ -123,11 +124,11 @@ class LLMEngine:
         self.engine_core.abort_requests([core_id for request in aborted for core_id in request.states])
         return [request.stream for request in aborted]
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """An INLINE core: turns its loop once here; returns the outputs its step gave."""
         return self.process_core_step(self.engine_core.step())
 
-    def process_core_step(self, core_step: CoreStep) -> list[RequestOutput]:
+    def process_core_step(self, core_step: CoreStep) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One step of the core: its outputs as RequestOutputs (those of requests with a stream put there),
         its state for the stats."""
         iteration_stats = IterationStats()  # latencies only with stat loggers; the token count always

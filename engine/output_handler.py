@@ -25,10 +25,11 @@ import threading
 from engine.core.core_client import SHUTDOWN_TIMEOUT_S
 from engine.core.core_proc import CoreStep
 from engine.engine_client import EngineDeadError, EngineOverloadedError
-from engine.frontend.output_collector import RequestOutputCollector
+from engine.frontend.output_collector import PoolingOutputCollector, RequestOutputCollector
 from engine.inputs import PromptType, RequestOptions
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineStats
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_events import KVEventBatch
 
@@ -131,9 +132,9 @@ class OutputHandler:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         options: RequestOptions,
-        collector: RequestOutputCollector,
+        collector: RequestOutputCollector | PoolingOutputCollector,
     ) -> tuple[str | None, list[int]]:
         """Queues a request whose outputs go to ``collector``; returns its (prompt text, prompt token ids).
         Raises ValueError (bad input), EngineOverloadedError or EngineDeadError, having queued nothing."""
@@ -144,7 +145,12 @@ class OutputHandler:
             return self._add(request_id, prompt, params, options, collector)
 
     def _add(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, options: RequestOptions, collector
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        options: RequestOptions,
+        collector,
     ) -> tuple[str | None, list[int]]:
         limit = self.max_num_queued_reqs
         num_waiting = self.stats.num_waiting_reqs + self._num_unreported_reqs

@@ -41,3 +41,25 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # disaggregated prefill: where a prefill engine put the prompt's KV
+
+
+@dataclass
+class EmbeddingOutput:
+    """One pooling request's vector (vLLM's ``EmbeddingOutput``): float32 values, ``dimensions`` of them when
+    the request cut it, L2-normalized unless it (or ``pooler_config``) said not to."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns and ``AsyncLLM.encode`` yields (vLLM's names): one per prompt, once it is done."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -15,6 +15,14 @@ from dataclasses import dataclass, field, fields, replace
 GREEDY_TEMPERATURE = 1e-5
 
 
+class RequestKind(enum.Enum):
+    """What a request produces, declared by its params (``SamplingParams.kind``, ``PoolingParams.kind``): the
+    engine dispatches on it (the scheduler finishes, the model runner samples or pools, the front end outputs)."""
+
+    GENERATE = "generate"  # sampled tokens (vLLM's runner "generate")
+    EMBED = "embed"  # one vector pooled from the prompt's final hidden states (vLLM's task "embed")
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new since the last one
@@ -222,6 +230,10 @@ class SamplingParams:
         _check(
             self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids must not be empty."
         )
+
+    @property
+    def kind(self) -> RequestKind:
+        return RequestKind.GENERATE
 
     @property
     def is_greedy(self) -> bool:

@@ -202,6 +202,7 @@ LAYERS = (
     (
         "engine.config",
         "engine.sampling_params",
+        "engine.pooling_params",
         "engine.request_output",
         "engine.inputs",
         "engine.lora_request",

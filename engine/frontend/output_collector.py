@@ -1,4 +1,5 @@
-"""Per-request output collectors of the async front end (vLLM's ``RequestOutputCollector``).
+"""Per-request output collectors of the async front end (vLLM's ``RequestOutputCollector``; a pooling request's
+``PoolingOutputCollector``).
 
 The front end (``engine.output_handler``, on the event loop) puts each step's outputs into their
 requests' collectors, the ``OutputStream`` of each request; a collector keeps at most one undelivered
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from engine.request_output import CompletionOutput, RequestOutput
+from engine.request_output import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -99,6 +100,38 @@ class RequestOutputCollector:
             outputs=completions,
             finished=True,
         )
+
+
+class PoolingOutputCollector:
+    """A pooling request's one output (``AsyncLLM.encode``); event-loop thread only. ``get`` returns it, or
+    None once the request was aborted (it has no partial output to end with)."""
+
+    def __init__(self) -> None:
+        self.is_finished = False
+        self._output: EmbeddingRequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: EmbeddingRequestOutput) -> None:
+        if not self.is_finished:
+            self._output, self.is_finished = output, True
+            self._ready.set()
+
+    def put_abort(self) -> None:
+        if not self.is_finished:
+            self.is_finished = True
+            self._ready.set()
+
+    def put_error(self, error: BaseException) -> None:
+        if not self.is_finished:
+            self._error, self.is_finished = error, True
+            self._ready.set()
+
+    async def get(self) -> EmbeddingRequestOutput | None:
+        await self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self._output
 
 
 def _copy_shared_lists(output: RequestOutput) -> None:

@@ -14,15 +14,23 @@ from typing import Protocol
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
 from engine.metrics.stats import IterationStats, RequestTimes
-from engine.request_output import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.pooling_params import PoolingParams
+from engine.request_output import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+)
+from engine.sampling_params import RequestKind, RequestOutputKind, SamplingParams
 from engine.sched.step_outputs import EngineCoreOutput, LogprobsLists
 
 
 class OutputStream(Protocol):
     """Where a request's outputs go as they are made (on the front end's event loop), instead of being returned."""
 
-    def put(self, output: RequestOutput) -> None: ...
+    def put(self, output: RequestOutput | EmbeddingRequestOutput) -> None: ...
 
 
 @dataclass
@@ -44,7 +52,7 @@ class RequestState:
     index: int  # which of the n completions
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # a pooling request (kind EMBED) gets one output: its vector
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     num_sent_tokens: int = 0  # DELTA: tokens already handed out
@@ -58,6 +66,7 @@ class RequestState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None  # a prefill engine's finished request: where its KV went
     times: RequestTimes | None = None  # when the engine keeps latency statistics
+    pooling_output: list[float] | None = None  # a pooling request's vector, once it finished
 
 
 class OutputProcessor:
@@ -103,6 +112,8 @@ class OutputProcessor:
     def _make_state(
         self, request: UserRequest, core_id: str, index: int, prompt, prompt_token_ids: list[int], params
     ) -> RequestState:
+        if params.kind is RequestKind.EMBED:  # no text, no logprobs: a vector
+            return RequestState(core_id, request, index, prompt, prompt_token_ids, params, None)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
         state = RequestState(core_id, request, index, prompt, prompt_token_ids, params, detokenizer)
         if params.logprobs is not None:
@@ -156,7 +167,10 @@ class OutputProcessor:
                 to_abort.append(state.request_id)
             if iteration_stats is not None:
                 iteration_stats.record_tokens(
-                    state.times, len(core_output.new_token_ids), core_output.first_scheduled_time
+                    state.times,
+                    len(core_output.new_token_ids),
+                    core_output.first_scheduled_time,
+                    pooled=core_output.pooling_output is not None,
                 )
                 if state.finish_reason is not None and state.times is not None:
                     iteration_stats.record_finished(state.times, state.finish_reason)
@@ -202,6 +216,7 @@ class OutputProcessor:
             state.finish_reason = finish_reason
             state.stop_reason = core_output.stop_reason
             state.kv_transfer_params = core_output.kv_transfer_params
+            state.pooling_output = core_output.pooling_output
         return False
 
     @staticmethod
@@ -242,7 +257,12 @@ class OutputProcessor:
             positions.append(position)
         return positions
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState) -> RequestOutput | EmbeddingRequestOutput | None:
+        if state.params.kind is RequestKind.EMBED:
+            if state.finish_reason is None:
+                return None
+            embedding = EmbeddingOutput(state.pooling_output)
+            return EmbeddingRequestOutput(state.request.request_id, state.prompt_token_ids, embedding)
         kind = state.params.output_kind
         finished = state.finish_reason is not None
         if not finished and (kind == RequestOutputKind.FINAL_ONLY or not self._is_stream_due(state)):

@@ -14,10 +14,14 @@ from collections.abc import Mapping
 from engine.config import EngineConfig
 from engine.inputs import PLAIN_REQUEST, PromptType, RequestOptions
 from engine.lora_request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sample.masks import tokenize_bad_words
 from engine.sample.metadata import validate_token_ids
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestKind, SamplingParams
 from engine.sched.request import Request, check_prompt_fits
+
+# The runner (ModelConfig.runner) that serves each request kind; "auto" serves both.
+RUNNERS = {RequestKind.GENERATE: "generate", RequestKind.EMBED: "pooling"}
 
 
 class Processor:
@@ -48,11 +52,7 @@ class Processor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         # The core trusts what it is sent (it may be another process): every check on a request runs here,
         # but the empty prompt, which Request itself refuses.
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"The prompt contains token ids outside the vocabulary (size {self.vocab_size}): {bad[:8]}."
-            )
+        self._check_vocabulary(prompt_token_ids)
         if params.stop and not params.detokenize:
             raise ValueError("Stop strings need detokenize=True (they are matched in the text).")
         validate_token_ids(params, self.vocab_size)
@@ -62,6 +62,13 @@ class Processor:
         check_prompt_fits(len(prompt_token_ids), self.max_model_len)
         if params.structured_outputs is not None:
             self._validate_structured_outputs(params)
+
+    def _check_vocabulary(self, prompt_token_ids: list[int]) -> None:
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"The prompt contains token ids outside the vocabulary (size {self.vocab_size}): {bad[:8]}."
+            )
 
     def _validate_structured_outputs(self, params: SamplingParams) -> None:
         """The constraint builds (xgrammar's reason otherwise), and nothing else decides where the output ends."""
@@ -77,13 +84,28 @@ class Processor:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         options: RequestOptions = PLAIN_REQUEST,
     ) -> Request:
-        """The core's request, ``options`` carried whole into it; raises ValueError on bad input."""
-        self.validate(prompt_token_ids, params)
+        """The core's request of ``params.kind``, ``options`` carried whole into it; raises ValueError on bad
+        input, or on a kind the engine's ``runner`` does not serve."""
+        self._check_runner(params.kind)
         if options.lora_request is not None:
             self.validate_lora(options.lora_request)
+        if params.kind is RequestKind.EMBED:
+            self.validate_pooling(prompt_token_ids, params, options)
+            return Request(
+                request_id,
+                prompt_token_ids,
+                None,
+                self.eos_token_id,
+                priority=options.priority,
+                arrival_time=time.time(),
+                cache_salt=options.cache_salt,  # the blocks it computes are cached under its salt
+                lora_request=options.lora_request,
+                pooling_params=params,
+            )
+        self.validate(prompt_token_ids, params)
         if params.bad_words and params.bad_words_token_ids is None:
             # Workers ban token ids and never load a tokenizer: the words become ids here, once.
             params = params.clone(bad_words_token_ids=tokenize_bad_words(params.bad_words, self.tokenizer))
@@ -100,6 +122,37 @@ class Processor:
             kv_transfer_params=options.kv_transfer_params,
             lora_request=options.lora_request,
         )
+
+    def _check_runner(self, kind: RequestKind) -> None:
+        runner = self.config.model_config.runner
+        if runner != "auto" and runner != RUNNERS[kind]:
+            what = "embeddings" if kind is RequestKind.EMBED else "generation"
+            raise ValueError(f"This model serves no {what}: it runs with runner={runner!r}.")
+
+    def validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams, options: RequestOptions) -> None:
+        """A pooling request's prompt fits the context (it adds no token) and the model allows its
+        ``dimensions`` (vLLM's Matryoshka rule); it moves no KV."""
+        self._check_vocabulary(prompt_token_ids)
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(prompt_token_ids)} tokens, but max_model_len is {self.max_model_len}."
+            )
+        if options.kv_transfer_params:
+            raise ValueError("A pooling request moves no KV: kv_transfer_params are for generation.")
+        if params.dimensions is None:
+            return
+        arch = self.arch
+        if not arch.is_matryoshka:
+            raise ValueError(
+                f"The model {self.config.model_config.model!r} does not support Matryoshka representations: "
+                "its vector cannot be cut to other dimensions (its config.json declares no matryoshka_dimensions)."
+            )
+        allowed = arch.matryoshka_dimensions
+        if (allowed is not None and params.dimensions not in allowed) or params.dimensions > arch.hidden_size:
+            raise ValueError(
+                f"dimensions must be one of {list(allowed or ())} (the model's matryoshka_dimensions), at most "
+                f"hidden_size ({arch.hidden_size}); got {params.dimensions}."
+            )
 
     def validate_lora(self, lora_request: LoRARequest) -> None:
         """The adapter is readable, well formed and fits the model and ``max_lora_rank`` (ValueError naming

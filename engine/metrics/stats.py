@@ -61,9 +61,11 @@ class IterationStats:
     kv_load_latencies_s: list[float] = field(default_factory=list)  # remote KV loads (disaggregated prefill)
 
     def record_tokens(
-        self, times: RequestTimes | None, num_new_tokens: int, first_scheduled_time: float | None
+        self, times: RequestTimes | None, num_new_tokens: int, first_scheduled_time: float | None, pooled: bool = False
     ) -> None:
         """A step's output for one request (``num_new_tokens`` may be 0: prompt logprobs of a chunk).
+        ``pooled``: it is a pooling request's vector, its first and only output (as vLLM counts it: its prompt
+        is counted then, and the time to it is its time to first token).
 
         With ``times`` None (the request keeps no latency statistics) only the tokens are counted.
         """
@@ -72,7 +74,7 @@ class IterationStats:
             return
         if times.first_scheduled_time is None:
             times.first_scheduled_time = first_scheduled_time
-        if num_new_tokens == 0:
+        if num_new_tokens == 0 and not pooled:
             return
         if times.first_token_time is None:
             self.num_prompt_tokens += times.num_prompt_tokens

@@ -107,6 +107,10 @@ class Architecture:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: torch.dtype | None = None  # dtype the checkpoint was saved in
     hidden_act: str = "silu"
+    # Embeddings: the checkpoint was trained so that a prefix of its vector is one too (Matryoshka, vLLM's
+    # ``is_matryoshka``), at any length or at these (``matryoshka_dimensions``); else ``dimensions`` is refused.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def rope_type(self) -> str:
@@ -151,6 +155,8 @@ class Architecture:
             eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
             torch_dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
             hidden_act=cfg.get("hidden_act", "silu"),
+            is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
+            matryoshka_dimensions=tuple(cfg["matryoshka_dimensions"]) if cfg.get("matryoshka_dimensions") else None,
         )
 
     @classmethod

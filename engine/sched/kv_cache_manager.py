@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import CacheConfig
+from engine.sampling_params import RequestKind
 from engine.sched.block_hash import LoRAHashKeys, extend_block_hashes, get_hash_function
 from engine.sched.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
 from engine.sched.kv_events import KVEventFeed
@@ -51,9 +52,12 @@ class KVCacheManager:
 
         Never covers the last token of the request: its logits must be computed.
         Requests that want prompt logprobs skip the cache (every prompt
-        position's logits are needed).
+        position's logits are needed), and so do pooling requests (a cached block holds KV, not the hidden
+        states they pool); the blocks either computes are cached for later requests as any prompt's are.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or request.kind is RequestKind.EMBED:
+            return [], 0
+        if request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         max_num_hit_blocks = (request.num_tokens - 1) // self.block_size

@@ -11,10 +11,11 @@ import enum
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestKind, SamplingParams
 
 if TYPE_CHECKING:
     from engine.lora_request import LoRARequest
+    from engine.pooling_params import PoolingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,24 +75,29 @@ class Request:
     followed by the output; ``block_hashes`` holds the chained hash of every
     full block of ``all_token_ids`` computed so far (filled by the KV cache
     manager).
+
+    ``kind``: a GENERATE request has ``sampling_params``; an EMBED request (``pooling_params`` given,
+    ``sampling_params`` None) is a prefill that samples nothing and finishes with its pooled vector.
     """
 
     def __init__(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | None,
         eos_token_id: int | None,
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         check_prompt_not_empty(len(prompt_token_ids))
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params
+        self.sampling_params, self.pooling_params = sampling_params, pooling_params
+        self.kind = RequestKind.GENERATE if pooling_params is None else RequestKind.EMBED
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -107,8 +113,8 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
-        # Set by the scheduler from max_tokens and max_model_len when added.
-        self.max_tokens = sampling_params.max_tokens
+        # Set by the scheduler from max_tokens and max_model_len when added (a pooling request samples none).
+        self.max_tokens = 0 if sampling_params is None else sampling_params.max_tokens
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling; -1 = not yet scheduled

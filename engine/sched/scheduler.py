@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
+from engine.sampling_params import RequestKind
 from engine.sched.block_pool import KVCacheBlock
 from engine.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats, check_pool_holds_one_sequence
 from engine.sched.kv_transfer import KVConnectorScheduler, KVTransferStats
@@ -77,8 +78,9 @@ class Scheduler:
         Raises ValueError (and changes nothing) if its id is in use."""
         if request.request_id in self.requests:
             raise ValueError(f"Request id {request.request_id!r} is already in use.")
-        room = self.max_model_len - request.num_prompt_tokens
-        request.max_tokens = room if request.sampling_params.max_tokens is None else request.sampling_params.max_tokens
+        if request.kind is RequestKind.GENERATE:
+            room, max_tokens = self.max_model_len - request.num_prompt_tokens, request.sampling_params.max_tokens
+            request.max_tokens = room if max_tokens is None else max_tokens
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
         self.requests[request.request_id] = request
@@ -269,14 +271,16 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Appends sampled tokens, finishes requests that hit a stop condition, frees their blocks.
+        """Appends sampled tokens, finishes requests that hit a stop condition (a pooling request once its
+        vector came), frees their blocks.
 
-        Returns one output per request that got tokens or prompt logprobs.
+        Returns one output per request that got tokens, prompt logprobs or its pooled vector.
         Requests aborted since ``schedule()`` are skipped.
         """
         outputs: list[EngineCoreOutput] = []
         logprobs = model_runner_output.logprobs or {}
         prompt_logprobs = model_runner_output.prompt_logprobs or {}
+        pooled = model_runner_output.pooler_output or {}
         any_finished = False
         requests = self.requests
         if self.kv_connector is not None:
@@ -289,19 +293,13 @@ class Scheduler:
             if req_id in scheduled_drafts and sampled:
                 self.spec_decode.verify_drafts(request, len(scheduled_drafts[req_id]), len(sampled))
             new_token_ids = self._append_until_stop(request, sampled) if sampled else sampled
+            vector = pooled.get(req_id)
+            if vector is not None:  # its prompt is done: the vector is all a pooling request produces
+                request.status = RequestStatus.FINISHED_STOPPED
             new_prompt_logprobs = prompt_logprobs.get(req_id)
             if not new_token_ids and new_prompt_logprobs is None and request.status == RequestStatus.RUNNING:
                 continue
-            output = EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=new_token_ids,
-                finish_reason=request.get_finish_reason(),
-                stop_reason=request.stop_reason,
-                new_logprobs=logprobs.get(req_id),
-                new_prompt_logprobs=new_prompt_logprobs,
-                num_cached_tokens=request.num_cached_tokens,
-                first_scheduled_time=request.first_scheduled_time,
-            )
+            output = EngineCoreOutput.of(request, new_token_ids, logprobs.get(req_id), new_prompt_logprobs, vector)
             outputs.append(output)
             if output.finish_reason is not None:
                 any_finished = True

@@ -15,6 +15,8 @@ from engine.sched.kv_transfer import KVConnectorMetadata, KVTransferOutput
 
 if TYPE_CHECKING:
     from engine.lora_request import LoRARequest
+    from engine.pooling_params import PoolingParams
+    from engine.sched.request import Request
 
 
 @dataclass
@@ -24,10 +26,11 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only for a request resumed after preemption
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already cached (prefix-cache hit), before this step
     lora_request: LoRARequest | None = None  # multi-LoRA: the request's adapter (None: the base model)
+    pooling_params: PoolingParams | None = None  # a pooling request's (its sampling_params are None)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class ModelRunnerOutput:
     request whose prefill chunk did not reach the end of its prompt. With
     speculative decoding it holds the accepted draft tokens and one more (the
     target's own), and ``draft_token_ids`` the drafts proposed for the next step.
+    ``pooler_output`` holds the vector of each pooling request whose prompt this step completed.
     """
 
     req_ids: list[str]
@@ -99,6 +103,7 @@ class ModelRunnerOutput:
     kv_transfer_output: KVTransferOutput | None = None
     draft_token_ids: dict[str, list[int]] | None = None
     lora_counts: LoRAWorkerCounts | None = None  # with enable_lora
+    pooler_output: dict[str, list[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,29 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when the request was first admitted to run
     kv_transfer_params: dict | None = None  # a prefill engine's finished request: where its KV went
+    pooling_output: list[float] | None = None  # a pooling request's vector (it finishes with it)
+
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        new_token_ids: list[int],
+        new_logprobs: LogprobsLists | None = None,
+        new_prompt_logprobs: LogprobsLists | None = None,
+        pooling_output: list[float] | None = None,
+    ) -> EngineCoreOutput:
+        """What ``request`` got from a step, its state (finish, cached tokens, first scheduling) as it is now."""
+        return cls(
+            request.request_id,
+            new_token_ids,
+            request.get_finish_reason(),
+            request.stop_reason,
+            new_logprobs,
+            new_prompt_logprobs,
+            request.num_cached_tokens,
+            request.first_scheduled_time,
+            pooling_output=pooling_output,
+        )
 
     @property
     def finished(self) -> bool:
@@ -141,4 +169,5 @@ class EngineCoreOutput:
             self.num_cached_tokens,
             self.first_scheduled_time,
             self.kv_transfer_params,
+            self.pooling_output,
         )

@@ -61,6 +61,7 @@ class StepPlan:
                 block_ids=get_block_ids(request.request_id),
                 num_computed_tokens=request.num_computed_tokens,
                 lora_request=request.lora_request,
+                pooling_params=request.pooling_params,
             )
             for request in self.scheduled_new
         ]

@@ -21,6 +21,7 @@ from engine.model import get_model
 from engine.model.layers.cpu_prepack import SPECULATIVE_ROWS
 from engine.model.layers.linear_method import process_weights_after_loading
 from engine.sample.sampler import argmax
+from engine.sampling_params import RequestKind
 from engine.spec_decode.proposer import ProposerInputs
 from engine.worker.input_batch import InputBatch
 from engine.worker.request_state import CachedRequestState
@@ -49,11 +50,12 @@ class _DraftCache:
 
 @dataclass
 class _Sequence:
-    """A request's tokens as ``build_step_inputs`` reads them (no drafts to verify)."""
+    """A request's tokens as ``build_step_inputs`` reads them (no drafts to verify; the draft model samples)."""
 
     token_ids: list[int]
     slot: int
     spec_token_ids: list[int] = field(default_factory=list)
+    kind: RequestKind = RequestKind.GENERATE
 
 
 class DraftModelProposer:

@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 
 from engine.config import EngineConfig
+from engine.sampling_params import RequestKind
 from engine.sched.request import Request, RequestStatus
 from engine.sched.request_hold import RequestHold
 from engine.sched.step_outputs import SchedulerOutput
@@ -55,9 +56,9 @@ class StructuredOutputManager(RequestHold):
     def hold(self, request: Request) -> bool:
         """Starts compiling ``request``'s grammar (or finds it compiled) and holds the request meanwhile;
         False for a request without structured outputs."""
-        constraint = request.sampling_params.structured_outputs
-        if constraint is None:
+        if request.kind is not RequestKind.GENERATE or request.sampling_params.structured_outputs is None:
             return False
+        constraint = request.sampling_params.structured_outputs
         self._waiting[request.request_id] = (request, self._compile(constraint))
         return True
 

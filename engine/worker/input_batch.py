@@ -26,6 +26,7 @@ class InputBatch:
         self.device = device
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req)
         self.requests: dict[str, CachedRequestState] = {}
+        self.pooling_req_ids: set[str] = set()  # the pooling requests among them (the runner pools theirs)
         # Generators of preempted requests survive until the request finishes, so a seeded
         # request draws the same tokens whether or not it was preempted.
         self._parked_generators: dict[str, torch.Generator] = {}
@@ -42,7 +43,7 @@ class InputBatch:
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             generator = self._parked_generators.pop(new.req_id, None)
-            if generator is None and params.seed is not None and not params.is_greedy:
+            if generator is None and params is not None and params.seed is not None and not params.is_greedy:
                 generator = make_generator(params.seed, self.device)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
@@ -53,7 +54,10 @@ class InputBatch:
                 slot=self.block_table.add_request(new.block_ids),
                 generator=generator,
                 lora_request=new.lora_request,
+                pooling_params=new.pooling_params,
             )
+            if new.pooling_params is not None:
+                self.pooling_req_ids.add(new.req_id)
         cached = scheduler_output.scheduled_cached_reqs
         drafts = scheduler_output.scheduled_spec_decode_tokens
         for i, req_id in enumerate(cached.req_ids):
@@ -69,6 +73,7 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.block_table.remove_request(state.slot)
+            self.pooling_req_ids.discard(req_id)
         return state
 
     def prepare_inputs(

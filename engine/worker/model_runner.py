@@ -4,7 +4,7 @@ It is the only place that builds tensors from the scheduler's plain data.
 Per step: drop finished/preempted requests, apply the deltas, flatten every
 scheduled token into one batch, run one forward over the mixed batch of
 prefill chunks and decodes, and sample one token for each request whose
-prompt is fully computed.
+prompt is fully computed (a pooling request's prompt is pooled into its vector instead).
 
 With tensor/pipeline parallelism every rank runs this same code on the same
 ``SchedulerOutput`` and keeps the same per-request state; only the forward is
@@ -38,6 +38,7 @@ from engine.worker.cuda_graphs import capture_decode_graphs
 from engine.worker.decode_step import DecodeStep
 from engine.worker.input_batch import InputBatch
 from engine.worker.native_decode import native_decode_step
+from engine.worker.pooler import Pooler
 from engine.worker.profiling import profile_forward
 from engine.worker.request_state import CachedRequestState
 from engine.worker.sampling_inputs import SamplingMetadataCache, prompt_chunks
@@ -56,9 +57,10 @@ class ModelRunner:
     each sampled request's last token, the grammar bitmask of
     structured-output requests (``apply_grammar_bitmask``), then the
     ``Sampler`` (or, in a step where requests verify drafts, the
-    ``DraftVerifier``). With speculative decoding a proposer follows
-    ``_sample``: it reads the step's sampled tokens (and may read its hidden
-    states) and proposes draft tokens for the next step, carried back in the
+    ``DraftVerifier``); a pooling request's rows go to the ``Pooler`` instead.
+    With speculative decoding a proposer follows ``_sample``: it reads the
+    step's sampled tokens (and may read its hidden states) and proposes
+    draft tokens for the next step, carried back in the
     ``ModelRunnerOutput`` (``SpecDecodeRunner``).
     """
 
@@ -78,6 +80,7 @@ class ModelRunner:
         )
         self.requests: dict[str, CachedRequestState] = self.input_batch.requests  # read-only view
         self.prompt_logprobs = PromptLogprobs()
+        self.pooler = Pooler(config.pooler_config)
         self.sampler = Sampler()
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
@@ -157,7 +160,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Runs one step: the sampled tokens on the output rank, None on every other rank.
+        """Runs one step: the sampled tokens (and pooled vectors) on the output rank, None on every other rank.
 
         With several ranks, every rank must be given every step (collectives
         and stage-to-stage transfers inside), in the same order.
@@ -165,6 +168,7 @@ class ModelRunner:
         self.input_batch.apply_deltas(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self.prompt_logprobs.forget(req_id)
+            self.pooler.forget(req_id)
         parallel = self.parallel_state
         kv_meta = scheduler_output.kv_connector_metadata
         kv_output = self._start_kv_loads(kv_meta)
@@ -186,6 +190,21 @@ class ModelRunner:
         logits = self._logits(inputs, hidden, fused)
         if not parallel.is_output_rank:
             return None
+        return self._step_output(inputs, hidden, logits, scheduler_output, prompt_logprobs, kv_output)
+
+    def _step_output(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        logits,
+        scheduler_output: SchedulerOutput,
+        prompt_logprobs,
+        kv_output,
+    ) -> ModelRunnerOutput:
+        """The output rank's results: each sampled request's tokens (their logprobs, the next step's drafts),
+        each pooling request's vector once its prompt is done, the prompt logprobs and KV saves computed."""
+        pooling_req_ids = self.input_batch.pooling_req_ids
+        pooled = self.pooler.pool(self.requests, pooling_req_ids, inputs, hidden) if pooling_req_ids else None
         sampled_tokens: dict[str, list[int]] = {}
         logprobs = draft_token_ids = None
         if logits is not None:
@@ -200,6 +219,7 @@ class ModelRunner:
             kv_transfer_output=kv_output,
             draft_token_ids=draft_token_ids,
             lora_counts=None if self.lora is None else self.lora.counts(),
+            pooler_output=pooled,
         )
 
     def _start_kv_loads(self, kv_meta) -> KVTransferOutput | None:

@@ -14,14 +14,18 @@ import numpy as np
 import torch
 
 from engine.lora_request import LoRARequest
-from engine.sampling_params import SamplingParams
+from engine.pooling_params import PoolingParams
+from engine.sampling_params import RequestKind, SamplingParams
 
 
 @dataclass
 class CachedRequestState:
+    """One request as this worker holds it; a pooling request (``kind`` EMBED) has ``pooling_params`` and no
+    ``sampling_params``."""
+
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     token_ids: list[int]  # prompt + outputs known to this worker
     num_computed_tokens: int
     slot: int  # row of the block table
@@ -29,10 +33,13 @@ class CachedRequestState:
     # Speculative decoding: the drafts this step verifies, computed after token_ids' last token.
     spec_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # multi-LoRA: its adapter (None: the base model)
+    pooling_params: PoolingParams | None = None
     num_prompt_tokens: int = field(init=False)
+    kind: RequestKind = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.kind = RequestKind.GENERATE if self.pooling_params is None else RequestKind.EMBED
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -77,7 +77,7 @@ def prompt_chunks(requests: Mapping[str, CachedRequestState], inputs: StepInputs
     chunks = []
     for req_id, start, num_tokens, row in zip(inputs.req_ids, inputs.starts, inputs.query_lens, inputs.token_offsets):
         state = requests[req_id]
-        num_logprobs = state.sampling_params.prompt_logprobs
+        num_logprobs = None if state.sampling_params is None else state.sampling_params.prompt_logprobs
         if num_logprobs is not None:
             chunks.append(PromptChunk(req_id, state.prompt_token_ids, num_logprobs, start, start + num_tokens, row))
     return chunks

@@ -15,12 +15,14 @@ import numpy as np
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.sampling_params import RequestKind
 from engine.worker.request_state import BlockTable, CachedRequestState
 
 
 @dataclass
 class StepInputs:
-    """One step's flattened batch; rows of ``sample_indices`` are where logits are read."""
+    """One step's flattened batch; rows of ``sample_indices`` are where logits are read (pooling requests'
+    rows are pooled instead: ``engine.worker.pooler``)."""
 
     req_ids: list[str]
     input_ids: torch.Tensor  # [num_tokens]
@@ -86,9 +88,12 @@ def _sample_rows(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sampled requests' batch rows [num_sampled], the batch rows logits are read at [num_sample_rows],
     drafts per sampled request [num_sampled]): a request whose prompt is done with this batch gets a
-    token, read at its last row, and one more row per draft it verifies, just before it."""
+    token, read at its last row, and one more row per draft it verifies, just before it; a pooling request
+    never does (its length never matches: -1)."""
     num_drafts = np.array([len(s.spec_token_ids) for s in states], dtype=np.int64)  # [num_reqs]
-    is_sampled = seq_lens == np.array([len(s.token_ids) for s in states], dtype=np.int64) + num_drafts
+    generate = RequestKind.GENERATE
+    lengths = [len(s.token_ids) if s.kind is generate else -1 for s in states]
+    is_sampled = seq_lens == np.array(lengths, dtype=np.int64) + num_drafts
     sampled_rows = np.flatnonzero(is_sampled)  # [num_sampled]
     sample_indices = offsets[1:][sampled_rows] - 1  # [num_sampled]
     num_drafts = num_drafts[sampled_rows]

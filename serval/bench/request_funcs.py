@@ -1,8 +1,10 @@
-"""One streamed request of ``serval bench serve``, timed: the OpenAI completions and chat-completions backends
-(vLLM's ``--backend openai`` and ``openai-chat``, its ``benchmarks/lib/endpoint_request_func.py``).
+"""One request of ``serval bench serve``, timed: the OpenAI completions and chat-completions backends, streamed,
+and the embeddings backend, not (vLLM's ``--backend openai``, ``openai-chat`` and ``openai-embeddings``, its
+``benchmarks/lib/endpoint_request_func.py``).
 
 Times are seconds since the benchmark started. A request's first token is its first streamed chunk that
-carries generated output; failures (HTTP errors, error events, broken streams) are results, never raised.
+carries generated output; an embedding's is its whole response (as vLLM times it: its TTFT is its latency,
+it has no output tokens). Failures (HTTP errors, error events, broken streams) are results, never raised.
 """
 
 from __future__ import annotations
@@ -18,24 +20,35 @@ from serval.bench.report import RequestResult
 
 
 class Backend(enum.Enum):
-    """An OpenAI API the benchmark streams from; the value is vLLM's ``--backend`` name."""
+    """An OpenAI API the benchmark calls; the value is vLLM's ``--backend`` name."""
 
     OPENAI = "openai"
     OPENAI_CHAT = "openai-chat"
+    OPENAI_EMBEDDINGS = "openai-embeddings"
 
     @property
     def default_endpoint(self) -> str:
-        return "/v1/completions" if self is Backend.OPENAI else "/v1/chat/completions"
+        return "/v1/" + self.endpoint_suffix
 
     @property
     def endpoint_suffix(self) -> str:
         """What an endpoint of this backend's API ends with (vLLM checks the same)."""
-        return "completions" if self is Backend.OPENAI else "chat/completions"
+        return {"openai": "completions", "openai-chat": "chat/completions", "openai-embeddings": "embeddings"}[
+            self.value
+        ]
+
+    @property
+    def streams(self) -> bool:
+        """Whether its requests stream tokens (an embeddings request is answered whole)."""
+        return self is not Backend.OPENAI_EMBEDDINGS
 
     def body(self, prompt: str | list[int], output_len: int) -> dict:
-        """The request body's prompt and length fields; a chat prompt is one user message of text."""
+        """The request body's prompt and length fields; a chat prompt is one user message of text; an
+        embeddings input has no output length."""
         if self is Backend.OPENAI:
             return {"prompt": prompt, "max_tokens": output_len}
+        if self is Backend.OPENAI_EMBEDDINGS:
+            return {"input": prompt}
         return {"messages": [{"role": "user", "content": prompt}], "max_completion_tokens": output_len}
 
     def carries_output(self, choice: dict) -> bool:
@@ -67,23 +80,44 @@ class RequestSender:
         self.semaphore = asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else None
 
     def payload(self, request: SampleRequest) -> dict:
-        payload = {
-            "model": self.model,
-            **self.backend.body(request.prompt, request.expected_output_len),
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **self.sampling,
-        }
+        """The body; an embeddings request's is its model and input only (it samples nothing)."""
+        body = {"model": self.model, **self.backend.body(request.prompt, request.expected_output_len)}
+        if not self.backend.streams:
+            return body
+        payload = {**body, "stream": True, "stream_options": {"include_usage": True}, **self.sampling}
         if self.ignore_eos:
             payload["ignore_eos"] = True
         return payload
 
     async def send(self, client, request: SampleRequest, benchmark_start: float) -> RequestResult:
         """The request's result, times in seconds since ``benchmark_start``; failures are results too."""
+        call = self._stream if self.backend.streams else self._post
         if self.semaphore is None:
-            return await self._stream(client, request, benchmark_start)
+            return await call(client, request, benchmark_start)
         async with self.semaphore:
-            return await self._stream(client, request, benchmark_start)
+            return await call(client, request, benchmark_start)
+
+    async def _post(self, client, request: SampleRequest, benchmark_start: float) -> RequestResult:
+        """A request answered whole (embeddings): its one "chunk" is the response, its input the server's count."""
+        import httpx
+
+        result = RequestResult(
+            prompt_len=request.prompt_len, start_time=time.perf_counter() - benchmark_start, end_time=0.0
+        )
+        try:
+            response = await client.post(self.api_url, json=self.payload(request), headers=self.headers)
+            body = response.json()
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {error_message(body)}"
+            else:
+                result.num_prompt_tokens = body["usage"]["prompt_tokens"]
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+        except (ValueError, KeyError, TypeError) as exc:  # a body that is not the API's
+            result.error = f"malformed response: {exc!r}"
+        result.end_time = time.perf_counter() - benchmark_start
+        result.chunk_times.append(result.end_time)
+        return result
 
     async def _stream(self, client, request: SampleRequest, benchmark_start: float) -> RequestResult:
         import httpx

@@ -2,7 +2,8 @@
 
 Requests from a dataset (:mod:`serval.bench.datasets`) arrive as a Poisson or gamma process
 (``--request-rate``, ``--burstiness``), at most ``--max-concurrency`` in flight; each is one streamed
-request of ``--backend`` (:mod:`serval.bench.request_funcs`: ``openai`` completions or ``openai-chat``).
+request of ``--backend`` (:mod:`serval.bench.request_funcs`: ``openai`` completions or ``openai-chat``), or one
+``openai-embeddings`` request answered whole (its latency only: ``--percentile-metrics`` defaults to e2el).
 Per request it records the time to the first token, the gaps between streamed chunks and the end-to-end
 latency; the report (:mod:`serval.bench.report`) has vLLM's metrics and keys, goodput under
 ``--goodput``, and, with ``--save-detailed``, the per-request lists. With ``--save-result`` (or a
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from serval.bench import serve_args
 from serval.bench.datasets import SampleRequest, sample_requests
-from serval.bench.report import PER_REQUEST_KEYS, RequestResult, build_report, format_summary
+from serval.bench.report import METRICS, PER_REQUEST_KEYS, RequestResult, build_report, format_summary
 from serval.bench.request_funcs import Backend, RequestSender
 
 SUMMARY = "load-test an OpenAI-compatible endpoint (vLLM's bench serve: its flags, datasets, result keys)"
@@ -77,7 +78,8 @@ def benchmark(args: argparse.Namespace) -> dict:
         requests = [replace(request, prompt=as_text(request.prompt, tokenizer)) for request in requests]
     results, duration_s = asyncio.run(run_load(args, sender, requests))
     slos = dict(args.goodput) if args.goodput else None
-    report = build_report(results, duration_s, args.metric_percentiles, args.percentile_metrics, slos)
+    metrics = args.percentile_metrics or (list(METRICS) if args.backend.streams else ["e2el"])
+    report = build_report(results, duration_s, args.metric_percentiles, metrics, slos)
     return {**run_settings(args, model, path, sender), **report}
 
 

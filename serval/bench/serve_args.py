@@ -59,13 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_endpoint_arguments(group) -> None:
     group.add_argument(
-        "--backend", type=Backend, choices=list(Backend), default=Backend.OPENAI, metavar="{openai,openai-chat}"
+        "--backend",
+        type=Backend,
+        choices=list(Backend),
+        default=Backend.OPENAI,
+        metavar="{openai,openai-chat,openai-embeddings}",
     )
     group.add_argument("--base-url", help="Server base URL (default: http://{--host}:{--port}).")
     group.add_argument("--url", dest="base_url", action=DeprecatedAlias, use="--base-url", help=argparse.SUPPRESS)
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--endpoint", help="API path (default: the backend's, /v1/completions or /v1/chat/completions).")
+    group.add_argument(
+        "--endpoint", help="API path (default: the backend's: /v1/completions, /v1/chat/completions, /v1/embeddings)."
+    )
     group.add_argument("--header", metavar="KEY=VALUE", nargs="*", help="Extra headers sent with every request.")
     group.add_argument(
         "--api-key",
@@ -112,8 +118,9 @@ def _add_report_arguments(report) -> None:
     report.add_argument(
         "--percentile-metrics",
         type=parse_metric_names,
-        default=list(METRICS),
-        help=f"Comma-separated metrics to report statistics of (default {','.join(METRICS)}; vLLM's: ttft,tpot,itl).",
+        default=None,
+        help=f"Comma-separated metrics to report statistics of (default {','.join(METRICS)}, e2el for "
+        "openai-embeddings; vLLM's: ttft,tpot,itl, e2el).",
     )
     report.add_argument(
         "--metric-percentiles",
@@ -192,7 +199,7 @@ def api_url(args: argparse.Namespace) -> str:
     endpoint = args.endpoint or args.backend.default_endpoint
     if not endpoint.rstrip("/").endswith(args.backend.endpoint_suffix):
         raise ValueError(
-            f"--backend {args.backend.value} streams from an endpoint ending in "
+            f"--backend {args.backend.value} calls an endpoint ending in "
             f"{args.backend.endpoint_suffix!r}, got --endpoint {endpoint!r}"
         )
     return base_url(args) + "/" + endpoint.lstrip("/")

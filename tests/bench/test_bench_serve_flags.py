@@ -142,6 +142,23 @@ def test_chat_backend_streams_chat_completions(bench_url, model_path, tmp_path):
     assert record["request_goodput"] == record["request_throughput"] and record["goodput_fraction"] == 1.0
 
 
+def test_embeddings_backend_times_whole_embedding_requests(bench_url, model_path, tmp_path, capsys):
+    """vLLM's ``--backend openai-embeddings``: each prompt (the random dataset's token ids) is one non-streamed
+    ``/v1/embeddings`` call; its latency is all there is to time (``--percentile-metrics`` e2el by default)."""
+    argv = ["bench", "serve", "--backend", "openai-embeddings", "--base-url", bench_url, "--tokenizer", model_path]
+    argv += ["--result-dir", str(tmp_path), "--result-filename", "embed.json", "--save-detailed", "--disable-tqdm"]
+    argv += load_flags("--max-concurrency", "3", "--temperature", "0.5")  # sampling flags are not sent
+    assert cli.main(argv) == 0
+    record = json.loads((tmp_path / "embed.json").read_text())
+    assert record["api_url"] == f"{bench_url}/v1/embeddings" and record["endpoint_type"] == "openai-embeddings"
+    assert (record["completed"], record["failed"], record["first_errors"]) == (6, 0, [])
+    assert record["input_lens"] == [24] * 6 and record["total_input_tokens"] == 6 * 24  # the server's usage
+    assert record["output_lens"] == [0] * 6 and record["total_output_tokens"] == 0
+    assert record["ttfts"] == record["latencies"] and all(latency > 0 for latency in record["latencies"])
+    assert record["percentile_metrics"] == ["e2el"] and "mean_ttft_ms" not in record
+    assert "End-to-end Latency" in capsys.readouterr().out
+
+
 def test_goodput_counts_only_requests_within_every_slo(bench_url, model_path):
     def run(*goodput: str) -> dict:
         argv = ["--base-url", bench_url, "--model", MODEL, "--tokenizer", model_path, "--disable-tqdm"]

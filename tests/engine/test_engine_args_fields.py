@@ -13,6 +13,7 @@ from engine.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -25,7 +26,13 @@ EXPECTED_RENAMES = {
     "num_gpu_blocks_override": (CacheConfig, "num_blocks"),
     "scheduling_policy": (SchedulerConfig, "policy"),
 }
-EXPECTED_UNROUTED = {"disable_log_stats", "kv_transfer_config", "structured_outputs_config", "speculative_config"}
+EXPECTED_UNROUTED = {
+    "disable_log_stats",
+    "kv_transfer_config",
+    "structured_outputs_config",
+    "speculative_config",
+    "pooler_config",
+}
 
 # A value different from the default for every EngineArgs field but model, each valid together.
 NON_DEFAULTS = dict(
@@ -35,6 +42,7 @@ NON_DEFAULTS = dict(
     quantization="int8",
     seed=7,
     reasoning_parser="qwen3",
+    runner="pooling",
     attention_backend="torch",
     enforce_eager=True,
     cuda_graph_batch_sizes=(1, 2),
@@ -75,6 +83,7 @@ NON_DEFAULTS = dict(
         disable_any_whitespace=True, num_compile_threads=2, enable_in_reasoning=True
     ),
     speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_model_len=1024),
+    pooler_config=PoolerConfig(pooling_type="MEAN", normalize=False),
 )
 # tensor_parallel_size / pipeline_parallel_size stay 1 (KV transfer refuses more); their routing is checked below.
 AT_DEFAULT = {"tensor_parallel_size", "pipeline_parallel_size"}
@@ -147,6 +156,7 @@ def test_create_engine_config_routes_every_value_to_its_config_field(tmp_path):
     assert config.kv_transfer_config == NON_DEFAULTS["kv_transfer_config"]
     assert config.structured_outputs_config == NON_DEFAULTS["structured_outputs_config"]
     assert config.speculative_config == NON_DEFAULTS["speculative_config"]
+    assert config.pooler_config == NON_DEFAULTS["pooler_config"]
     assert args.create_parallel_config() == config.parallel_config
     parallel_config = EngineArgs(model="m", tensor_parallel_size=2, pipeline_parallel_size=3).create_parallel_config()
     assert (parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size) == (2, 3)

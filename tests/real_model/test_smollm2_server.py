@@ -13,6 +13,7 @@ the servers build it, behind ``build_app(LocalModelRouter(...))`` on uvicorn, ca
   constraint (``structured_outputs`` and ``guided_choice``) give valid outputs that finish with "stop".
 * Sampling defaults: ``temperature: 0`` is deterministic greedy; a request without temperature / top_p
   samples with generation_config.json's (0.2, 0.9), seen through a seed.
+* ``/v1/embeddings`` on the same engine equals transformers' last-token hidden state, L2-normalized.
 
 Every KV block is free again after each test.
 """
@@ -40,6 +41,7 @@ from tests.real_model.smollm2 import (
     NAMES,
     hf_decode,
     hf_greedy,
+    hf_tokenizer,
     template_ids,
 )
 
@@ -277,3 +279,24 @@ def test_omitted_temperature_and_top_p_come_from_the_generation_config(client):
         sample, [{}, {"temperature": 0.2, "top_p": 0.9}, {"temperature": 1.0, "top_p": 1.0}]
     )
     assert omitted == explicit != openai_defaults
+
+
+def test_embeddings_equal_transformers_hidden_states_pooled_by_last_token(smollm2_path, client):
+    """The served model's ``/v1/embeddings`` (the same replica that chats): transformers' final hidden state of
+    each input's last token, L2-normalized, float32; a batch equals its inputs one by one."""
+    import torch
+    from transformers import AutoModel
+
+    texts = ["What is the capital of France?", "Le renard brun saute par-dessus le chien paresseux. 🦊"]
+    batch = client.embeddings.create(model=MODEL, input=texts)
+    model = AutoModel.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    tokenizer = hf_tokenizer(smollm2_path)
+    for text, item in zip(texts, batch.data):
+        with torch.no_grad():
+            hidden = model(torch.tensor([tokenizer.encode(text)])).last_hidden_state[0]
+        expected = torch.nn.functional.normalize(hidden[-1], dim=-1)
+        vector = torch.tensor(item.embedding)
+        assert vector.shape == (576,) and torch.nn.functional.cosine_similarity(vector, expected, dim=0) > 0.9999
+        [alone] = client.embeddings.create(model=MODEL, input=text).data
+        torch.testing.assert_close(torch.tensor(alone.embedding), vector, atol=1e-6, rtol=0)
+    assert batch.usage.prompt_tokens == sum(len(tokenizer.encode(text)) for text in texts)

@@ -254,9 +254,25 @@ def test_the_ingress_serves_every_route_of_the_in_process_server(base_url):
     assert {(method, path) for method, path, _ in ROUTES} <= served
 
 
+def test_embeddings_through_the_app_equal_the_offline_engine(client, base_url, offline_llama):
+    """The same replicas that generate serve ``/v1/embeddings`` (last token, normalized); a bad one is a 400
+    across the Ray boundary, in OpenAI's shape."""
+    response = client.embeddings.create(model=LLAMA, input=[PROMPT, "Hello there!"])
+    offline = offline_llama.embed([PROMPT, "Hello there!"], use_tqdm=False)
+    for item, expected in zip(response.data, offline):
+        assert abs(sum(value * value for value in item.embedding) - 1.0) < 1e-5
+        assert max(abs(a - b) for a, b in zip(item.embedding, expected.outputs.embedding)) < 1e-6
+    num_tokens = sum(len(output.prompt_token_ids) for output in offline)
+    assert (response.usage.prompt_tokens, response.usage.total_tokens) == (num_tokens, num_tokens)
+    refused = httpx.post(f"{base_url}/v1/embeddings", json={"model": LLAMA, "input": "Hi", "dimensions": 8})
+    assert refused.status_code == 400 and "Matryoshka" in refused.json()["error"]["message"]
+
+
 def test_replica_metrics_reach_rays_prometheus_endpoint(ray_head, client):
-    """Every LLM-server replica exports serval_* metrics through Ray's pipeline, tagged by model and replica."""
+    """Every LLM-server replica exports serval_* metrics through Ray's pipeline, tagged by model and replica;
+    the ingress counts the calls it routes by endpoint."""
     client.completions.create(model=LLAMA, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    client.embeddings.create(model=LLAMA, input=PROMPT)
     url = f"http://{LOOPBACK}:{ray_head.metrics_port}/metrics"
     wanted = [
         "serval_time_to_first_token_seconds_bucket",
@@ -267,7 +283,7 @@ def test_replica_metrics_reach_rays_prometheus_endpoint(ray_head, client):
         "serval_request_success",
         "serval_num_requests_running",
         "serval_kv_cache_usage_perc",
-        "serval_endpoint_calls",
+        "serval_endpoint_requests",
     ]
     deadline = time.monotonic() + 120  # Ray's agent exports every few seconds
     while True:
@@ -282,7 +298,8 @@ def test_replica_metrics_reach_rays_prometheus_endpoint(ray_head, client):
         assert time.monotonic() < deadline, f"metrics missing from Ray's endpoint: {missing}; got {lines[:20]}"
         time.sleep(2)
     assert any('finished_reason="length"' in line for line in lines)
-    assert any("serval_endpoint_calls" in line and 'endpoint="completions"' in line for line in lines)
+    for endpoint in ("completions", "embeddings"):
+        assert any("serval_endpoint_requests" in line and f'endpoint="{endpoint}"' in line for line in lines)
     assert all('replica="' in line for line in lines)
 
 

@@ -22,12 +22,13 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 from fastapi import FastAPI
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, resolve_api_keys
+from engine.entrypoints.openai.embeddings import EmbeddingRequest
 from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import (
     MESSAGES_PATH,
@@ -48,6 +49,7 @@ from engine.entrypoints.openai.lora_routes import (
     resolve_model,
 )
 from engine.entrypoints.openai.messages_protocol import MessagesRequest
+from engine.entrypoints.openai.openapi_docs import request_body_docs
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -136,6 +138,10 @@ async def handle_detokenize(router: ModelRouter, raw_request: Request) -> Respon
     return await _handle_endpoint(router, raw_request, Endpoint.DETOKENIZE, DetokenizeRequest.model_validate)
 
 
+async def handle_embeddings(router: ModelRouter, raw_request: Request) -> Response:
+    return await _handle_endpoint(router, raw_request, Endpoint.EMBEDDINGS, EmbeddingRequest.model_validate)
+
+
 async def handle_models(router: ModelRouter, raw_request: Request) -> Response:
     try:
         cards = await model_cards(router)
@@ -166,6 +172,7 @@ ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response
     ("POST", "/v1/completions", handle_completions),
     ("POST", "/v1/chat/completions", handle_chat),
     ("POST", MESSAGES_PATH, handle_messages),
+    ("POST", "/v1/embeddings", handle_embeddings),
     ("GET", "/v1/models", handle_models),
     ("POST", "/tokenize", handle_tokenize),
     ("POST", "/detokenize", handle_detokenize),
@@ -175,41 +182,17 @@ ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response
     ("POST", "/v1/unload_lora_adapter", handle_unload_lora_adapter),
 ]
 
-# The JSON body each POST route parses (its schema is documented in /openapi.json).
+# The JSON body each POST route parses (its schema is documented in /openapi.json: ``openapi_docs``).
 REQUEST_MODELS: dict[str, Any] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     MESSAGES_PATH: MessagesRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
     "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
-
-
-def openapi_request_body(path: str) -> dict | None:
-    """The ``openapi_extra`` documenting ``path``'s JSON body; None for a route without one.
-
-    The handlers read the raw body (to answer 400 in OpenAI's shape, not FastAPI's 422), so
-    FastAPI cannot see the models: this puts their schemas, inlined, in /openapi.json.
-    """
-    if path not in REQUEST_MODELS:
-        return None
-    schema = TypeAdapter(REQUEST_MODELS[path]).json_schema()
-    schema = _inline_refs(schema, schema.pop("$defs", {}))
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-def _inline_refs(node: Any, defs: dict) -> Any:
-    # The app's OpenAPI components hold no models, so a "#/$defs/..." reference would dangle.
-    if isinstance(node, list):
-        return [_inline_refs(item, defs) for item in node]
-    if not isinstance(node, dict):
-        return node
-    inlined = {key: _inline_refs(value, defs) for key, value in node.items() if key != "$ref"}
-    if "$ref" in node:
-        inlined = {**_inline_refs(defs[node["$ref"].removeprefix("#/$defs/")], defs), **inlined}
-    return inlined
 
 
 def build_app(router: ModelRouter, options: ServerOptions | None = None) -> FastAPI:
@@ -222,7 +205,8 @@ def build_app(router: ModelRouter, options: ServerOptions | None = None) -> Fast
     router = LimitedRouter(router, options.request_limits)
     app = FastAPI(title="Serval OpenAI-compatible server")
     for method, path, handler in ROUTES:
-        app.add_api_route(path, _bind(router, handler), methods=[method], openapi_extra=openapi_request_body(path))
+        docs = request_body_docs(REQUEST_MODELS.get(path))
+        app.add_api_route(path, _bind(router, handler), methods=[method], openapi_extra=docs)
     app.add_exception_handler(HTTPException, http_exception_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(RequestBodyLimit, max_bytes=options.request_limits.max_request_body_bytes)

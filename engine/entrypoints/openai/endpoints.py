@@ -17,6 +17,7 @@ class Endpoint(Enum):
     MESSAGES = "messages"  # Anthropic's Messages API: a chat request, answered in Anthropic's shapes
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    EMBEDDINGS = "embeddings"
     LOAD_LORA_ADAPTER = "load_lora_adapter"
     UNLOAD_LORA_ADAPTER = "unload_lora_adapter"
 

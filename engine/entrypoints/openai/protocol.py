@@ -166,18 +166,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt_shape(cls, prompt: Any) -> Any:
-        # One clear message instead of pydantic's error per union member.
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and (
-            all(isinstance(item, str) for item in prompt)
-            or all(_is_token_id(item) for item in prompt)
-            or all(isinstance(item, list) and all(map(_is_token_id, item)) for item in prompt)
-        ):
-            return prompt
-        raise ValueError(
-            "prompt must be a string, a list of strings, a list of token ids (integers) or a list of token-id lists."
-        )
+        return check_prompt_input(prompt, "prompt")
 
     @model_validator(mode="after")
     def _check_unsupported(self):
@@ -189,14 +178,34 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str] | list[list[int]]:
         """The batch: a list of texts or a list of token-id lists (one element for a single prompt)."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise ValueError("prompt must not be empty.")
-        if isinstance(prompt[0], int):
-            return [prompt]
-        return list(prompt)
+        return prompt_batch(self.prompt, "prompt")
+
+
+def check_prompt_input(value: Any, name: str) -> Any:
+    """``value`` if it is a ``PromptInput``, else ValueError: one clear message instead of pydantic's error per
+    union member (completions' ``prompt``, embeddings' ``input``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and (
+        all(isinstance(item, str) for item in value)
+        or all(_is_token_id(item) for item in value)
+        or all(isinstance(item, list) and all(map(_is_token_id, item)) for item in value)
+    ):
+        return value
+    raise ValueError(
+        f"{name} must be a string, a list of strings, a list of token ids (integers) or a list of token-id lists."
+    )
+
+
+def prompt_batch(value: PromptInput, name: str) -> list[str] | list[list[int]]:
+    """A ``PromptInput`` as a batch: a list of texts or of token-id lists (one element for a single prompt)."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise ValueError(f"{name} must not be empty.")
+    if isinstance(value[0], int):
+        return [value]
+    return list(value)
 
 
 def _is_token_id(value: Any) -> bool:

@@ -34,6 +34,7 @@ from engine.entrypoints.openai.lora_models import AdapterNotFoundError, LoRAMode
 from engine.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from engine.entrypoints.openai.responses import ModelCard
 from engine.entrypoints.openai.serving_completion import CompletionServing
+from engine.entrypoints.openai.serving_embedding import EmbeddingServing
 from engine.entrypoints.openai.serving_messages import MessagesServing
 from engine.entrypoints.openai.serving_tokenize import TokenizationServing
 from engine.entrypoints.openai.streaming import SSEChunk
@@ -55,7 +56,7 @@ class OpenAIServing:
     and ``check_health()``.
 
     It only routes: each endpoint's work is done by the serving it composes
-    (completion, chat and messages, tokenization), all over the same ``EngineClient``.
+    (completion, chat, messages, tokenization, embedding), all over the same ``EngineClient``.
     """
 
     def __init__(
@@ -69,12 +70,14 @@ class OpenAIServing:
         completion = CompletionServing(engine, model_id)
         chat = MessagesServing(engine, model_id)  # chat completions, and Anthropic's Messages API over them
         tokenization = TokenizationServing(engine, model_id)
+        embedding = EmbeddingServing(engine, model_id)
         self._endpoints: dict[Endpoint, EndpointMethod] = {
             Endpoint.COMPLETIONS: completion.completions,
             Endpoint.CHAT: chat.chat,
             Endpoint.MESSAGES: chat.messages,
             Endpoint.TOKENIZE: tokenization.tokenize,  # an adapter tokenizes as its base model
             Endpoint.DETOKENIZE: tokenization.detokenize,
+            Endpoint.EMBEDDINGS: embedding.embeddings,  # an adapter's: its hidden states pooled
             Endpoint.LOAD_LORA_ADAPTER: self._load_lora_adapter,
             Endpoint.UNLOAD_LORA_ADAPTER: self._unload_lora_adapter,
         }

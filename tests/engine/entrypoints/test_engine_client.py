@@ -21,6 +21,7 @@ from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.protocol import CompletionRequest
 from engine.inputs import RequestOptions
 from engine.lora_request import LoRARequest
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 from tests.conftest import REPO_ROOT
 
@@ -47,11 +48,12 @@ def members_not_defined_by(client) -> list[str]:
     return [name for name in PROTOCOL_MEMBERS if not is_own(name)]
 
 
-def generate_signature_mismatches(client_class: type) -> list[str]:
-    """Parameters of ``EngineClient.generate`` that ``client_class.generate`` lacks or takes differently."""
-    implemented = inspect.signature(client_class.generate).parameters
+def generate_signature_mismatches(client_class: type, method: str = "generate") -> list[str]:
+    """Parameters of ``EngineClient.<method>`` (``generate``, ``encode``) that ``client_class``'s lacks or takes
+    differently."""
+    implemented = inspect.signature(getattr(client_class, method)).parameters
     mismatches = []
-    for name, promised in inspect.signature(EngineClient.generate).parameters.items():
+    for name, promised in inspect.signature(getattr(EngineClient, method)).parameters.items():
         given = implemented.get(name)
         if given is None or given.kind != promised.kind or given.default != promised.default:
             mismatches.append(name)
@@ -65,7 +67,17 @@ class _NoMetrics:
 
 def test_the_protocol_lists_what_servers_call():
     assert PROTOCOL_MEMBERS == sorted(
-        ["abort", "check_health", "generate", "get_stats", "max_model_len", "model_config", "tokenizer", "vocab_size"]
+        [
+            "abort",
+            "check_health",
+            "encode",
+            "generate",
+            "get_stats",
+            "max_model_len",
+            "model_config",
+            "tokenizer",
+            "vocab_size",
+        ]
     )
 
 
@@ -75,7 +87,7 @@ def test_async_llm_implements_engine_client(engine):
     assert isinstance(engine, EngineClient)
     assert EngineClient in AsyncLLM.__mro__  # declared openly, not only matched by shape
     assert members_not_defined_by(engine) == []
-    assert generate_signature_mismatches(AsyncLLM) == []
+    assert generate_signature_mismatches(AsyncLLM) == generate_signature_mismatches(AsyncLLM, "encode") == []
     assert engine.model_config is engine.config.model_config
 
 
@@ -87,10 +99,16 @@ def test_remote_prefill_engine_implements_engine_client_from_its_local_engine(en
     assert isinstance(client, EngineClient) and EngineClient in RemotePrefillEngine.__mro__
     assert members_not_defined_by(client) == []
     assert generate_signature_mismatches(RemotePrefillEngine) == []
+    assert generate_signature_mismatches(RemotePrefillEngine, "encode") == []
     assert client.tokenizer is engine.tokenizer and client.model_config is engine.model_config
     assert (client.max_model_len, client.vocab_size) == (engine.max_model_len, engine.vocab_size)
     assert client.get_stats() == engine.get_stats()
     asyncio.run(client.check_health())
+    # An embedding needs hidden states, not a remote prefill's KV: the local engine computes it whole.
+    prompt, params = {"prompt_token_ids": [5, 6, 7]}, PoolingParams()
+    [remote] = asyncio.run(_items(client.encode(prompt, params, "embed-remote")))
+    [local] = asyncio.run(_items(engine.encode(prompt, params, "embed-local")))
+    assert remote.outputs == local.outputs
 
 
 def test_remote_prefill_engine_refuses_a_lora_request_before_any_prefill(engine):

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
+from engine.entrypoints.openai.embeddings import EmbeddingRequest
 from engine.entrypoints.openai.messages_protocol import MessagesRequest
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from tests.conftest import wait_until_idle
@@ -33,7 +34,7 @@ FUZZ_SETTINGS = settings(
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
-OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize", "/detokenize"]
+OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/embeddings", "/tokenize", "/detokenize"]
 # The keys of each route's error body's "error" object (OpenAI's; Anthropic's on /v1/messages).
 ERROR_KEYS = {"/v1/messages": {"type", "message"}}
 OPENAI_ERROR_KEYS = {"message", "type", "code"}
@@ -67,6 +68,7 @@ def test_openapi_documents_the_real_request_bodies(base_url):
     for path, model in [
         ("/v1/completions", CompletionRequest),
         ("/v1/chat/completions", ChatCompletionRequest),
+        ("/v1/embeddings", EmbeddingRequest),
         ("/detokenize", DetokenizeRequest),
     ]:
         schema = _body_schema(openapi, path)
@@ -93,8 +95,9 @@ def _keep_generation_short(body) -> None:
         return
     if isinstance(body.get("model"), str):
         body["model"] = MODEL
-    if body.get("prompt") in ("", []):
-        body["prompt"] = "Hi"
+    for key in ("prompt", "input"):
+        if body.get(key) in ("", []):
+            body[key] = "Hi"
     for key in ("max_tokens", "max_completion_tokens"):
         if type(body.get(key)) is int and MAX_GENERATED_TOKENS < body[key] <= 2**20:
             body[key] = MAX_GENERATED_TOKENS
@@ -151,7 +154,10 @@ JSON_VALUES = st.recursive(
 )
 HUGE_NUMBERS = st.sampled_from(["1e308", "-1e309", "1e-400", "NaN", "Infinity", "-Infinity", "9" * 400, "-" + "9" * 40])
 FIELDS = sorted(
-    set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(MessagesRequest.model_fields)
+    set(CompletionRequest.model_fields)
+    | set(ChatCompletionRequest.model_fields)
+    | set(MessagesRequest.model_fields)
+    | set(EmbeddingRequest.model_fields)
 )
 
 
@@ -165,6 +171,7 @@ def hostile_bodies(draw) -> bytes:
     fields = draw(st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=5))
     if draw(st.booleans()):
         fields.setdefault("prompt", "Hi")
+        fields.setdefault("input", "Hi")
         fields.setdefault("messages", [{"role": "user", "content": "Hi"}])
     _keep_generation_short(fields)
     text = json.dumps(fields)
@@ -231,6 +238,7 @@ def test_a_body_nested_past_the_recursion_limit_is_a_400(base_url, path):
         ("/v1/completions", rb'{"prompt": "Hi \ud800", "max_tokens": 2}'),
         ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\uDFFF"}], "max_tokens": 2}'),
         ("/tokenize", rb'{"prompt": "\udc80"}'),
+        ("/v1/embeddings", rb'{"input": ["Hi", "\ud800"]}'),
     ],
 )
 def test_a_lone_surrogate_escape_is_a_400(base_url, path, body):

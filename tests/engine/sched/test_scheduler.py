@@ -287,6 +287,7 @@ def test_an_engine_core_output_pickles_to_an_equal_one():
         "num_cached_tokens": 16,
         "first_scheduled_time": 3.5,
         "kv_transfer_params": {"k": 1},
+        "pooling_output": [0.25, -0.5],
     }
     assert set(values) == {field.name for field in dataclasses.fields(EngineCoreOutput)}
     output = EngineCoreOutput(**values)
