@@ -103,22 +103,18 @@ class ModelConfig(_FrozenConfig):
     )
     quantization: Literal["gguf", "int8", "none"] | None = Field(
         None,
-        description="How linear weights are stored and multiplied: gguf: as the .gguf file's Q8_0/Q4_0/Q4_1/"
-        "Q5_0/Q5_1 blocks; int8: a float checkpoint's linears quantized to Q8_0 blocks as they load (weight-only, "
-        "vLLM's W8A16 idea); none: every weight dequantized to dtype; None: gguf for a .gguf file storing "
-        "such blocks, else none.",
+        description="How linear weights are stored and multiplied: gguf: as the .gguf file's blocks (Q8_0, Q4_0/1, "
+        "Q5_0/1, Q4_K, Q5_K, Q6_K); int8: a float checkpoint's linears quantized to Q8_0 as they load (vLLM's "
+        "W8A16 idea); none: every weight dequantized to dtype; None: gguf for a .gguf file of blocks, else none.",
     )
     seed: int = Field(0, description="Seed of the sampler's random draws.")
     reasoning_parser: ReasoningParserName | None = Field(
-        None,
-        description="How the model marks its reasoning (<think>...</think>, engine/reasoning.py): chat answers "
-        "carry it as reasoning_content, and output constraints apply after it; None: the output is all content.",
+        None, description="How the model marks its reasoning (<think>...</think>: engine/reasoning.py); None: none."
     )
     runner: Literal["auto", "generate", "pooling"] = Field(
         "auto",
-        description="What requests the engine serves (vLLM's --runner): generate: generation; pooling: embeddings "
-        "(pooler_config); auto: both, since every architecture served is a causal decoder whose final hidden "
-        "states pool.",
+        description="What the engine serves (vLLM's --runner): generate; pooling: embeddings (pooler_config); auto: "
+        "both (every architecture served is a causal decoder, whose final hidden states pool).",
     )
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: triton on CUDA devices, torch (the reference) elsewhere."
@@ -146,8 +142,7 @@ class PoolerConfig(_FrozenConfig):
     """Embeddings (vLLM's ``pooler_config``): how a pooling request's final hidden states become one vector."""
 
     pooling_type: Literal["LAST", "MEAN", "CLS"] = Field(
-        "LAST",
-        description="LAST: the last prompt token's hidden state; MEAN: the mean over the prompt; CLS: the first.",
+        "LAST", description="LAST: the last prompt token's final hidden state; MEAN: the prompt's mean; CLS: the first."
     )
     normalize: bool = Field(True, description="L2-normalize each vector unless its request says otherwise.")
 
