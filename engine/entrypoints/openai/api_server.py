@@ -3,10 +3,8 @@
 The handlers parse and validate the body (malformed JSON or invalid fields
 -> 400 in OpenAI's error shape), pick the model (unknown -> 404; omitted ->
 the only one served), call the router's ``Endpoint`` and turn its item stream
-(``serving.StreamItem``) into a response by the declared type of its first
-item: an ``SSEChunk`` -> an SSE stream of it and the rest; an
-``ErrorResponse`` -> that status; a response model -> a JSON body. A client
-that disconnects closes the item stream, which aborts the engine requests.
+(``serving.StreamItem``) into a response (``http_items.respond``). The Responses
+API's routes (``responses_routes``) also use the app's response store.
 
 They are free functions so the Ray ingress can register them on its own
 app with a router that calls Ray handles; ``build_app(LocalModelRouter(...))``
@@ -16,7 +14,6 @@ serves in-process models.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.metadata
 import json
 import logging
@@ -25,21 +22,15 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 from fastapi import FastAPI
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, resolve_api_keys
 from engine.entrypoints.openai.endpoints import Endpoint
-from engine.entrypoints.openai.errors import (
-    ErrorResponse,
-    bad_request,
-    error_response,
-    from_exception,
-    from_validation_error,
-    make_error,
-)
+from engine.entrypoints.openai.errors import ErrorResponse, error_response, from_exception, make_error
+from engine.entrypoints.openai.http_items import json_response, parse_body, respond
 from engine.entrypoints.openai.limits import LimitedRouter, RequestBodyLimit
 from engine.entrypoints.openai.lora_routes import (
     handle_load_lora_adapter,
@@ -56,17 +47,20 @@ from engine.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
-    parse_json_object,
 )
+from engine.entrypoints.openai.response_store import InMemoryResponseStore, ResponseStore
 from engine.entrypoints.openai.responses import ModelList
+from engine.entrypoints.openai.responses_request import ResponsesRequest
+from engine.entrypoints.openai.responses_routes import (
+    handle_cancel_response,
+    handle_create_response,
+    handle_delete_response,
+    handle_retrieve_response,
+)
 from engine.entrypoints.openai.server_options import ServerOptions
 from engine.entrypoints.openai.serving import OpenAIServing, StreamItem
-from engine.entrypoints.openai.streaming import DONE_EVENT, SSEChunk, sse_event
 
 logger = logging.getLogger(__name__)
-
-# Returned (never sent) when the client went away before the first item.
-HTTP_CLIENT_CLOSED_REQUEST = 499
 
 
 class ModelRouter(Protocol):
@@ -163,6 +157,10 @@ async def handle_version(router: ModelRouter, raw_request: Request) -> Response:
 ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response]]]] = [
     ("POST", "/v1/completions", handle_completions),
     ("POST", "/v1/chat/completions", handle_chat),
+    ("POST", "/v1/responses", handle_create_response),
+    ("GET", "/v1/responses/{response_id}", handle_retrieve_response),
+    ("DELETE", "/v1/responses/{response_id}", handle_delete_response),
+    ("POST", "/v1/responses/{response_id}/cancel", handle_cancel_response),
     ("GET", "/v1/models", handle_models),
     ("POST", "/tokenize", handle_tokenize),
     ("POST", "/detokenize", handle_detokenize),
@@ -176,6 +174,7 @@ ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response
 REQUEST_MODELS: dict[str, Any] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
@@ -208,15 +207,19 @@ def _inline_refs(node: Any, defs: dict) -> Any:
     return inlined
 
 
-def build_app(router: ModelRouter, options: ServerOptions | None = None) -> FastAPI:
+def build_app(
+    router: ModelRouter, options: ServerOptions | None = None, response_store: ResponseStore | None = None
+) -> FastAPI:
     """A FastAPI app serving ``ROUTES`` through ``router``; HTTP errors (404 route, 405) in OpenAI's shape.
 
     ``options`` (default ``ServerOptions()``): API keys, checked first, then ``request_limits``, all before
-    ``router`` sees a request.
+    ``router`` sees a request. ``response_store``: where ``/v1/responses`` keeps stored responses (default: an
+    ``InMemoryResponseStore`` of ``options.response_store``'s size, in this process).
     """
     options = options or ServerOptions()
     router = LimitedRouter(router, options.request_limits)
     app = FastAPI(title="Serval OpenAI-compatible server")
+    app.state.response_store = response_store or InMemoryResponseStore(options.response_store)
     for method, path, handler in ROUTES:
         app.add_api_route(path, _bind(router, handler), methods=[method], openapi_extra=openapi_request_body(path))
     app.add_exception_handler(HTTPException, http_exception_handler)
@@ -244,103 +247,19 @@ def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitab
     return endpoint
 
 
-# ---------------------------------------------------------------------------------------------------- responses
-
-
-def json_response(model: BaseModel, status_code: int = HTTPStatus.OK, headers: dict | None = None) -> Response:
-    return Response(model.model_dump_json(), status_code=status_code, headers=headers, media_type="application/json")
-
-
-class EventStreamResponse(StreamingResponse):
-    """SSE; closes its item stream however the response ends (the client gone mid-stream included)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
 async def _handle_endpoint(
     router: ModelRouter, raw_request: Request, endpoint: Endpoint, parse: Callable[[dict], BaseModel]
 ) -> Response:
-    try:
-        request = parse(parse_json_object(await raw_request.body()))
-    except ValidationError as exc:
-        return error_response(from_validation_error(exc))
-    except ValueError as exc:
-        return error_response(bad_request(str(exc)))
+    request = await parse_body(raw_request, parse)
+    if isinstance(request, ErrorResponse):
+        return error_response(request)
     model_id = await resolve_model(router, getattr(request, "model", None))
     if isinstance(model_id, ErrorResponse):
         return error_response(model_id)
-    return await _respond(router.call(model_id, endpoint, request), raw_request)
+    return await respond(router.call(model_id, endpoint, request), raw_request)
 
 
 def _parse_tokenize_request(body: dict) -> BaseModel:
     if "messages" in body:
         return TokenizeChatRequest.model_validate(body)
     return TokenizeCompletionRequest.model_validate(body)
-
-
-async def _respond(items: AsyncGenerator[StreamItem, None], raw_request: Request) -> Response:
-    """The response the first item's type calls for (the stream is closed unless an SSE response takes it over)."""
-    try:
-        first = await _first_item_unless_disconnected(items, raw_request)
-    except StopAsyncIteration:
-        first = make_error("The model server returned no response.", HTTPStatus.INTERNAL_SERVER_ERROR)
-    except Exception as exc:  # noqa: BLE001 - e.g. a replica that died
-        first = from_exception(exc)
-    match first:
-        case SSEChunk():
-            return EventStreamResponse(_continue_stream(first, items))
-        case None:
-            response = Response(status_code=HTTP_CLIENT_CLOSED_REQUEST)
-        case ErrorResponse():
-            response = error_response(first)
-        case _:
-            response = json_response(first)
-    await items.aclose()
-    return response
-
-
-async def _first_item_unless_disconnected(
-    items: AsyncGenerator[StreamItem, None], raw_request: Request
-) -> StreamItem | None:
-    """The first item, or None if the client disconnected first (the pending call is then cancelled).
-
-    A long non-streamed generation would otherwise run to the end for nobody.
-    """
-    next_item = asyncio.ensure_future(anext(items))
-    disconnected = asyncio.ensure_future(_wait_for_disconnect(raw_request))
-    try:
-        await asyncio.wait({next_item, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnected.cancel()
-        if not next_item.done():
-            next_item.cancel()  # runs the stream's cleanup (engine abort) before it is closed
-            await asyncio.wait({next_item})
-    if next_item.cancelled():
-        return None
-    return next_item.result()
-
-
-async def _wait_for_disconnect(raw_request: Request) -> None:
-    while (await raw_request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _continue_stream(first: SSEChunk, items: AsyncGenerator[StreamItem, None]) -> AsyncGenerator[str, None]:
-    async with contextlib.aclosing(items):
-        yield first.text
-        try:
-            async for item in items:
-                match item:
-                    case SSEChunk():
-                        yield item.text
-                    case ErrorResponse():  # a router may report a late failure as an item
-                        yield sse_event(item.body()) + DONE_EVENT
-                        return
-        except Exception as exc:  # noqa: BLE001 - e.g. a replica that died mid-stream
-            yield sse_event(from_exception(exc).body()) + DONE_EVENT

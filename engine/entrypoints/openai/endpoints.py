@@ -12,6 +12,7 @@ from enum import Enum
 class Endpoint(Enum):
     COMPLETIONS = "completions"
     CHAT = "chat"
+    RESPONSES = "responses"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
     LOAD_LORA_ADAPTER = "load_lora_adapter"
@@ -19,6 +20,12 @@ class Endpoint(Enum):
 
     @property
     def generates(self) -> bool:
-        """Whether the endpoint runs engine requests (chat, completions): the calls a router tokenizes to route,
-        and the only ones whose streams can be continued elsewhere."""
+        """Whether the endpoint runs engine requests (completions, chat, responses): the calls a router
+        tokenizes to route."""
+        return self in (Endpoint.COMPLETIONS, Endpoint.CHAT, Endpoint.RESPONSES)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the endpoint's streams can be continued on another server (``continuation``): completions and
+        chat; a Responses stream's event state (item ids, sequence numbers) does not travel."""
         return self in (Endpoint.COMPLETIONS, Endpoint.CHAT)
