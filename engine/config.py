@@ -15,6 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.reasoning import ReasoningParserName
+
 
 class _FrozenConfig(BaseModel):
     # protected_namespaces=() allows fields named model_* (ModelConfig.model).
@@ -107,6 +109,11 @@ class ModelConfig(_FrozenConfig):
         "such blocks, else none.",
     )
     seed: int = Field(0, description="Seed of the sampler's random draws.")
+    reasoning_parser: ReasoningParserName | None = Field(
+        None,
+        description="How the model marks its reasoning (<think>...</think>, engine/reasoning.py): chat answers "
+        "carry it as reasoning_content, and output constraints apply after it; None: the output is all content.",
+    )
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: triton on CUDA devices, torch (the reference) elsewhere."
     )
@@ -218,6 +225,9 @@ class StructuredOutputsConfig(_FrozenConfig):
     )
     num_compile_threads: int = Field(
         1, ge=1, le=64, description="Threads compiling grammars beside the core's loop (never on the step's path)."
+    )
+    enable_in_reasoning: bool = Field(
+        False, description="With a reasoning_parser: constraints apply to the reasoning too (not only after it)."
     )
 
 

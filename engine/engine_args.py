@@ -61,7 +61,10 @@ UNROUTED_FIELDS: dict[str, tuple[Any, FieldInfo]] = {
     "kv_transfer_config": (KVTransferConfig | None, Field(None, description="Disaggregated prefill only.")),
     "structured_outputs_config": (
         StructuredOutputsConfig,
-        Field(StructuredOutputsConfig(), description="Structured outputs: backend, disable_any_whitespace."),
+        Field(
+            StructuredOutputsConfig(),
+            description="Structured outputs: backend, disable_any_whitespace, enable_in_reasoning.",
+        ),
     ),
     "speculative_config": (
         SpeculativeConfig | None,

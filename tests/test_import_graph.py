@@ -199,7 +199,14 @@ LAYERS = (
     ("engine.model", "engine.lora", "engine.sample", "engine.structured_output", "engine.attention"),
     ("engine.kernels", "engine.distributed"),
     ("engine.sched", "engine.metrics"),
-    ("engine.config", "engine.sampling_params", "engine.request_output", "engine.inputs", "engine.lora_request"),
+    (
+        "engine.config",
+        "engine.sampling_params",
+        "engine.request_output",
+        "engine.inputs",
+        "engine.lora_request",
+        "engine.reasoning",
+    ),
 )
 
 

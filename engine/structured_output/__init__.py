@@ -6,4 +6,6 @@
 - ``manager``: ``StructuredOutputManager``, the core's side: compiles off the step's path, holds requests
   until ready, builds each step's token bitmask.
 - ``request_grammar``: ``RequestGrammar``, one request's matcher.
+- ``reasoning_gate``: ``ReasoningGatedGrammar``, a matcher that starts where the reasoning ends (a
+  ``reasoning_parser``).
 """

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 
 import xgrammar as xgr
 
 from engine.config import StructuredOutputsConfig
+from engine.reasoning import ReasoningParser
 from engine.sampling_params import StructuredOutputsParams
+from engine.structured_output.reasoning_gate import ReasoningGate, ReasoningGatedGrammar
 from engine.structured_output.request_grammar import RequestGrammar
 
 # JSON without whitespace between tokens: what ``disable_any_whitespace`` asks for.
@@ -110,12 +113,19 @@ def check_constraint(params: StructuredOutputsParams, config: StructuredOutputsC
 class XgrammarBackend:
     """Compiles constraints against one model's vocabulary; thread-safe (xgrammar's compiler is)."""
 
-    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig) -> None:
-        """``vocab_size``: the model's logits width (may exceed the tokenizer's; the extra ids are never allowed)."""
+    def __init__(
+        self, tokenizer, vocab_size: int, config: StructuredOutputsConfig, reasoning: ReasoningParser | None = None
+    ) -> None:
+        """``vocab_size``: the model's logits width (may exceed the tokenizer's; the extra ids are never allowed).
+        ``reasoning``: grammars start after the reasoning this parser finds (``reasoning_gate``); None: at once."""
         self.config = config
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=config.num_compile_threads)
+        self.reasoning_gate = None
+        if reasoning is not None:
+            num_words = (vocab_size + 31) // 32
+            self.reasoning_gate = ReasoningGate(reasoning, self.tokenizer_info.decoded_vocab, num_words)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar; ValueError with xgrammar's reason if it cannot be compiled."""
@@ -135,6 +145,12 @@ class XgrammarBackend:
         except (RuntimeError, ValueError, TypeError, KeyError) as error:
             raise ValueError(f"Invalid structured_outputs.{kind}: {_reason(error)}") from None
 
-    def make_grammar(self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int]) -> RequestGrammar:
-        """A fresh matcher at the grammar's start; it ends on one of ``stop_token_ids`` once complete."""
-        return RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None))
+    def make_grammar(
+        self, compiled: xgr.CompiledGrammar, stop_token_ids: list[int], prompt_token_ids: Sequence[int] = ()
+    ) -> RequestGrammar | ReasoningGatedGrammar:
+        """A fresh matcher at the grammar's start; it ends on one of ``stop_token_ids`` once complete. With a
+        reasoning gate, it starts where the reasoning of the output after ``prompt_token_ids`` ends."""
+        grammar = RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None))
+        if self.reasoning_gate is None:
+            return grammar
+        return self.reasoning_gate.grammar(grammar, prompt_token_ids)

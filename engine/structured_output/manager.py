@@ -70,7 +70,9 @@ class StructuredOutputManager(RequestHold):
             del self._waiting[request_id]
             error = future.exception()
             if error is None:
-                request.grammar = self._backend.make_grammar(future.result(), _stop_token_ids(request))
+                request.grammar = self._backend.make_grammar(
+                    future.result(), _stop_token_ids(request), request.prompt_token_ids
+                )
                 self._live.add(request_id)
                 ready.append(request)
             else:
@@ -136,12 +138,15 @@ class StructuredOutputManager(RequestHold):
     def _make_backend(self):
         from engine.model.architecture import Architecture
         from engine.model.source import load_tokenizer
+        from engine.reasoning import reasoning_parser
         from engine.structured_output.backend import XgrammarBackend
 
         tokenizer = load_tokenizer(self._model_config.tokenizer_path)
         vocab_size = Architecture.from_model(self._model_config.model).vocab_size
         logger.info("Structured outputs: xgrammar over a vocabulary of %d tokens.", vocab_size)
-        return XgrammarBackend(tokenizer, vocab_size, self.config)
+        # With a reasoning parser a constraint starts after the reasoning, unless told to cover it too.
+        reasoning = None if self.config.enable_in_reasoning else reasoning_parser(self._model_config.reasoning_parser)
+        return XgrammarBackend(tokenizer, vocab_size, self.config, reasoning)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

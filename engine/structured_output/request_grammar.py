@@ -26,6 +26,14 @@ class RequestGrammar:
             return True
         return False
 
+    def accept_string(self, data: bytes) -> bool:
+        """Advances past ``data`` as one step (one token to ``rollback``); False (nothing changes) if not allowed.
+        The bytes of a token that only partly belongs to the constrained output (``reasoning_gate``)."""
+        if self._matcher.accept_string(data):
+            self.num_accepted_tokens += 1
+            return True
+        return False
+
     def is_terminated(self) -> bool:
         """True once the grammar is complete and its stop token was accepted: the output is whole."""
         return self._matcher.is_terminated()

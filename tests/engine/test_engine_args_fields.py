@@ -34,6 +34,7 @@ NON_DEFAULTS = dict(
     dtype="bfloat16",
     quantization="int8",
     seed=7,
+    reasoning_parser="qwen3",
     attention_backend="torch",
     enforce_eager=True,
     cuda_graph_batch_sizes=(1, 2),
@@ -70,7 +71,9 @@ NON_DEFAULTS = dict(
     max_cpu_loras=4,
     disable_log_stats=True,
     kv_transfer_config=KVTransferConfig(kv_role="kv_both"),
-    structured_outputs_config=StructuredOutputsConfig(disable_any_whitespace=True, num_compile_threads=2),
+    structured_outputs_config=StructuredOutputsConfig(
+        disable_any_whitespace=True, num_compile_threads=2, enable_in_reasoning=True
+    ),
     speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=3, max_model_len=1024),
 )
 # tensor_parallel_size / pipeline_parallel_size stay 1 (KV transfer refuses more); their routing is checked below.

@@ -229,6 +229,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields, ToolFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content (the content stays without it)
 
     @model_validator(mode="after")
     def _check_logprobs(self):

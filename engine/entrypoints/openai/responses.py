@@ -18,17 +18,29 @@ def unix_time() -> int:
     return int(time.time())
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: CompletionTokensDetails | None = None  # set when a reasoning parser runs
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    def of(
+        cls, num_prompt_tokens: int, num_completion_tokens: int, num_reasoning_tokens: int | None = None
+    ) -> UsageInfo:
+        """``num_reasoning_tokens``: of the completion tokens, the reasoning's (None: no reasoning parser)."""
+        details = (
+            None if num_reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=num_reasoning_tokens)
+        )
         return cls(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
+            completion_tokens_details=details,
         )
 
 
@@ -99,10 +111,12 @@ class ToolCall(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    """The assistant's message: its text, or (``content`` null) the tool calls it made."""
+    """The assistant's message: its text, or (``content`` null) the tool calls it made; ``reasoning_content``
+    (vLLM's): what a reasoning parser split out of it."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -149,11 +163,12 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
     def _without_nones(self) -> dict:
-        parts = (("role", self.role), ("content", self.content))
+        parts = (("role", self.role), ("content", self.content), ("reasoning_content", self.reasoning_content))
         delta: dict = {key: value for key, value in parts if value is not None}
         if self.tool_calls:
             delta["tool_calls"] = [call.model_dump() for call in self.tool_calls]

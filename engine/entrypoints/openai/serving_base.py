@@ -21,6 +21,7 @@ from engine.entrypoints.openai.protocol import SamplingRequest
 from engine.entrypoints.openai.streaming import ResponseStream, collect_final_outputs, merge_streams, stream_events
 from engine.inputs import RequestOptions
 from engine.model.source import sampling_defaults
+from engine.reasoning import reasoning_parser
 from engine.request_output import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sched.request import check_prompt_not_empty
@@ -40,6 +41,7 @@ class ServingBase:
         self.max_model_len = engine.max_model_len
         config = engine.model_config
         self.sampling_defaults = sampling_defaults(config.model, config.generation_config)
+        self.reasoning = reasoning_parser(config.reasoning_parser)  # None: the output is all content
 
     def sampling_params(
         self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None

@@ -5,10 +5,16 @@ A stream opens every choice with a ``{"role": "assistant", "content": ""}``
 delta, then sends content deltas; the chunk that finishes a choice carries
 its ``finish_reason``.
 
-With tools, each choice's text goes through a ``tool_parsers`` parser: the
-message's ``tool_calls`` (``delta.tool_calls`` when streamed, one chunk per
-call delta) and ``finish_reason: "tool_calls"`` where the engine's was
-``stop``; a ``length`` finish stays ``length``.
+With a reasoning parser (the engine's ``reasoning_parser``), each choice's
+reasoning is split out of its text: ``message.reasoning_content``
+(``delta.reasoning_content`` when streamed; dropped with ``include_reasoning:
+false``) and ``usage.completion_tokens_details.reasoning_tokens``.
+
+With tools, the text after the reasoning goes through a ``tool_parsers``
+parser: the message's ``tool_calls`` (``delta.tool_calls`` when streamed, one
+chunk per call delta) and ``finish_reason: "tool_calls"`` where the engine's
+was ``stop``; a ``length`` finish stays ``length``. Both go through one
+``choice_parser.ChoiceParser`` per choice.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import AsyncIterator
 
 from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions, request_options
 from engine.entrypoints.openai.chat_template import render_chat
+from engine.entrypoints.openai.choice_parser import ChoiceParser
 from engine.entrypoints.openai.continuation import ResumedRequest, StreamProgress
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import chat_logprobs
@@ -36,7 +43,7 @@ from engine.entrypoints.openai.responses import (
 )
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import SSEChunk, sse_event
-from engine.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser, make_tool_parser, parse_completion
+from engine.entrypoints.openai.tool_parsers import make_tool_parser
 from engine.request_output import CompletionOutput, RequestOutput
 
 
@@ -68,12 +75,13 @@ class ChatServing(ServingBase):
         request_id = f"chatcmpl-{random_uuid()}"
         prompts = [{"prompt": text, "prompt_token_ids": token_ids}]
         generators = self.start_or_resume(request_id, prompts, params, resumed, request_options(request, options))
+        prompt_text = text if text is not None or self.reasoning is None else self.tokenizer.decode(token_ids)
         async with contextlib.aclosing(
             self.respond(
                 generators,
                 request.stream,
-                lambda outputs: self._response(request, request_id, outputs[0]),
-                lambda: _ChatStream(self, request, request_id, len(token_ids), resumed, options.track),
+                lambda outputs: self._response(request, request_id, outputs[0], prompt_text),
+                lambda: _ChatStream(self, request, request_id, prompt_text, len(token_ids), resumed, options.track),
             )
         ) as items:
             async for item in items:
@@ -86,28 +94,42 @@ class ChatServing(ServingBase):
             return None
         return chat_logprobs(completion.token_ids, completion.logprobs or [], request.top_logprobs or 0, self.tokenizer)
 
+    def choice_parser(self, request: ChatCompletionRequest, prompt_text: str | None) -> ChoiceParser:
+        """A fresh parser for one choice: this model's reasoning parser, then the request's tool parser."""
+        return ChoiceParser(self.reasoning, make_tool_parser(request), prompt_text)
+
+    def num_reasoning_tokens(self, request: ChatCompletionRequest, parser: ChoiceParser, token_ids: list[int]) -> int:
+        """The choice's reasoning tokens (``ChoiceParser.num_reasoning_tokens``)."""
+        return parser.num_reasoning_tokens(self.tokenizer, token_ids, request.skip_special_tokens)
+
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, output: RequestOutput
+        self, request: ChatCompletionRequest, request_id: str, output: RequestOutput, prompt_text: str | None
     ) -> ChatCompletionResponse:
-        choices = []
+        choices, num_reasoning_tokens = [], None
         for completion in output.outputs:
-            parser = make_tool_parser(request)
-            content, tool_calls = (completion.text, []) if parser is None else parse_completion(parser, completion.text)
+            parser = self.choice_parser(request, prompt_text)
+            parsed = parser.parse(completion.text)
+            reasoning = parsed.reasoning if request.include_reasoning else None
             choices.append(
                 ChatCompletionResponseChoice(
                     index=completion.index,
-                    message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                    message=ChatResponseMessage(
+                        content=parsed.content, reasoning_content=reasoning, tool_calls=parsed.tool_calls
+                    ),
                     logprobs=self.make_logprobs(request, completion),
-                    finish_reason=finish_reason(completion.finish_reason, bool(tool_calls)),
+                    finish_reason=finish_reason(completion.finish_reason, bool(parsed.tool_calls)),
                     stop_reason=completion.stop_reason,
                 )
             )
+            if self.reasoning is not None:
+                count = self.num_reasoning_tokens(request, parser, completion.token_ids)
+                num_reasoning_tokens = (num_reasoning_tokens or 0) + count
         num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         return ChatCompletionResponse(
             id=request_id,
             model=request.model or self.model_id,  # an adapter's request: the name it used (vLLM)
             choices=choices,
-            usage=UsageInfo.of(len(output.prompt_token_ids), num_completion_tokens),
+            usage=UsageInfo.of(len(output.prompt_token_ids), num_completion_tokens, num_reasoning_tokens),
         )
 
 
@@ -124,6 +146,7 @@ class _ChatStream:
         serving: ChatServing,
         request: ChatCompletionRequest,
         request_id: str,
+        prompt_text: str | None,
         num_prompt_tokens: int,
         resumed: ResumedRequest | None = None,
         track: bool = False,
@@ -131,17 +154,30 @@ class _ChatStream:
         self.serving = serving
         self.request = request
         self.request_id = request_id
+        self.prompt_text = prompt_text
         self.created = unix_time()
         self.num_prompt_tokens = num_prompt_tokens
         self.num_completion_tokens = 0
         self.is_role_sent = False
-        self.parsers: dict[int, ToolParser | None] = {}  # choice index -> its tool-call parser
+        self.parsers: dict[int, ChoiceParser] = {}  # choice index -> its parser
+        # choice index -> its tokens, kept only to count its reasoning's in the usage chunk
+        self.token_ids: dict[int, list[int]] | None = None
+        if serving.reasoning is not None and request.is_usage_streamed:
+            self.token_ids = {}
+        self.sent_text = ""  # a continued stream's text already sent: its parser is fed it first
         self.progress = StreamProgress() if track else None  # a tracked stream: each chunk's StreamDelta
         if self.progress is not None:
             self.progress.request_id, self.progress.created = request_id, self.created
         if resumed is not None:  # continues a stream that had sent its role chunk
             self.request_id, self.created = resumed.continuation.request_id, resumed.continuation.created
             self.num_completion_tokens, self.is_role_sent = resumed.num_generated, True
+            if self.token_ids is not None:
+                self.token_ids[0] = list(resumed.continuation.token_ids)
+            if serving.reasoning is not None:
+                generated = serving.tokenizer.decode(
+                    resumed.continuation.token_ids, skip_special_tokens=request.skip_special_tokens
+                )
+                self.sent_text = generated[: resumed.continuation.num_sent_chars]
             resumed.progress(self.progress)
 
     def format_batch(self, batch: list[tuple[int, RequestOutput]]) -> str:
@@ -150,6 +186,8 @@ class _ChatStream:
         for _, output in batch:
             for completion in output.outputs:
                 self.num_completion_tokens += len(completion.token_ids)
+                if self.token_ids is not None:
+                    self.token_ids.setdefault(completion.index, []).extend(completion.token_ids)
                 if self.progress is not None:
                     self.progress.add(output, completion.token_ids, completion.text, completion.finish_reason)
                 events.extend(sse_event(self._chunk([choice])) for choice in self._choices(completion))
@@ -164,20 +202,23 @@ class _ChatStream:
             for index in range(self.request.n)
         )
 
+    def _parser(self, index: int) -> ChoiceParser:
+        if index not in self.parsers:
+            self.parsers[index] = parser = self.serving.choice_parser(self.request, self.prompt_text)
+            if self.sent_text:  # a continued stream's: back where the stream it continues was
+                parser.feed(self.sent_text)
+        return self.parsers[index]
+
     def _choices(self, completion: CompletionOutput) -> list[ChatCompletionStreamChoice]:
-        """This output's chunks for its choice: content (and logprobs) first, then one per tool-call delta;
-        the last carries the finish reason. Empty when there is nothing to send yet (text held back)."""
-        if completion.index not in self.parsers:
-            self.parsers[completion.index] = make_tool_parser(self.request)
-        parser = self.parsers[completion.index]
-        if parser is None:
-            parsed = ParsedDelta(content=completion.text)
-        else:
-            parsed = parser.feed(completion.text)
-            if completion.finish_reason is not None:
-                parsed.extend(parser.finish())
+        """This output's chunks for its choice: reasoning, content (and logprobs) first, then one per tool-call
+        delta; the last carries the finish reason. Empty when there is nothing to send yet (text held back)."""
+        parser = self._parser(completion.index)
+        parsed = parser.feed(completion.text)
+        if completion.finish_reason is not None:
+            parsed.extend(parser.finish())
+        reasoning = parsed.reasoning if self.request.include_reasoning else ""
         has_tokens = self.request.logprobs and completion.token_ids
-        if not (parsed.content or parsed.tool_calls or completion.finish_reason or has_tokens):
+        if not (reasoning or parsed.content or parsed.tool_calls or completion.finish_reason or has_tokens):
             return []
         calls: list[DeltaToolCall | None] = parsed.tool_calls or [None]
         choices = [
@@ -185,21 +226,28 @@ class _ChatStream:
                 index=completion.index,
                 delta=DeltaMessage(
                     content=(parsed.content or None) if position == 0 else None,
+                    reasoning_content=(reasoning or None) if position == 0 else None,
                     tool_calls=None if call is None else [call],
                 ),
             )
             for position, call in enumerate(calls)
         ]
         choices[0].logprobs = self.serving.make_logprobs(self.request, completion)
-        made_calls = parser is not None and parser.num_calls > 0
-        choices[-1].finish_reason = finish_reason(completion.finish_reason, made_calls)
+        choices[-1].finish_reason = finish_reason(completion.finish_reason, parser.num_calls > 0)
         choices[-1].stop_reason = completion.stop_reason
         return choices
 
     def format_end(self) -> str:
         if not self.request.is_usage_streamed:
             return ""
-        return sse_event(self._chunk([], UsageInfo.of(self.num_prompt_tokens, self.num_completion_tokens)))
+        num_reasoning_tokens = None
+        if self.token_ids is not None:  # a reasoning parser's: every choice's (a finished one continued has none yet)
+            num_reasoning_tokens = sum(
+                self.serving.num_reasoning_tokens(self.request, self._parser(index), self.token_ids.get(index, []))
+                for index in range(self.request.n)
+            )
+        usage = UsageInfo.of(self.num_prompt_tokens, self.num_completion_tokens, num_reasoning_tokens)
+        return sse_event(self._chunk([], usage))
 
     def _chunk(
         self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None

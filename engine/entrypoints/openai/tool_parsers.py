@@ -5,7 +5,7 @@ ends (``finish``); each call returns a ``ParsedDelta``: content to send and
 OpenAI tool-call deltas (a call's first delta carries ``id``, ``type``,
 ``function.name`` and ``arguments: ""``, later ones argument fragments). A
 response that is not streamed is the same parser fed the whole text once
-(``parse_completion``), so a stream reassembles into exactly the
+(``choice_parser.ChoiceParser.parse``), so a stream reassembles into exactly the
 non-streamed message, whatever the chunking.
 
 * ``NamedToolParser``: the whole output is the named tool's arguments.
@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.entrypoints.openai.json_scan import JsonCompactor, ToolArrayScanner
-from engine.entrypoints.openai.responses import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from engine.entrypoints.openai.responses import DeltaFunctionCall, DeltaToolCall
 from engine.entrypoints.openai.tool_calls import ToolFields
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -227,15 +227,3 @@ def make_tool_parser(request: ToolFields) -> ToolParser | None:
     if mode == "auto":
         return HermesToolParser()
     return None
-
-
-def parse_completion(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole text's content (None when it is empty and calls were made) and tool calls."""
-    delta = parser.feed(text).extend(parser.finish())
-    calls: list[ToolCall] = []
-    for piece in delta.tool_calls:
-        if piece.id is not None:
-            calls.append(ToolCall(id=piece.id, function=FunctionCall(name=piece.function.name, arguments="")))
-        calls[piece.index].function.arguments += piece.function.arguments or ""
-    content = delta.content if delta.content or not calls else None
-    return content, calls

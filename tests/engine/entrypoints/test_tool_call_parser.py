@@ -14,6 +14,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from engine.entrypoints.openai.choice_parser import ChoiceParser
 from engine.entrypoints.openai.json_scan import JsonCompactor
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.openai.tool_calls import required_tools_schema
@@ -22,7 +23,6 @@ from engine.entrypoints.openai.tool_parsers import (
     NamedToolParser,
     ParsedDelta,
     RequiredToolParser,
-    parse_completion,
 )
 from engine.sampling_params import StructuredOutputsParams
 
@@ -89,9 +89,9 @@ CASES = [
 
 @pytest.mark.parametrize("make_parser, text, content, calls", CASES)
 def test_whole_text_and_every_chunking_parse_the_same(make_parser, text, content, calls):
-    whole_content, whole_calls = parse_completion(make_parser(), text)
-    assert whole_content == content
-    assert [(call.function.name, call.function.arguments) for call in whole_calls] == calls
+    whole = ChoiceParser(None, make_parser()).parse(text)
+    assert whole.content == content and whole.reasoning is None
+    assert [(call.function.name, call.function.arguments) for call in whole.tool_calls] == calls
     for seed in range(20):
         stream_content, stream_calls, _ = streamed(make_parser, text, seed)
         assert (stream_content or None, stream_calls) == (content, calls)
