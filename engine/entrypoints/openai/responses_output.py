@@ -1,7 +1,7 @@
 """A response's ``output`` items built as its text is parsed, and the stream events that announce them.
 
-``OutputBuilder`` is fed what the parsers make of the text, in order: reasoning text, message text
-(``ParsedDelta.content``) and tool-call deltas (``ParsedDelta.tool_calls``). Each piece of a new kind opens an
+``OutputBuilder`` is fed what the parsers make of the text (``choice_parser.ChoiceDelta``), in order: reasoning
+text, message text and tool-call deltas. Each piece of a new kind opens an
 item and closes the one before: a ``reasoning`` item, a ``message`` (one ``output_text`` part) or a
 ``function_call``. A streamed response hands it ``ResponseEvents``, where each step is announced as OpenAI
 announces it (``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine.entrypoints.openai.choice_parser import ChoiceDelta
 from engine.entrypoints.openai.response_items import (
     FunctionCallItem,
     Item,
@@ -28,7 +29,6 @@ from engine.entrypoints.openai.response_items import (
     item_id,
 )
 from engine.entrypoints.openai.responses import DeltaToolCall
-from engine.entrypoints.openai.tool_parsers import ParsedDelta
 
 
 class ResponseEvents:
@@ -161,10 +161,10 @@ class OutputBuilder:
         self.items: list[Item] = []
         self.open: _OpenText | _OpenCall | None = None
 
-    def add(self, parsed: ParsedDelta, reasoning: str = "") -> None:
-        """One piece of the text: its reasoning part first, then its content and tool calls, in order."""
-        if reasoning:
-            self._write(REASONING, reasoning)
+    def add(self, parsed: ChoiceDelta) -> None:
+        """One piece of the text: its reasoning first, then its content and tool calls, in order."""
+        if parsed.reasoning:
+            self._write(REASONING, parsed.reasoning)
         if parsed.content:
             self._write(MESSAGE, parsed.content)
         for call in parsed.tool_calls:

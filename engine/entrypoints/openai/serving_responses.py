@@ -1,6 +1,8 @@
 """``/v1/responses``: a ``ResponsesRequest`` served as the chat completion it amounts to
 (``ResponsesRequest.chat_request``: the chat template, the tool-call parser, the output constraint), its text
-turned into Responses output items (``responses_output``).
+turned into Responses output items (``responses_output``): with the engine's ``reasoning_parser``, a
+``reasoning`` item first (``usage.output_tokens_details.reasoning_tokens`` its tokens), then the message and
+the function calls parsed from the text after the reasoning (``choice_parser.ChoiceParser``, as chat's).
 
 Not streamed: one ``ResponsesResponse``, or one ``ErrorResponse``. Streamed: one ``ErrorResponse`` (a failure
 before the first event), or ``SSEChunk``\\ s of OpenAI's events, numbered by ``sequence_number`` and ending
@@ -22,6 +24,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions, request_options
 from engine.entrypoints.openai.chat_template import render_chat
+from engine.entrypoints.openai.choice_parser import ChoiceParser
 from engine.entrypoints.openai.errors import ErrorResponse, from_exception
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.response_items import ItemStatus, item_id
@@ -30,7 +33,7 @@ from engine.entrypoints.openai.responses_output import OutputBuilder, ResponseEv
 from engine.entrypoints.openai.responses_request import ResponsesRequest
 from engine.entrypoints.openai.serving_base import ServingBase
 from engine.entrypoints.openai.streaming import SSEChunk, collect_final_outputs, merge_streams
-from engine.entrypoints.openai.tool_parsers import ParsedDelta, make_tool_parser
+from engine.entrypoints.openai.tool_parsers import make_tool_parser
 from engine.request_output import RequestOutput
 
 # The engine's finish reason -> the response's status, its open item's status, and the stream's last event.
@@ -63,9 +66,9 @@ class ResponsesServing(ServingBase):
             return
         response_id = item_id("resp")
         started = ResponsesResponse.started(request, response_id, request.model or self.model_id, params)
-        prompts = [{"prompt": text, "prompt_token_ids": token_ids}]
-        [generator] = self.start_requests(response_id, prompts, params, request_options(chat, options))
-        run = _Run(chat, started, len(token_ids), ResponseEvents() if request.stream else None)
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        [generator] = self.start_requests(response_id, [prompt], params, request_options(chat, options))
+        run = _Run(self, chat, started, prompt)
         items = _streamed(generator, run) if request.stream else _whole(generator, run)
         async with contextlib.aclosing(items) as items:
             async for item in items:
@@ -73,33 +76,33 @@ class ResponsesServing(ServingBase):
 
 
 class _Run:
-    """One response being made: its text through the tool-call parser into the output builder, its usage."""
+    """One response being made: its text through the choice parser (the model's reasoning parser, then the
+    request's tool parser) into the output builder; its usage."""
 
     def __init__(
-        self, chat: ChatCompletionRequest, started: ResponsesResponse, num_prompt_tokens: int, events: ResponseEvents
+        self, serving: ResponsesServing, chat: ChatCompletionRequest, started: ResponsesResponse, prompt: dict
     ) -> None:
-        self.started = started
-        self.events = events
-        self.parser = make_tool_parser(chat)
-        self.builder = OutputBuilder(events)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_output_tokens = 0
+        self.serving, self.chat, self.started = serving, chat, started
+        self.events = ResponseEvents() if chat.stream else None
+        self.parser = ChoiceParser(serving.reasoning, make_tool_parser(chat), prompt["prompt"])
+        self.builder = OutputBuilder(self.events)
+        self.num_prompt_tokens = len(prompt["prompt_token_ids"])
+        self.token_ids: list[int] = []
 
     def feed(self, output: RequestOutput) -> None:
         completion = output.outputs[0]
-        self.num_output_tokens += len(completion.token_ids)
-        if self.parser is None:
-            parsed = ParsedDelta(content=completion.text)
-        else:
-            parsed = self.parser.feed(completion.text)
-            if completion.finish_reason is not None:
-                parsed.extend(self.parser.finish())
+        self.token_ids += completion.token_ids
+        parsed = self.parser.feed(completion.text)
+        if completion.finish_reason is not None:
+            parsed.extend(self.parser.finish())
         self.builder.add(parsed)
 
     def end(self, last: RequestOutput) -> ResponsesResponse:
         """The finished response, from the engine's last output (its finish reason, cached tokens)."""
         status, item_status, _ = _ENDINGS[last.outputs[0].finish_reason]
-        usage = ResponseUsage.of(self.num_prompt_tokens, last.num_cached_tokens, self.num_output_tokens, 0)
+        tokenizer, skip_special_tokens = self.serving.tokenizer, self.chat.skip_special_tokens
+        num_reasoning = self.parser.num_reasoning_tokens(tokenizer, self.token_ids, skip_special_tokens)
+        usage = ResponseUsage.of(self.num_prompt_tokens, last.num_cached_tokens, len(self.token_ids), num_reasoning)
         return self.started.ended(status, self.builder.finish(item_status), usage)
 
 

@@ -5,12 +5,14 @@ random-weight Qwen2, the project's ChatML template) and real xgrammar.
 A response is the chat completion its request amounts to: the same greedy text and the same prompt tokens
 as ``/v1/chat/completions`` given the equivalent messages. A stream is OpenAI's event sequence, numbered,
 and reassembles into exactly the response that is not streamed. ``previous_response_id`` continues a stored
-conversation exactly as sending the whole conversation again would. Every bad request is a 4xx in OpenAI's
-shape that leaves the server serving.
+conversation exactly as sending the whole conversation again would. With a reasoning parser, the reasoning is
+a ``reasoning`` item before the message. Every bad request is a 4xx in OpenAI's shape that leaves the server
+serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -18,7 +20,11 @@ import jsonschema
 import openai
 import pytest
 
-from tests.engine.entrypoints.conftest import MODEL
+from engine.entrypoints.openai.response_items import MessageItem, OutputText
+from engine.entrypoints.openai.response_object import ResponsesResponse
+from engine.entrypoints.openai.response_store import MIB, InMemoryResponseStore, ResponseStoreOptions, StoredResponse
+from engine.entrypoints.openai.serving import OpenAIServing
+from tests.engine.entrypoints.conftest import MODEL, make_async_llm, make_client, serve_models
 
 pytestmark = pytest.mark.usefixtures("engine_left_idle")
 
@@ -101,7 +107,8 @@ def test_the_stream_is_openais_event_sequence_and_equals_the_whole_response(clie
     assert text == final.output_text == events[-4].text
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     assert {event.response.id for event in events if hasattr(event, "response")} == {final.id}
-    assert final.usage == whole.usage.model_copy(update={"input_tokens_details": final.usage.input_tokens_details})
+    cached = {"input_tokens_details": final.usage.input_tokens_details}  # the second run hits the prefix cache
+    assert final.usage == whole.usage.model_copy(update=cached)
     stored = client.responses.retrieve(final.id)
     assert (stored.output_text, stored.usage, stored.output[0].id) == (
         final.output_text,
@@ -135,6 +142,7 @@ def test_previous_response_id_continues_the_stored_conversation(client):
     )
     assert second.output_text == resent.output_text
     assert second.usage.input_tokens == resent.usage.input_tokens
+    assert resent.usage.input_tokens_details.cached_tokens > 0  # the same prompt again: its blocks were cached
     assert second.previous_response_id == first.id and second.instructions is None
     third = client.responses.create(
         input="Why?", previous_response_id=second.id, max_output_tokens=4, extra_body=LONG, **GREEDY
@@ -240,3 +248,86 @@ def test_the_stored_responses_routes_refuse_unknown_ids_and_query_parameters(bas
     response = httpx.request(method, f"{base_url}{path}", timeout=60)
     assert response.status_code == (400 if "?" in path else 404), response.text
     assert response.json()["error"]["code"] == response.status_code
+
+
+# --------------------------------------------------------------------------------------------------- reasoning
+
+
+@pytest.fixture(scope="module")
+def qwen3(model_path):
+    """A server whose engine splits ``<think>`` reasoning out (qwen3's parser); a regex forces the whole output,
+    the reasoning included (``enable_in_reasoning``), so the reasoning is exact."""
+    engine = make_async_llm(
+        model_path, max_num_seqs=4, reasoning_parser="qwen3", structured_outputs_config={"enable_in_reasoning": True}
+    )
+    with serve_models({MODEL: OpenAIServing(engine, MODEL)}) as server:
+        yield make_client(server.base_url)
+    engine.shutdown()
+
+
+FORCED = {"structured_outputs": {"regex": "<think>a b c</think>answer"}}
+
+
+def test_reasoning_is_a_reasoning_item_before_the_message_streamed_and_not(qwen3):
+    response = qwen3.responses.create(input="Think first.", extra_body=FORCED, **GREEDY)
+    reasoning, message = response.output
+    assert (reasoning.type, reasoning.content[0].type, reasoning.content[0].text) == (
+        "reasoning",
+        "reasoning_text",
+        "a b c",
+    )
+    assert reasoning.id.startswith("rs_") and reasoning.summary == [] and reasoning.status == "completed"
+    assert (message.type, response.output_text, response.status) == ("message", "answer", "completed")
+    chat = qwen3.chat.completions.create(
+        messages=[{"role": "user", "content": "Think first."}], extra_body=FORCED, **GREEDY
+    )
+    assert chat.choices[0].message.reasoning_content == "a b c"
+    reasoning_tokens = chat.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens == reasoning_tokens < response.usage.output_tokens
+
+    with qwen3.responses.stream(input="Think first.", extra_body=FORCED, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [event.type for event in events]
+    item_types = [(event.type, event.item.type) for event in events if event.type.startswith("response.output_item")]
+    assert item_types == [
+        ("response.output_item.added", "reasoning"),
+        ("response.output_item.done", "reasoning"),
+        ("response.output_item.added", "message"),
+        ("response.output_item.done", "message"),
+    ]
+    thought = "".join(event.delta for event in events if event.type == "response.reasoning_text.delta")
+    assert thought == "a b c" == next(e.text for e in events if e.type == "response.reasoning_text.done")
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+    assert final.output_text == "answer"
+    cached = {"input_tokens_details": final.usage.input_tokens_details}  # the second run hits the prefix cache
+    assert final.usage == response.usage.model_copy(update=cached)
+
+
+# ------------------------------------------------------------------------------------------------------- store
+
+
+def stored(number: int, text: str = "x") -> StoredResponse:
+    message = MessageItem(id=f"msg_{number}", role="assistant", content=[OutputText(text=text)], status="completed")
+    return StoredResponse(
+        response=ResponsesResponse(id=f"resp_{number}", status="completed", model=MODEL), conversation=[message]
+    )
+
+
+def test_the_in_memory_store_keeps_its_bounds_and_ttl():
+    now = [0.0]
+    store = InMemoryResponseStore(ResponseStoreOptions(max_responses=3, ttl_s=10.0), clock=lambda: now[0])
+    for number in range(4):
+        asyncio.run(store.put(stored(number)))
+        now[0] += 1.0
+    assert asyncio.run(store.get("resp_0")) is None and len(store) == 3  # the oldest dropped
+    assert asyncio.run(store.get("resp_3")).conversation[0].content[0].text == "x"
+    now[0] = 11.5  # resp_1 was stored at 1.0: expired; resp_2 (2.0) and resp_3 (3.0) are not
+    assert [asyncio.run(store.get(f"resp_{n}")) is not None for n in (1, 2, 3)] == [False, True, True]
+    assert asyncio.run(store.delete("resp_2")) and not asyncio.run(store.delete("resp_2"))
+    one_size = store.num_bytes
+    store.configure(ResponseStoreOptions(max_bytes=MIB, ttl_s=10.0))
+    asyncio.run(store.put(stored(9, "y" * (MIB - one_size))))  # together over max_bytes: the older one goes
+    assert asyncio.run(store.get("resp_3")) is None and len(store) == 1 and store.num_bytes <= MIB
+    asyncio.run(store.put(stored(10, "z" * MIB)))  # alone over max_bytes: not kept
+    assert asyncio.run(store.get("resp_10")) is None and len(store) == 1
