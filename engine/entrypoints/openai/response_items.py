@@ -4,8 +4,8 @@ One model per item type, the same for input and output, so an output item can be
 came (OpenAI's way of carrying a conversation without ``previous_response_id``):
 
 * ``MessageItem``: a turn (``user``, ``system``, ``developer`` or ``assistant``), its ``content`` a string or
-  ``input_text`` / ``output_text`` parts; ``type`` may be left out (OpenAI's ``EasyInputMessage``). Output:
-  the assistant's text, one ``output_text`` part.
+  ``input_text`` / ``output_text`` parts; its ``type`` may be left out (OpenAI's ``EasyInputMessage``), no
+  other item's may. Output: the assistant's text, one ``output_text`` part.
 * ``FunctionCallItem``: a call the model made (``call_id``, ``name``, ``arguments`` as JSON text).
 * ``FunctionCallOutputItem``: a tool's result for a ``call_id``.
 * ``ReasoningItem``: the model's reasoning (``content``: ``reasoning_text`` parts).
@@ -91,7 +91,7 @@ class MessageItem(OpenAIBaseModel):
 
 
 class FunctionCallItem(OpenAIBaseModel):
-    type: Literal["function_call"] = "function_call"
+    type: Literal["function_call"]
     id: str | None = None
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -106,7 +106,7 @@ class FunctionCallItem(OpenAIBaseModel):
 
 
 class FunctionCallOutputItem(OpenAIBaseModel):
-    type: Literal["function_call_output"] = "function_call_output"
+    type: Literal["function_call_output"]
     id: str | None = None
     call_id: str = Field(min_length=1)
     output: str | list[TextPart]
@@ -134,7 +134,7 @@ class ReasoningText(OpenAIBaseModel):
 class ReasoningItem(OpenAIBaseModel):
     """The model's reasoning: its text as ``content`` (``summary`` stays empty: nothing here summarizes)."""
 
-    type: Literal["reasoning"] = "reasoning"
+    type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = Field(default_factory=list)
     content: list[ReasoningText] | None = None

@@ -74,7 +74,7 @@ MESSAGE = _TextKind(
 REASONING = _TextKind(
     "rs",
     "response.reasoning_text",
-    lambda id_, parts, status: ReasoningItem(id=id_, summary=[], content=parts, status=status),
+    lambda id_, parts, status: ReasoningItem(type="reasoning", id=id_, summary=[], content=parts, status=status),
     lambda text: ReasoningText(text=text),
 )
 
@@ -124,7 +124,12 @@ class _OpenCall:
     def __init__(self, start: DeltaToolCall, output_index: int, events: ResponseEvents | None) -> None:
         self.index, self.output_index, self.events = start.index, output_index, events
         self.item = FunctionCallItem(
-            id=item_id("fc"), call_id=start.id, name=start.function.name, arguments="", status="in_progress"
+            type="function_call",
+            id=item_id("fc"),
+            call_id=start.id,
+            name=start.function.name,
+            arguments="",
+            status="in_progress",
         )
         if events is not None:
             events.emit("response.output_item.added", output_index=output_index, item=dumped(self.item))

@@ -30,7 +30,7 @@ from engine.entrypoints.openai.tool_calls import FunctionDefinition
 class FunctionTool(FunctionDefinition):
     """A function tool in the Responses API's flat shape: ``{"type": "function", "name", "parameters", ...}``."""
 
-    type: Literal["function"] = "function"
+    type: Literal["function"]
 
     def chat_tool(self) -> dict[str, Any]:
         return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
@@ -64,54 +64,55 @@ class TextFormat(OpenAIBaseModel):
         return None if self.type == "text" else {"type": self.type}
 
 
-def refused(value: Any, message: str) -> Any:
-    """``value`` when it is unset (None or False); else the ValueError ``message`` (-> 400)."""
-    if value not in (None, False):
+def only_unset(value: Any, message: str) -> Any:
+    """``value`` when it is unset (None or False); else the ValueError ``message`` (-> 400). Checked before the
+    field's type (which admits the unset value only, so /openapi.json documents what is taken)."""
+    if value is not None and value is not False:
         raise ValueError(message)
     return value
 
 
 class TextConfig(OpenAIBaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
-    verbosity: Literal["low", "medium", "high"] | None = None
+    verbosity: None = None
 
-    @field_validator("verbosity")
+    @field_validator("verbosity", mode="before")
     @classmethod
-    def _refuse_verbosity(cls, value: str | None) -> None:
-        return refused(value, "text.verbosity is not supported: the model's verbosity cannot be set here.")
+    def _refuse_verbosity(cls, value: Any) -> None:
+        return only_unset(value, "not supported: the model's verbosity cannot be set here.")
 
 
 class ReasoningConfig(OpenAIBaseModel):
     """``reasoning.effort`` reaches the chat template as ``reasoning_effort``; summaries are not made here."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated name of summary
+    summary: None = None
+    generate_summary: None = None  # the deprecated name of summary
 
-    @field_validator("summary", "generate_summary")
+    @field_validator("summary", "generate_summary", mode="before")
     @classmethod
-    def _refuse_summary(cls, value: str | None) -> None:
-        return refused(value, "reasoning summaries are not supported: reasoning items carry the reasoning itself.")
+    def _refuse_summary(cls, value: Any) -> None:
+        return only_unset(value, "not supported: no summary is made; reasoning items carry the reasoning itself.")
 
 
 class ResponsesStreamOptions(OpenAIBaseModel):
-    include_obfuscation: bool = False
+    include_obfuscation: Literal[False] = False
 
-    @field_validator("include_obfuscation")
+    @field_validator("include_obfuscation", mode="before")
     @classmethod
-    def _refuse_obfuscation(cls, value: bool) -> bool:
-        return refused(value, "stream_options.include_obfuscation is not supported: streams are never obfuscated.")
+    def _refuse_obfuscation(cls, value: Any) -> Any:
+        return only_unset(value, "not supported: streams are never obfuscated.")
 
 
 ToolChoice = Literal["none", "auto", "required"] | FunctionToolChoice
 
-# Fields of OpenAI's API this server takes only at these values, and why it cannot take others.
+# Fields of OpenAI's API this server takes only at these values (their types admit no other), and why.
 _ONLY_AT: dict[str, tuple[tuple, str]] = {
-    "background": ((False,), "background responses are not supported; send the request and read its stream"),
+    "background": ((None, False), "this server makes no background responses; read the response (or its stream)"),
     "include": ((None, []), "no extra output data (encrypted reasoning, logprobs, hosted tools' results) is made"),
-    "top_logprobs": ((None, 0), "output logprobs are not supported in responses; use /v1/chat/completions"),
+    "top_logprobs": ((None, 0), "output logprobs are not made in responses; /v1/chat/completions has them"),
     "truncation": ((None, "disabled"), "a conversation longer than the context is refused (400), never truncated"),
-    "max_tool_calls": ((None,), "it limits hosted tools' calls, which this server has none of"),
+    "max_tool_calls": ((None,), "it limits hosted tools' calls, and this server has none"),
     "service_tier": ((None, "auto", "default"), "this server has one service tier"),
     "prompt": ((None,), "prompt templates are not supported; send the input itself"),
     "conversation": ((None,), "conversation objects are not supported; continue with previous_response_id"),
@@ -120,6 +121,8 @@ _ONLY_AT: dict[str, tuple[tuple, str]] = {
 
 class ResponsesRequest(OpenAIBaseModel):
     """``POST /v1/responses`` (see the module docstring)."""
+
+    model_config = OpenAIBaseModel.model_config | {"extra": "forbid"}  # /openapi.json: no other field
 
     model: str | None = None
     input: str | list[Item]
@@ -142,14 +145,14 @@ class ResponsesRequest(OpenAIBaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    background: bool = False
-    include: list[str] | None = None
-    top_logprobs: int | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    max_tool_calls: int | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    prompt: dict[str, Any] | None = None
-    conversation: str | dict[str, Any] | None = None
+    background: Literal[False] = False
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+    top_logprobs: Literal[0] | None = None
+    truncation: Literal["disabled"] | None = None
+    max_tool_calls: None = None
+    service_tier: Literal["auto", "default"] | None = None
+    prompt: None = None
+    conversation: None = None
     # vLLM's extras
     top_k: int | None = None
     repetition_penalty: float | None = None
@@ -167,11 +170,15 @@ class ResponsesRequest(OpenAIBaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            unknown = sorted(set(data) - set(cls.model_fields))
-            if unknown:
-                raise ValueError(f"{', '.join(unknown)}: not a field of the Responses API this server supports.")
+    def _refuse_unsupported_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not a field of the Responses API this server supports.")
+        for name, (accepted, why) in _ONLY_AT.items():
+            if name in data and not any(type(data[name]) is type(value) and data[name] == value for value in accepted):
+                raise ValueError(f"{name}={data[name]!r} is not supported: {why}.")
         return data
 
     @field_validator("input", mode="before")
@@ -183,7 +190,7 @@ class ResponsesRequest(OpenAIBaseModel):
     @classmethod
     def _check_tool_types(cls, tools: Any) -> Any:
         for tool in tools if isinstance(tools, list) else []:
-            tool_type = tool.get("type") if isinstance(tool, dict) else None
+            tool_type = tool.get("type", "function") if isinstance(tool, dict) else "function"  # else: pydantic's
             if tool_type != "function":
                 raise ValueError(f"tools of type {tool_type!r} are not supported; only function tools are.")
         return tools
@@ -197,9 +204,6 @@ class ResponsesRequest(OpenAIBaseModel):
 
     @model_validator(mode="after")
     def _check_fields(self):
-        for name, (accepted, why) in _ONLY_AT.items():
-            if getattr(self, name) not in accepted:
-                raise ValueError(f"{name} {getattr(self, name)!r} is not supported: {why}.")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true.")
         if self.input in ("", []) and self.previous_response_id is None and self.instructions is None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from engine.entrypoints.openai.responses_request import ResponsesRequest
 from tests.conftest import wait_until_idle
 from tests.engine.entrypoints.conftest import MODEL, ServerThread
 
@@ -32,7 +33,7 @@ FUZZ_SETTINGS = settings(
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
-OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 # Every case sent, by (path, schemathesis mode or "raw", status): the figure docs/benchmarks.md reports.
 CASE_COUNTS: Counter = Counter()
@@ -63,6 +64,7 @@ def test_openapi_documents_the_real_request_bodies(base_url):
     for path, model in [
         ("/v1/completions", CompletionRequest),
         ("/v1/chat/completions", ChatCompletionRequest),
+        ("/v1/responses", ResponsesRequest),
         ("/detokenize", DetokenizeRequest),
     ]:
         schema = _body_schema(openapi, path)
@@ -91,11 +93,13 @@ def _keep_generation_short(body) -> None:
         body["model"] = MODEL
     if body.get("prompt") in ("", []):
         body["prompt"] = "Hi"
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if type(body.get(key)) is int and MAX_GENERATED_TOKENS < body[key] <= 2**20:
             body[key] = MAX_GENERATED_TOKENS
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_GENERATED_TOKENS
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_GENERATED_TOKENS
 
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
@@ -146,7 +150,9 @@ JSON_VALUES = st.recursive(
     max_leaves=12,
 )
 HUGE_NUMBERS = st.sampled_from(["1e308", "-1e309", "1e-400", "NaN", "Infinity", "-Infinity", "9" * 400, "-" + "9" * 40])
-FIELDS = sorted(set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields))
+FIELDS = sorted(
+    set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(ResponsesRequest.model_fields)
+)
 
 
 def _nested(depth: int) -> str:
@@ -160,6 +166,7 @@ def hostile_bodies(draw) -> bytes:
     if draw(st.booleans()):
         fields.setdefault("prompt", "Hi")
         fields.setdefault("messages", [{"role": "user", "content": "Hi"}])
+        fields.setdefault("input", "Hi")
     _keep_generation_short(fields)
     text = json.dumps(fields)
     splice = draw(
@@ -224,6 +231,7 @@ def test_a_body_nested_past_the_recursion_limit_is_a_400(base_url, path):
     [
         ("/v1/completions", rb'{"prompt": "Hi \ud800", "max_tokens": 2}'),
         ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\uDFFF"}], "max_tokens": 2}'),
+        ("/v1/responses", rb'{"input": [{"role": "user", "content": "\ud800"}], "max_output_tokens": 2}'),
         ("/tokenize", rb'{"prompt": "\udc80"}'),
     ],
 )

@@ -212,7 +212,7 @@ def test_delete_drops_a_stored_response_and_cancel_refuses_a_synchronous_one(cli
 @pytest.mark.parametrize(
     "body, param, message",
     [
-        ({"input": "x", "background": True}, None, "background True is not supported"),
+        ({"input": "x", "background": True}, None, "background=True is not supported"),
         ({"input": "x", "frobnicate": 1}, None, "frobnicate: not a field of the Responses API"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference' are not supported"),
@@ -220,7 +220,7 @@ def test_delete_drops_a_stored_response_and_cancel_refuses_a_synchronous_one(cli
         ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, None, "'nope'"),
         ({"input": "x", "tool_choice": "required"}, None, "needs tools"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "needs a name"),
-        ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "summaries are not supported"),
+        ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "no summary is made"),
         ({"input": "x", "include": ["reasoning.encrypted_content"]}, None, "include"),
         ({"input": "x", "truncation": "auto"}, None, "never truncated"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
