@@ -18,6 +18,10 @@
 - ``serving_base``: ``ServingBase``, what the servings share; ``PrecomputedPrompt``.
 - ``serving_completion``, ``serving_chat``, ``serving_tokenize``: ``/v1/completions``, ``/v1/chat/completions``,
   ``/tokenize`` and ``/detokenize``.
+- The Responses API: ``responses_request`` (``ResponsesRequest``, and the chat request it is served as),
+  ``response_items`` (input and output items), ``response_object`` (``ResponsesResponse``), ``serving_responses``
+  (``ResponsesServing``), ``responses_output`` (output items and stream events), ``response_store``
+  (``ResponseStore``, ``InMemoryResponseStore``), ``responses_routes`` (the HTTP routes, ``previous_response_id``).
 - ``streaming``: merging one HTTP request's engine streams and SSE framing (``SSEChunk``, ``StreamDelta``).
 - ``logprobs``: the engine's logprobs in OpenAI's two formats.
 - ``continuation``: a stream continued on another server (``Continuation``, ``ResumedRequest``).
@@ -25,5 +29,6 @@
 - ``limits``: ``RequestLimits`` and ``LimitedRouter``, per-request limits before any model server.
 - ``auth``: ``ApiKeyMiddleware``, ``Authorization: Bearer`` keys.
 - ``server_options``: ``ServerOptions``, the HTTP layer's app-wide options.
+- ``http_items``: a router's item stream as an HTTP response (``respond``), a body parsed (``parse_body``).
 - ``api_server``: the FastAPI route handlers, ``ModelRouter`` / ``LocalModelRouter`` and ``build_app``.
 """
