@@ -35,7 +35,7 @@ from engine.entrypoints.openai.continuation import Continuation, StreamDelta, ca
 from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import ErrorResponse, make_error
 from engine.entrypoints.openai.serving import StreamItem
-from engine.entrypoints.openai.streaming import DONE_EVENT, SSEChunk, sse_event
+from engine.entrypoints.openai.streaming import SSEChunk
 
 logger = logging.getLogger("ray.serve")
 
@@ -109,6 +109,7 @@ class MigratingCall:
         on_migration: Callable[[str], None],
     ) -> None:
         self.open_call = open_call
+        self.style = endpoint.style
         self.migration_limit = migration_limit
         self.on_migration = on_migration
         self.state = StreamState(migration_limit > 0 and can_continue(endpoint, request))
@@ -156,7 +157,7 @@ class MigratingCall:
 
     def _error_item(self, exc: BaseException, reason: str) -> ErrorResponse | SSEChunk:
         error = replica_gone_error(exc, reason)
-        return SSEChunk(sse_event(error.body()) + DONE_EVENT) if self.state.is_started else error
+        return SSEChunk(self.style.late_error(error)) if self.state.is_started else error
 
 
 def _backoff(elapsed_s: float) -> float:

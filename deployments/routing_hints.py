@@ -48,9 +48,9 @@ class PromptTokenizer:
         self.tokenizer = tokenizer
 
     def prompt(self, endpoint: Endpoint, request: Any) -> PrecomputedPrompt | None:
-        """The first prompt as the serving would render (chat, responses: ``text``) and tokenize it; None for
-        other endpoints."""
-        if endpoint is Endpoint.CHAT:
+        """The first prompt as the serving would render (chat, messages, responses: ``text``) and tokenize it;
+        None for other endpoints."""
+        if endpoint.renders_chat:
             text, token_ids = render_chat(self.tokenizer, request)
             return PrecomputedPrompt(token_ids, text)
         if endpoint is Endpoint.RESPONSES:  # rendered as the chat request it is served as
@@ -93,7 +93,7 @@ def precomputed_prompt(endpoint: Endpoint, hint: Any) -> PrecomputedPrompt | Non
     well (a hint of theirs without it is not used)."""
     if not isinstance(hint, RoutingHint) or hint.prompt_token_ids is None:
         return None
-    if endpoint in (Endpoint.CHAT, Endpoint.RESPONSES):
+    if endpoint.renders_chat or endpoint is Endpoint.RESPONSES:
         return None if hint.prompt_text is None else PrecomputedPrompt(hint.prompt_token_ids, hint.prompt_text)
     if endpoint is Endpoint.COMPLETIONS:
         return PrecomputedPrompt(hint.prompt_token_ids)

@@ -29,6 +29,6 @@
 - ``limits``: ``RequestLimits`` and ``LimitedRouter``, per-request limits before any model server.
 - ``auth``: ``ApiKeyMiddleware``, ``Authorization: Bearer`` keys.
 - ``server_options``: ``ServerOptions``, the HTTP layer's app-wide options.
-- ``http_items``: a router's item stream as an HTTP response (``respond``), a body parsed (``parse_body``).
+- ``http_responses``: an item stream as an HTTP response (``respond``), a request body parsed (``parse_body``).
 - ``api_server``: the FastAPI route handlers, ``ModelRouter`` / ``LocalModelRouter`` and ``build_app``.
 """

@@ -1,10 +1,12 @@
-"""The OpenAI HTTP routes: handler functions of ``(router, raw_request)`` and ``build_app``.
+"""The HTTP routes (OpenAI's, and Anthropic's ``/v1/messages``): handler functions of ``(router,
+raw_request)`` and ``build_app``.
 
 The handlers parse and validate the body (malformed JSON or invalid fields
--> 400 in OpenAI's error shape), pick the model (unknown -> 404; omitted ->
-the only one served), call the router's ``Endpoint`` and turn its item stream
-(``serving.StreamItem``) into a response (``http_items.respond``). The Responses
-API's routes (``responses_routes``) also use the app's response store.
+-> 400 in the route's error shape, ``Endpoint.style``), pick the model
+(unknown -> 404; omitted -> the only one served), call the router's
+``Endpoint`` and turn its item stream into a response (``http_responses``).
+The Responses API's routes (``responses_routes``) also use the app's response
+store.
 
 They are free functions so the Ray ingress can register them on its own
 app with a router that calls Ray handles; ``build_app(LocalModelRouter(...))``
@@ -29,8 +31,15 @@ from starlette.responses import Response
 
 from engine.entrypoints.openai.auth import ApiKeyMiddleware, resolve_api_keys
 from engine.entrypoints.openai.endpoints import Endpoint
-from engine.entrypoints.openai.errors import ErrorResponse, error_response, from_exception, make_error
-from engine.entrypoints.openai.http_items import json_response, parse_body, respond
+from engine.entrypoints.openai.errors import (
+    MESSAGES_PATH,
+    ApiStyle,
+    ErrorResponse,
+    error_response,
+    from_exception,
+    make_error,
+)
+from engine.entrypoints.openai.http_responses import json_response, parse_body, respond
 from engine.entrypoints.openai.limits import LimitedRouter, RequestBodyLimit
 from engine.entrypoints.openai.lora_routes import (
     handle_load_lora_adapter,
@@ -38,6 +47,7 @@ from engine.entrypoints.openai.lora_routes import (
     model_cards,
     resolve_model,
 )
+from engine.entrypoints.openai.messages_protocol import MessagesRequest
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -120,6 +130,11 @@ async def handle_chat(router: ModelRouter, raw_request: Request) -> Response:
     return await _handle_endpoint(router, raw_request, Endpoint.CHAT, ChatCompletionRequest.model_validate)
 
 
+async def handle_messages(router: ModelRouter, raw_request: Request) -> Response:
+    """Anthropic's Messages API: the request mapped onto a chat completion (``messages_protocol``)."""
+    return await _handle_endpoint(router, raw_request, Endpoint.MESSAGES, parse_messages_request)
+
+
 async def handle_tokenize(router: ModelRouter, raw_request: Request) -> Response:
     return await _handle_endpoint(router, raw_request, Endpoint.TOKENIZE, _parse_tokenize_request)
 
@@ -157,6 +172,7 @@ async def handle_version(router: ModelRouter, raw_request: Request) -> Response:
 ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response]]]] = [
     ("POST", "/v1/completions", handle_completions),
     ("POST", "/v1/chat/completions", handle_chat),
+    ("POST", MESSAGES_PATH, handle_messages),
     ("POST", "/v1/responses", handle_create_response),
     ("GET", "/v1/responses/{response_id}", handle_retrieve_response),
     ("DELETE", "/v1/responses/{response_id}", handle_delete_response),
@@ -174,6 +190,7 @@ ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response
 REQUEST_MODELS: dict[str, Any] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    MESSAGES_PATH: MessagesRequest,
     "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -231,12 +248,13 @@ def build_app(
 
 
 async def http_exception_handler(raw_request: Request, exc: HTTPException) -> Response:
-    return error_response(make_error(str(exc.detail), HTTPStatus(exc.status_code)))
+    style = ApiStyle.of_path(raw_request.url.path)
+    return style.response(make_error(str(exc.detail), HTTPStatus(exc.status_code)))
 
 
 async def internal_error_handler(raw_request: Request, exc: Exception) -> Response:
-    """A fault no handler caught (a router bug): 500 in OpenAI's shape instead of plain text."""
-    return error_response(from_exception(exc))
+    """A fault no handler caught (a router bug): 500 in the route's shape instead of plain text."""
+    return ApiStyle.of_path(raw_request.url.path).response(from_exception(exc))
 
 
 def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitable[Response]]):
@@ -250,13 +268,19 @@ def _bind(router: ModelRouter, handler: Callable[[ModelRouter, Request], Awaitab
 async def _handle_endpoint(
     router: ModelRouter, raw_request: Request, endpoint: Endpoint, parse: Callable[[dict], BaseModel]
 ) -> Response:
+    style = endpoint.style
     request = await parse_body(raw_request, parse)
     if isinstance(request, ErrorResponse):
-        return error_response(request)
+        return style.response(request)
     model_id = await resolve_model(router, getattr(request, "model", None))
     if isinstance(model_id, ErrorResponse):
-        return error_response(model_id)
-    return await respond(router.call(model_id, endpoint, request), raw_request)
+        return style.response(model_id)
+    return await respond(router.call(model_id, endpoint, request), raw_request, style)
+
+
+def parse_messages_request(body: dict) -> ChatCompletionRequest:
+    """A Messages API body as the chat completion it maps to (``MessagesRequest.chat_request``)."""
+    return MessagesRequest.model_validate(body).chat_request()
 
 
 def _parse_tokenize_request(body: dict) -> BaseModel:

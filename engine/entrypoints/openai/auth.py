@@ -1,4 +1,5 @@
-"""API keys (vLLM's ``--api-key``): ``Authorization: Bearer <key>`` on every route that reaches a model.
+"""API keys (vLLM's ``--api-key``): ``Authorization: Bearer <key>``, or Anthropic's ``x-api-key: <key>``, on
+every route that reaches a model.
 
 The keys are the app's ``api_keys``, else the ``SERVAL_API_KEY`` environment
 variable of the serving process, else none (no key asked). Open without a key:
@@ -16,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from http import HTTPStatus
 
-from engine.entrypoints.openai.errors import error_response, make_error
+from engine.entrypoints.openai.errors import ApiStyle, make_error
 
 API_KEY_ENV = "SERVAL_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
@@ -33,7 +34,8 @@ def resolve_api_keys(api_keys: Sequence[str], environ: Mapping[str, str] = os.en
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: 401 in OpenAI's shape unless a closed path carries one of ``api_keys``.
+    """ASGI middleware: 401 (in the path's ``ApiStyle``) unless a closed path carries one of ``api_keys``, as a
+    bearer token or an ``x-api-key`` header.
 
     Keys are compared as SHA-256 digests with ``hmac.compare_digest``, against every key whatever
     matched: the time taken says neither how much of a key was right, nor its length, nor which one it was.
@@ -51,16 +53,23 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         missing = make_error(
-            "Missing or invalid API key: send it as `Authorization: Bearer <key>`.", HTTPStatus.UNAUTHORIZED
+            "Missing or invalid API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`.",
+            HTTPStatus.UNAUTHORIZED,
         )
-        await error_response(missing, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        response = ApiStyle.of_path(_route_path(scope)).response(missing, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
     def _has_key(self, scope: dict) -> bool:
-        authorization = dict(scope["headers"]).get(b"authorization", b"")
-        if authorization[: len(_BEARER)].lower() != _BEARER:
+        headers = dict(scope["headers"])
+        authorization = headers.get(b"authorization", b"")
+        if authorization[: len(_BEARER)].lower() == _BEARER:
+            presented = authorization[len(_BEARER) :].strip()
+        elif b"x-api-key" in headers:  # Anthropic's clients send the key so
+            presented = headers[b"x-api-key"].strip()
+        else:
             return False
-        presented = _digest(authorization[len(_BEARER) :].strip())
-        matches = [hmac.compare_digest(presented, digest) for digest in self.key_digests]  # all of them, always
+        digest = _digest(presented)
+        matches = [hmac.compare_digest(digest, key_digest) for key_digest in self.key_digests]  # all, always
         return any(matches)
 
 

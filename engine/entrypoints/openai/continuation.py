@@ -138,7 +138,7 @@ def can_continue(endpoint: Endpoint, request: Any) -> bool:
         return False
     if endpoint is Endpoint.COMPLETIONS and len(request.prompts()) != 1:
         return False
-    if endpoint is Endpoint.CHAT and getattr(request, "tools", None):
+    if endpoint.renders_chat and getattr(request, "tools", None):
         return False
     try:
         return request.output_constraint() is None

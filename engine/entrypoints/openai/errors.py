@@ -1,13 +1,17 @@
-"""OpenAI-shaped errors and the exception -> HTTP status mapping.
+"""Errors in each API's shape and the exception -> HTTP status mapping.
 
 Every failure a client can see is an :class:`ErrorResponse`: OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}`` plus the HTTP status (and
 ``Retry-After`` for 503), which travel with it but stay out of the body. It is
 a pydantic model, so it pickles across the Ray ingress / LLM-server boundary.
+Where it reaches the client, the route's ``ApiStyle`` shapes it: OpenAI's body
+as is, or Anthropic's ``{"type": "error", "error": {"type", "message"}}`` on
+``/v1/messages`` (``MESSAGES_PATH``).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from http import HTTPStatus
@@ -55,6 +59,60 @@ class ErrorResponse(BaseModel):
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
+# Anthropic's error type for each status (its "overloaded_error" answers 529; here the status stays 503).
+_ANTHROPIC_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.FORBIDDEN: "permission_error",
+    HTTPStatus.NOT_FOUND: "not_found_error",
+    HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "request_too_large",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "overloaded_error",
+}
+MESSAGES_PATH = "/v1/messages"
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+class ApiStyle(enum.Enum):
+    """Whose shapes a route's errors and streams take (``endpoints.Endpoint.style``)."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+    @classmethod
+    def of_path(cls, path: str) -> ApiStyle:
+        """The style of the route at ``path`` (for errors answered before any route: keys, body size, 404)."""
+        return cls.ANTHROPIC if path == MESSAGES_PATH else cls.OPENAI
+
+    def body(self, error: ErrorResponse) -> dict:
+        if self is ApiStyle.OPENAI:
+            return error.body()
+        error_type = _ANTHROPIC_ERROR_TYPES.get(HTTPStatus(error.status_code), "api_error")
+        return {"type": "error", "error": {"type": error_type, "message": error.error.message}}
+
+    def response(self, error: ErrorResponse, headers: dict[str, str] | None = None) -> Response:
+        """``error`` as an HTTP response: its status, its headers (plus ``headers``), this style's JSON body."""
+        return Response(
+            json.dumps(self.body(error)),
+            status_code=error.status_code,
+            headers={**error.headers(), **(headers or {})},
+            media_type="application/json",
+        )
+
+    def late_error(self, error: ErrorResponse) -> str:
+        """The events that end a stream failing after its first event: OpenAI's ``data: {"error"}`` and
+        ``[DONE]``, or Anthropic's ``event: error``."""
+        if self is ApiStyle.OPENAI:
+            return f"data: {json.dumps(error.body())}\n\n" + DONE_EVENT
+        return f"event: error\ndata: {json.dumps(self.body(error))}\n\n"
+
+    @property
+    def end(self) -> str:
+        """What follows a stream's last event: OpenAI's ``[DONE]``; nothing after Anthropic's ``message_stop``."""
+        return DONE_EVENT if self is ApiStyle.OPENAI else ""
+
+
 def make_error(
     message: str, status: HTTPStatus, param: str | None = None, retry_after: int | None = None
 ) -> ErrorResponse:
@@ -67,13 +125,8 @@ def make_error(
 
 
 def error_response(error: ErrorResponse, headers: dict[str, str] | None = None) -> Response:
-    """``error`` as an HTTP response: its status, its headers (plus ``headers``), OpenAI's JSON body."""
-    return Response(
-        json.dumps(error.body()),
-        status_code=error.status_code,
-        headers={**error.headers(), **(headers or {})},
-        media_type="application/json",
-    )
+    """``error`` as an HTTP response in OpenAI's shape (``ApiStyle.response``)."""
+    return ApiStyle.OPENAI.response(error, headers)
 
 
 def bad_request(message: str, param: str | None = None) -> ErrorResponse:

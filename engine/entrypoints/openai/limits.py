@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from engine.entrypoints.openai.endpoints import Endpoint
-from engine.entrypoints.openai.errors import ErrorResponse, bad_request, error_response, make_error
+from engine.entrypoints.openai.errors import ApiStyle, ErrorResponse, bad_request, make_error
 from engine.entrypoints.openai.protocol import (
     MAX_LOGPROBS,
     MAX_N,
@@ -132,7 +132,7 @@ async def _one_item(item: Any) -> AsyncGenerator[Any, None]:
 
 
 class RequestBodyLimit:
-    """ASGI middleware: a body over ``max_bytes`` gets 413 in OpenAI's shape before the route reads it
+    """ASGI middleware: a body over ``max_bytes`` gets 413 (in the path's ``ApiStyle``) before the route reads it
     whole. A declared ``Content-Length`` is refused at once; a streamed body, as soon as it passes the limit
     (the route's body read raises the 413, which the app's HTTPException handler answers)."""
 
@@ -147,7 +147,7 @@ class RequestBodyLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             too_large = make_error(self._message(), HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-            await error_response(too_large)(scope, receive, send)
+            await ApiStyle.of_path(scope["path"]).response(too_large)(scope, receive, send)
             return
         num_received = 0
 

@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from engine.entrypoints.openai.endpoints import Endpoint
 from engine.entrypoints.openai.errors import ErrorResponse, bad_request, error_response, make_error
-from engine.entrypoints.openai.http_items import json_response, parse_body, respond
+from engine.entrypoints.openai.http_responses import json_response, parse_body, respond
 from engine.entrypoints.openai.lora_routes import resolve_model
 from engine.entrypoints.openai.response_object import DeletedResponse, ResponsesResponse
 from engine.entrypoints.openai.response_store import ResponseStore, StoredResponse

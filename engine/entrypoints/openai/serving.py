@@ -34,8 +34,8 @@ from engine.entrypoints.openai.errors import ErrorResponse, from_exception, make
 from engine.entrypoints.openai.lora_models import AdapterNotFoundError, LoRAModels
 from engine.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from engine.entrypoints.openai.responses import ModelCard
-from engine.entrypoints.openai.serving_chat import ChatServing
 from engine.entrypoints.openai.serving_completion import CompletionServing
+from engine.entrypoints.openai.serving_messages import MessagesServing
 from engine.entrypoints.openai.serving_responses import ResponsesServing
 from engine.entrypoints.openai.serving_tokenize import TokenizationServing
 from engine.entrypoints.openai.streaming import SSEChunk
@@ -57,7 +57,7 @@ class OpenAIServing:
     and ``check_health()``.
 
     It only routes: each endpoint's work is done by the serving it composes
-    (completion, chat, responses, tokenization), all over the same ``EngineClient``.
+    (completion, chat and messages, responses, tokenization), all over the same ``EngineClient``.
     """
 
     def __init__(
@@ -69,12 +69,13 @@ class OpenAIServing:
         self.model_id = model_id
         self.model_root = model_root if model_root is not None else engine.model_config.model
         completion = CompletionServing(engine, model_id)
-        chat = ChatServing(engine, model_id)
+        chat = MessagesServing(engine, model_id)  # chat completions, and Anthropic's Messages API over them
         responses = ResponsesServing(engine, model_id)
         tokenization = TokenizationServing(engine, model_id)
         self._endpoints: dict[Endpoint, EndpointMethod] = {
             Endpoint.COMPLETIONS: completion.completions,
             Endpoint.CHAT: chat.chat,
+            Endpoint.MESSAGES: chat.messages,
             Endpoint.RESPONSES: responses.responses,
             Endpoint.TOKENIZE: tokenization.tokenize,  # an adapter tokenizes as its base model
             Endpoint.DETOKENIZE: tokenization.detokenize,

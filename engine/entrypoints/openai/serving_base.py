@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.engine_client import EngineClient
 from engine.entrypoints.openai.continuation import ResumedRequest, resumed_outputs
-from engine.entrypoints.openai.errors import from_exception
+from engine.entrypoints.openai.errors import ApiStyle, from_exception
 from engine.entrypoints.openai.protocol import SamplingRequest
 from engine.entrypoints.openai.streaming import ResponseStream, collect_final_outputs, merge_streams, stream_events
 from engine.inputs import RequestOptions
@@ -106,9 +106,11 @@ class ServingBase:
         is_stream: bool,
         make_response: Callable[[list[RequestOutput]], Any],
         make_stream: Callable[[], ResponseStream],
+        style: ApiStyle = ApiStyle.OPENAI,
     ) -> AsyncIterator[Any]:
         """The items of started engine requests: not streamed, one response built from the final outputs
-        (or one error); streamed, the ``SSEChunk``\\ s of ``make_stream()`` (``streaming.stream_events``)."""
+        (or one error); streamed, the ``SSEChunk``\\ s of ``make_stream()`` (``streaming.stream_events``, its
+        end and late errors in ``style``)."""
         if not is_stream:
             try:
                 outputs = await collect_final_outputs(generators)
@@ -117,6 +119,6 @@ class ServingBase:
                 return
             yield make_response(outputs)
             return
-        async with contextlib.aclosing(stream_events(merge_streams(generators), make_stream())) as items:
+        async with contextlib.aclosing(stream_events(merge_streams(generators), make_stream(), style)) as items:
             async for item in items:
                 yield item

@@ -20,13 +20,15 @@ was ``stop``; a ``length`` finish stays ``length``. Both go through one
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from engine.entrypoints.openai.call_options import PLAIN_CALL, CallOptions, request_options
 from engine.entrypoints.openai.chat_template import render_chat
 from engine.entrypoints.openai.choice_parser import ChoiceParser
 from engine.entrypoints.openai.continuation import ResumedRequest, StreamProgress
-from engine.entrypoints.openai.errors import ErrorResponse, from_exception
+from engine.entrypoints.openai.errors import ApiStyle, ErrorResponse, from_exception
 from engine.entrypoints.openai.logprobs import chat_logprobs
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.responses import (
@@ -42,9 +44,30 @@ from engine.entrypoints.openai.responses import (
     unix_time,
 )
 from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
-from engine.entrypoints.openai.streaming import SSEChunk, sse_event
+from engine.entrypoints.openai.streaming import ResponseStream, SSEChunk, sse_event
 from engine.entrypoints.openai.tool_parsers import make_tool_parser
 from engine.request_output import CompletionOutput, RequestOutput
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """One chat request being served: its id, the prompt it rendered (its text, for the choice parsers, and
+    its token count), the stream it continues (if any) and whether its stream is tracked."""
+
+    request: ChatCompletionRequest
+    request_id: str
+    prompt_text: str | None
+    num_prompt_tokens: int
+    resumed: ResumedRequest | None = None
+    track: bool = False
+
+    def sent_text(self, tokenizer: Any) -> str:
+        """The text the stream this call continues had sent (its parsers are fed it first); "" for a new one."""
+        if self.resumed is None:
+            return ""
+        continuation = self.resumed.continuation
+        text = tokenizer.decode(continuation.token_ids, skip_special_tokens=self.request.skip_special_tokens)
+        return text[: continuation.num_sent_chars]
 
 
 class ChatServing(ServingBase):
@@ -52,7 +75,24 @@ class ChatServing(ServingBase):
         self, request: ChatCompletionRequest, options: CallOptions = PLAIN_CALL
     ) -> AsyncIterator[ErrorResponse | ChatCompletionResponse | SSEChunk]:
         """Not streamed: one ChatCompletionResponse or one ErrorResponse. Streamed: one ErrorResponse, or
-        ``SSEChunk``\\ s.
+        ``SSEChunk``\\ s (``serve_chat``)."""
+        async with contextlib.aclosing(
+            self.serve_chat(request, options, "chatcmpl-", self._response, _ChatStream, ApiStyle.OPENAI)
+        ) as items:
+            async for item in items:
+                yield item
+
+    async def serve_chat(
+        self,
+        request: ChatCompletionRequest,
+        options: CallOptions,
+        id_prefix: str,
+        make_response: Callable[[ChatCall, RequestOutput], Any],
+        make_stream: Callable[[ChatServing, ChatCall], ResponseStream],
+        style: ApiStyle,
+    ) -> AsyncIterator[Any]:
+        """A chat request's items, its response (or stream) made by ``make_response`` (``make_stream``) in
+        ``style``: the shape chat completions and the Messages API share.
 
         ``options.precomputed`` (with its ``text``) is used instead of the chat template and the tokenizer; a
         ``continuation`` is not rendered again (``CallOptions``). Closing the iterator aborts the engine request.
@@ -72,16 +112,18 @@ class ChatServing(ServingBase):
         except ValueError as exc:
             yield from_exception(exc)
             return
-        request_id = f"chatcmpl-{random_uuid()}"
+        request_id = f"{id_prefix}{random_uuid()}"
         prompts = [{"prompt": text, "prompt_token_ids": token_ids}]
         generators = self.start_or_resume(request_id, prompts, params, resumed, request_options(request, options))
         prompt_text = text if text is not None or self.reasoning is None else self.tokenizer.decode(token_ids)
+        call = ChatCall(request, request_id, prompt_text, len(token_ids), resumed, options.track)
         async with contextlib.aclosing(
             self.respond(
                 generators,
                 request.stream,
-                lambda outputs: self._response(request, request_id, outputs[0], prompt_text),
-                lambda: _ChatStream(self, request, request_id, prompt_text, len(token_ids), resumed, options.track),
+                lambda outputs: make_response(call, outputs[0]),
+                lambda: make_stream(self, call),
+                style,
             )
         ) as items:
             async for item in items:
@@ -102,12 +144,11 @@ class ChatServing(ServingBase):
         """The choice's reasoning tokens (``ChoiceParser.num_reasoning_tokens``)."""
         return parser.num_reasoning_tokens(self.tokenizer, token_ids, request.skip_special_tokens)
 
-    def _response(
-        self, request: ChatCompletionRequest, request_id: str, output: RequestOutput, prompt_text: str | None
-    ) -> ChatCompletionResponse:
+    def _response(self, call: ChatCall, output: RequestOutput) -> ChatCompletionResponse:
+        request = call.request
         choices, num_reasoning_tokens = [], None
         for completion in output.outputs:
-            parser = self.choice_parser(request, prompt_text)
+            parser = self.choice_parser(request, call.prompt_text)
             parsed = parser.parse(completion.text)
             reasoning = parsed.reasoning if request.include_reasoning else None
             choices.append(
@@ -126,7 +167,7 @@ class ChatServing(ServingBase):
                 num_reasoning_tokens = (num_reasoning_tokens or 0) + count
         num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         return ChatCompletionResponse(
-            id=request_id,
+            id=call.request_id,
             model=request.model or self.model_id,  # an adapter's request: the name it used (vLLM)
             choices=choices,
             usage=UsageInfo.of(len(output.prompt_token_ids), num_completion_tokens, num_reasoning_tokens),
@@ -141,22 +182,13 @@ def finish_reason(engine_reason: str | None, made_tool_calls: bool) -> str | Non
 class _ChatStream:
     """Per-request state of a streamed chat completion."""
 
-    def __init__(
-        self,
-        serving: ChatServing,
-        request: ChatCompletionRequest,
-        request_id: str,
-        prompt_text: str | None,
-        num_prompt_tokens: int,
-        resumed: ResumedRequest | None = None,
-        track: bool = False,
-    ) -> None:
+    def __init__(self, serving: ChatServing, call: ChatCall) -> None:
         self.serving = serving
-        self.request = request
-        self.request_id = request_id
-        self.prompt_text = prompt_text
+        self.request = request = call.request
+        self.request_id = call.request_id
+        self.prompt_text = call.prompt_text
         self.created = unix_time()
-        self.num_prompt_tokens = num_prompt_tokens
+        self.num_prompt_tokens = call.num_prompt_tokens
         self.num_completion_tokens = 0
         self.is_role_sent = False
         self.parsers: dict[int, ChoiceParser] = {}  # choice index -> its parser
@@ -164,20 +196,15 @@ class _ChatStream:
         self.token_ids: dict[int, list[int]] | None = None
         if serving.reasoning is not None and request.is_usage_streamed:
             self.token_ids = {}
-        self.sent_text = ""  # a continued stream's text already sent: its parser is fed it first
-        self.progress = StreamProgress() if track else None  # a tracked stream: each chunk's StreamDelta
+        self.sent_text = call.sent_text(serving.tokenizer)  # a continued stream's: its parsers are fed it first
+        self.progress = StreamProgress() if call.track else None  # a tracked stream: each chunk's StreamDelta
         if self.progress is not None:
-            self.progress.request_id, self.progress.created = request_id, self.created
-        if resumed is not None:  # continues a stream that had sent its role chunk
+            self.progress.request_id, self.progress.created = call.request_id, self.created
+        if (resumed := call.resumed) is not None:  # continues a stream that had sent its role chunk
             self.request_id, self.created = resumed.continuation.request_id, resumed.continuation.created
             self.num_completion_tokens, self.is_role_sent = resumed.num_generated, True
             if self.token_ids is not None:
                 self.token_ids[0] = list(resumed.continuation.token_ids)
-            if serving.reasoning is not None:
-                generated = serving.tokenizer.decode(
-                    resumed.continuation.token_ids, skip_special_tokens=request.skip_special_tokens
-                )
-                self.sent_text = generated[: resumed.continuation.num_sent_chars]
             resumed.progress(self.progress)
 
     def format_batch(self, batch: list[tuple[int, RequestOutput]]) -> str:

@@ -19,10 +19,8 @@ from typing import Protocol
 from pydantic import BaseModel
 
 from engine.entrypoints.openai.continuation import StreamDelta, StreamProgress
-from engine.entrypoints.openai.errors import ErrorResponse, from_exception
+from engine.entrypoints.openai.errors import ApiStyle, ErrorResponse, from_exception
 from engine.request_output import RequestOutput
-
-DONE_EVENT = "data: [DONE]\n\n"
 
 # Put on the queue by a drain task whose generator finished.
 _EXHAUSTED = object()
@@ -31,7 +29,8 @@ _EXHAUSTED = object()
 @dataclass(frozen=True, slots=True)
 class SSEChunk:
     """A streamed response's item: ``text``, one or more server-sent events (several joined when the engine
-    is ahead of the consumer), sent to the client as is; the last of a stream ends with ``DONE_EVENT``.
+    is ahead of the consumer), sent to the client as is; the last of a stream ends with its ``ApiStyle.end``
+    (OpenAI's ``[DONE]``).
     ``delta``: what the chunk carried, on a tracked stream only (``CallOptions.track``; request migration)."""
 
     text: str
@@ -126,13 +125,14 @@ async def collect_final_outputs(generators: Sequence[AsyncGenerator[RequestOutpu
 
 
 async def stream_events(
-    batches: AsyncIterator[list[tuple[int, RequestOutput]]], stream: ResponseStream
+    batches: AsyncIterator[list[tuple[int, RequestOutput]]], stream: ResponseStream, style: ApiStyle = ApiStyle.OPENAI
 ) -> AsyncIterator[ErrorResponse | SSEChunk]:
     """A streamed response's items: ``SSEChunk``\\ s, or one ErrorResponse if nothing was sent yet.
 
     ``stream.format_batch`` turns a batch into events (maybe none); ``stream.format_end`` gives the closing
-    events (the usage chunk) before ``[DONE]``. An error after the first event goes out as a final
-    ``data: {"error": ...}`` event. On a tracked stream each chunk carries ``stream.progress.take()``.
+    events (the usage chunk) before ``style.end`` (``[DONE]``). An error after the first event goes out as
+    ``style.late_error`` (a final ``data: {"error": ...}`` event). On a tracked stream each chunk carries
+    ``stream.progress.take()``.
     """
 
     def chunk(text: str) -> SSEChunk:
@@ -150,8 +150,8 @@ async def stream_events(
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
             error = from_exception(exc)
             if is_started:
-                yield chunk(sse_event(error.body()) + DONE_EVENT)
+                yield chunk(style.late_error(error))
             else:
                 yield error
             return
-    yield chunk(closing + DONE_EVENT)
+    yield chunk(closing + style.end)

@@ -1,9 +1,7 @@
-"""A router's item stream (``serving.StreamItem``) as an HTTP response, and the request body parsed into its
-model: what every route handler (``api_server``, ``responses_routes``, ...) shares.
-
-``respond(items, raw_request)`` picks the response by the declared type of the first item: an ``SSEChunk`` ->
-an SSE stream of it and the rest; an ``ErrorResponse`` -> that status; a response model -> a JSON body. A
-client that disconnects closes the item stream, which aborts the engine requests.
+"""How an endpoint's item stream (``serving.StreamItem``) becomes an HTTP response: by the declared type of its
+first item, an ``SSEChunk`` -> an SSE stream of it and the rest; an ``ErrorResponse`` -> that status, its body
+in the route's ``ApiStyle``; a response model -> a JSON body. A client that disconnects closes the item
+stream, which aborts the engine requests. ``parse_body``: a request body parsed into its model.
 """
 
 from __future__ import annotations
@@ -18,23 +16,23 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from engine.entrypoints.openai.errors import (
+    ApiStyle,
     ErrorResponse,
     bad_request,
-    error_response,
     from_exception,
     from_validation_error,
     make_error,
 )
 from engine.entrypoints.openai.protocol import parse_json_object
 from engine.entrypoints.openai.serving import StreamItem
-from engine.entrypoints.openai.streaming import DONE_EVENT, SSEChunk, sse_event
+from engine.entrypoints.openai.streaming import SSEChunk
 
 # Returned (never sent) when the client went away before the first item.
 HTTP_CLIENT_CLOSED_REQUEST = 499
 
 
 async def parse_body(raw_request: Request, parse: Callable[[dict], BaseModel]) -> BaseModel | ErrorResponse:
-    """The body, a JSON object, parsed by ``parse``; a 400 (OpenAI's shape) naming what is wrong."""
+    """The body, a JSON object, parsed by ``parse``; a 400 naming what is wrong (malformed JSON, invalid fields)."""
     try:
         return parse(parse_json_object(await raw_request.body()))
     except ValidationError as exc:
@@ -59,8 +57,11 @@ class EventStreamResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def respond(items: AsyncGenerator[StreamItem, None], raw_request: Request) -> Response:
-    """The response the first item's type calls for (the stream is closed unless an SSE response takes it over)."""
+async def respond(
+    items: AsyncGenerator[StreamItem, None], raw_request: Request, style: ApiStyle = ApiStyle.OPENAI
+) -> Response:
+    """The response the first item's type calls for (the stream is closed unless an SSE response takes it over);
+    errors, also those after the first event of a stream, in ``style``."""
     try:
         first = await _first_item_unless_disconnected(items, raw_request)
     except StopAsyncIteration:
@@ -69,11 +70,11 @@ async def respond(items: AsyncGenerator[StreamItem, None], raw_request: Request)
         first = from_exception(exc)
     match first:
         case SSEChunk():
-            return EventStreamResponse(_continue_stream(first, items))
+            return EventStreamResponse(_continue_stream(first, items, style))
         case None:
             response = Response(status_code=HTTP_CLIENT_CLOSED_REQUEST)
         case ErrorResponse():
-            response = error_response(first)
+            response = style.response(first)
         case _:
             response = json_response(first)
     await items.aclose()
@@ -106,7 +107,9 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
         pass
 
 
-async def _continue_stream(first: SSEChunk, items: AsyncGenerator[StreamItem, None]) -> AsyncGenerator[str, None]:
+async def _continue_stream(
+    first: SSEChunk, items: AsyncGenerator[StreamItem, None], style: ApiStyle
+) -> AsyncGenerator[str, None]:
     async with contextlib.aclosing(items):
         yield first.text
         try:
@@ -115,7 +118,7 @@ async def _continue_stream(first: SSEChunk, items: AsyncGenerator[StreamItem, No
                     case SSEChunk():
                         yield item.text
                     case ErrorResponse():  # a router may report a late failure as an item
-                        yield sse_event(item.body()) + DONE_EVENT
+                        yield style.late_error(item)
                         return
         except Exception as exc:  # noqa: BLE001 - e.g. a replica that died mid-stream
-            yield sse_event(from_exception(exc).body()) + DONE_EVENT
+            yield style.late_error(from_exception(exc))
