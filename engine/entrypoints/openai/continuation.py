@@ -15,8 +15,8 @@ strings that start in it (``resumed_outputs``), so the client receives the text 
 stream would have sent. Greedy output is the same token for token (unless presence / frequency
 penalties are set: they count output tokens only, and the new engine sees those generated before as
 prompt); seeded sampling continues with a fresh generator (not the same tokens). Only single-choice
-completion and chat streams without tools or an output constraint can be continued (``can_continue``); a
-tool parser's or a grammar's state does not travel, nor a Responses stream's.
+completion, chat and messages streams without tools or an output constraint can be continued
+(``can_continue``); a tool parser's or a grammar's state does not travel, nor a Responses stream's.
 """
 
 from __future__ import annotations
