@@ -292,13 +292,16 @@ def first_turn_and_its_replica(head, replicas: list[Replica]) -> tuple[object, R
 
 def test_a_conversation_goes_on_after_the_replica_that_answered_it_died(app):
     """``previous_response_id`` is resolved from the app's response store, a named actor of its own: the replica
-    that answered the first turn SIGKILLed, the second turn is served by the other one as if the whole
-    conversation had been sent again."""
+    that answered the first turn SIGKILLed, the second turn (streamed) is served by the other one as if the
+    whole conversation had been sent again."""
     head, _ = app
     assert wait_until(lambda: len(running_replicas(head, SERVER)) == 2, 180), "the killed replica was not replaced"
     first, served_by = first_turn_and_its_replica(head, running_replicas(head, SERVER))
     os.kill(served_by.pid, signal.SIGKILL)  # Serve may route the next turn there still: the ingress resends it
-    second = client(head).responses.create(input="And then?", previous_response_id=first.id, **RESPONSE_KWARGS)
+    with client(head).responses.stream(input="And then?", previous_response_id=first.id, **RESPONSE_KWARGS) as stream:
+        *_, last = stream  # streamed through the ingress, and stored from the stream
+    assert last.type == "response.incomplete"  # max_output_tokens reached (the SDK's final response: completed only)
+    second = last.response
     conversation = [{"role": "user", "content": "Hi!"}, *(item.model_dump(exclude_none=True) for item in first.output)]
     resent = client(head).responses.create(
         input=[*conversation, {"role": "user", "content": "And then?"}], store=False, **RESPONSE_KWARGS
@@ -306,6 +309,7 @@ def test_a_conversation_goes_on_after_the_replica_that_answered_it_died(app):
     assert (second.output_text, second.usage.input_tokens) == (resent.output_text, resent.usage.input_tokens)
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert client(head).responses.retrieve(first.id).output_text == first.output_text
+    assert client(head).responses.retrieve(second.id).output_text == second.output_text
     store = ray.get_actor(f"{ACTOR_NAME_PREFIX}llm", namespace=ACTOR_NAMESPACE)
     assert ray.get(store.num_stored.remote()) >= 2  # the two stored turns (store: false was not kept)
 
