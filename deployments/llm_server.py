@@ -18,12 +18,13 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.util import metrics
 
 from deployments.autoscaling import TTFTWindow
 from deployments.kv_index import PUBLISHED_BATCHES, publication
 from deployments.llm_config import LLMConfig
 from deployments.lora import build_lora_models, hold_adapters, hold_multiplexed_adapter
-from deployments.metrics import LoRAMetrics, RayStatLogger
+from deployments.metrics import TAG_KEYS, LoRAMetrics, RayStatLogger
 from deployments.node_address import bind_replica_grpc_to_node_ip
 from deployments.routing_hints import precomputed_prompt
 from engine.async_llm import AsyncLLM
@@ -47,6 +48,18 @@ def replica_num_cpus() -> int:
     """This replica's CPU share (its ``num_cpus``), rounded, at least 1: what its engine may use. Left to
     itself, torch would take every core of the node, however many replicas share it."""
     return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0) + 0.5))
+
+
+class EndpointCalls:
+    """``serval_endpoint_calls``: the calls one replica serves, by ``Endpoint`` value (chat, completions,
+    messages, tokenize, ...), beside its engine's ``serval_*`` series (``deployments.metrics``)."""
+
+    def __init__(self, model_name: str, replica: str) -> None:
+        self.tags = {"model_name": model_name, "replica": replica}
+        self.calls = metrics.Counter("serval_endpoint_calls", "Calls served, by endpoint.", (*TAG_KEYS, "endpoint"))
+
+    def record(self, endpoint: Endpoint) -> None:
+        self.calls.inc(1, {**self.tags, "endpoint": endpoint.value})
 
 
 class LLMServer:
@@ -77,6 +90,7 @@ class LLMServer:
         if self.lora is not None:
             self._hold_adapter = hold_adapters(self.lora, llm_config.lora_config.max_num_adapters_per_replica)
         self.serving = OpenAIServing(self.engine_client(), self.model_id, lora=self.lora)
+        self.calls = EndpointCalls(metrics_model_name or self.model_id, replica_id)
         logger.info("LLMServer for %r ready (max_model_len %d).", self.model_id, self.engine.max_model_len)
 
     def engine_client(self) -> EngineClient:
@@ -97,6 +111,7 @@ class LLMServer:
         A call sent with a ``multiplexed_model_id`` holds that LoRA adapter (``deployments.lora``) first.
         ``options``: ``CallOptions`` (a stream to continue, tracking for ``deployments.migration``).
         """
+        self.calls.record(endpoint)
         await hold_multiplexed_adapter(self._hold_adapter)  # the adapter Serve routed this call by, if any
         precomputed = precomputed_prompt(endpoint, routing_hint)
         if precomputed is not None:

@@ -72,7 +72,9 @@ def top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Te
     keeps_all = top_p >= 1.0
     if not bool(((cum_probs[:, -1] >= top_p) | keeps_all).all()):
         return None
-    num_kept = ((cum_probs - top_probs) < top_p.unsqueeze(1)).sum(dim=-1)  # >= 1: the first has none above
+    # At least the most likely token: a top_p too small for float32 (1e-50 > 0 passes the request's check)
+    # rounds to 0, and then not even the first, which has nothing above it, is below it.
+    num_kept = ((cum_probs - top_probs) < top_p.unsqueeze(1)).sum(dim=-1).clamp_(min=1)
     threshold = top_logits.gather(1, (num_kept - 1).unsqueeze(1))
     threshold.masked_fill_(keeps_all.unsqueeze(1), NEG_INF)
     return logits.masked_fill_(logits < threshold, NEG_INF)

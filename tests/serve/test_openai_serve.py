@@ -267,6 +267,7 @@ def test_replica_metrics_reach_rays_prometheus_endpoint(ray_head, client):
         "serval_request_success",
         "serval_num_requests_running",
         "serval_kv_cache_usage_perc",
+        "serval_endpoint_calls",
     ]
     deadline = time.monotonic() + 120  # Ray's agent exports every few seconds
     while True:
@@ -281,6 +282,7 @@ def test_replica_metrics_reach_rays_prometheus_endpoint(ray_head, client):
         assert time.monotonic() < deadline, f"metrics missing from Ray's endpoint: {missing}; got {lines[:20]}"
         time.sleep(2)
     assert any('finished_reason="length"' in line for line in lines)
+    assert any("serval_endpoint_calls" in line and 'endpoint="completions"' in line for line in lines)
     assert all('replica="' in line for line in lines)
 
 
@@ -294,6 +296,29 @@ def test_the_app_args_api_keys_and_body_limit_reach_the_deployed_app(base_url):
     assert httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=60).status_code == 200
     too_large = httpx.post(f"{url}/v1/completions", json={**body, "padding": "x" * 5000}, headers=key, timeout=60)
     assert too_large.status_code == 413 and too_large.json()["error"]["code"] == 413
+
+
+def test_the_messages_api_through_the_ingress_and_x_api_key(base_url, client):
+    """Anthropic's client through the ingress (a Messages call crosses it as the chat request it maps to):
+    the chat completion's greedy text, streamed and not; a 400 in Anthropic's shape; x-api-key as the key."""
+    import anthropic
+
+    messages = [{"role": "user", "content": "Hello there!"}]
+    chat = client.chat.completions.create(model=LLAMA, messages=messages, max_tokens=12, temperature=0)
+    claude = anthropic.Anthropic(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+    request = dict(model=LLAMA, max_tokens=12, messages=messages, extra_body={"temperature": 0})
+    whole = claude.messages.create(**request)
+    with claude.messages.stream(**request) as stream:
+        streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        assert "".join(block.text for block in message.content) == chat.choices[0].message.content
+        assert message.usage.output_tokens == chat.usage.completion_tokens
+    bad = httpx.post(f"{base_url}/v1/messages", json={"model": LLAMA, "messages": messages}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    guarded = anthropic.Anthropic(base_url=f"{base_url}/guarded", api_key=GUARDED_KEY, max_retries=0, timeout=120)
+    assert guarded.messages.create(**request).usage.output_tokens == chat.usage.completion_tokens
+    refused = httpx.post(f"{base_url}/guarded/v1/messages", json={**request, "extra_body": None}, timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
 
 
 def qwen_stats() -> dict:

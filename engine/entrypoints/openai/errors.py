@@ -82,8 +82,9 @@ class ApiStyle(enum.Enum):
 
     @classmethod
     def of_path(cls, path: str) -> ApiStyle:
-        """The style of the route at ``path`` (for errors answered before any route: keys, body size, 404)."""
-        return cls.ANTHROPIC if path == MESSAGES_PATH else cls.OPENAI
+        """The style of the route at ``path`` (for errors answered before any route: keys, body size, 404),
+        under any route prefix."""
+        return cls.ANTHROPIC if path.rstrip("/").endswith(MESSAGES_PATH) else cls.OPENAI
 
     def body(self, error: ErrorResponse) -> dict:
         if self is ApiStyle.OPENAI:

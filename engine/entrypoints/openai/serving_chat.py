@@ -47,6 +47,7 @@ from engine.entrypoints.openai.serving_base import ServingBase, random_uuid
 from engine.entrypoints.openai.streaming import ResponseStream, SSEChunk, sse_event
 from engine.entrypoints.openai.tool_parsers import make_tool_parser
 from engine.request_output import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -94,21 +95,10 @@ class ChatServing(ServingBase):
         """A chat request's items, its response (or stream) made by ``make_response`` (``make_stream``) in
         ``style``: the shape chat completions and the Messages API share.
 
-        ``options.precomputed`` (with its ``text``) is used instead of the chat template and the tokenizer; a
-        ``continuation`` is not rendered again (``CallOptions``). Closing the iterator aborts the engine request.
+        Closing the iterator aborts the engine request.
         """
-        resumed, continuation, precomputed = None, options.continuation, options.precomputed
         try:
-            if continuation is not None:
-                text, token_ids = None, continuation.prompt_token_ids
-            elif precomputed is not None and precomputed.text is not None:
-                text, token_ids = precomputed.text, precomputed.token_ids
-            else:
-                text, token_ids = render_chat(self.tokenizer, request)
-            self.check_context_length(len(token_ids), request.requested_max_tokens)
-            params = self.sampling_params(request, request.requested_max_tokens, request.num_logprobs)
-            if continuation is not None:
-                resumed = ResumedRequest.of(continuation, self.tokenizer, params)
+            text, token_ids, params, resumed = self._prepare(request, options)
         except ValueError as exc:
             yield from_exception(exc)
             return
@@ -128,6 +118,25 @@ class ChatServing(ServingBase):
         ) as items:
             async for item in items:
                 yield item
+
+    def _prepare(
+        self, request: ChatCompletionRequest, options: CallOptions
+    ) -> tuple[str | None, list[int], SamplingParams, ResumedRequest | None]:
+        """The prompt's text and tokens, the sampling parameters and the stream continued; ValueError (-> 400).
+
+        ``options.precomputed`` (with its ``text``) is used instead of the chat template and the tokenizer; a
+        ``continuation`` is not rendered again (``CallOptions``)."""
+        continuation, precomputed = options.continuation, options.precomputed
+        if continuation is not None:
+            text, token_ids = None, continuation.prompt_token_ids
+        elif precomputed is not None and precomputed.text is not None:
+            text, token_ids = precomputed.text, precomputed.token_ids
+        else:
+            text, token_ids = render_chat(self.tokenizer, request)
+        self.check_context_length(len(token_ids), request.requested_max_tokens)
+        params = self.sampling_params(request, request.requested_max_tokens, request.num_logprobs)
+        resumed = None if continuation is None else ResumedRequest.of(continuation, self.tokenizer, params)
+        return text, token_ids, params, resumed
 
     def make_logprobs(
         self, request: ChatCompletionRequest, completion: CompletionOutput

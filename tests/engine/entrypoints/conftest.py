@@ -4,6 +4,7 @@
 * ``engine``: the session's AsyncLLM (``ENGINE_KWARGS``), served as ``MODEL``.
 * ``server`` / ``base_url`` / ``client``: the app, its URL, the official ``openai`` client.
 * ``offline``: the offline ``LLM`` on the same checkpoint, the reference for greedy text.
+* ``qwen3_base_url``: a second server, its engine with the ``qwen3`` reasoning parser.
 * ``ServerThread``: serve any app (tests build their own for other engines / routers).
 * ``wait_until_idle(engine)``: no request left and every KV block free again.
 """
@@ -100,6 +101,23 @@ def offline(model_path):
     from engine import LLM
 
     return LLM(model=model_path, **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def qwen3_base_url(model_path):
+    """A server whose engine has the ``qwen3`` reasoning parser, output constraints from the first token
+    (``enable_in_reasoning``: a regex can force a reasoning) and compact JSON (the grammar ends a tool call)."""
+    from engine.entrypoints.openai.serving import OpenAIServing
+
+    engine = make_async_llm(
+        model_path,
+        max_num_seqs=4,
+        reasoning_parser="qwen3",
+        structured_outputs_config={"enable_in_reasoning": True, "disable_any_whitespace": True},
+    )
+    with serve_models({MODEL: OpenAIServing(engine, MODEL)}) as server:
+        yield server.base_url
+    engine.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
+from engine.entrypoints.openai.messages_protocol import MessagesRequest
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from engine.entrypoints.openai.responses_request import ResponsesRequest
 from tests.conftest import wait_until_idle
@@ -33,7 +34,10 @@ FUZZ_SETTINGS = settings(
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
-OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]
+OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/tokenize", "/detokenize"]
+# The keys of each route's error body's "error" object (OpenAI's; Anthropic's on /v1/messages).
+ERROR_KEYS = {"/v1/messages": {"type", "message"}}
+OPENAI_ERROR_KEYS = {"message", "type", "code"}
 MODES = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
 # Every case sent, by (path, schemathesis mode or "raw", status): the figure docs/benchmarks.md reports.
 CASE_COUNTS: Counter = Counter()
@@ -151,7 +155,10 @@ JSON_VALUES = st.recursive(
 )
 HUGE_NUMBERS = st.sampled_from(["1e308", "-1e309", "1e-400", "NaN", "Infinity", "-Infinity", "9" * 400, "-" + "9" * 40])
 FIELDS = sorted(
-    set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(ResponsesRequest.model_fields)
+    set(CompletionRequest.model_fields)
+    | set(ChatCompletionRequest.model_fields)
+    | set(MessagesRequest.model_fields)
+    | set(ResponsesRequest.model_fields)
 )
 
 
@@ -211,7 +218,7 @@ def test_hostile_raw_bodies_get_no_server_error(base_url, path):
         CASE_COUNTS[path, "raw", response.status_code] += 1
         assert response.status_code < 500, response.text[:2000]
         if response.status_code >= 400:
-            assert set(response.json()["error"]) >= {"message", "type", "code"}
+            assert set(response.json()["error"]) >= ERROR_KEYS.get(path, OPENAI_ERROR_KEYS)
 
     fuzz()
     print(f"\nhypothesis raw bodies {path}: {_counts_for(path, 'raw')}")

@@ -11,8 +11,7 @@ import pytest
 
 from engine.entrypoints.openai.api_server import LocalModelRouter, build_app
 from engine.entrypoints.openai.server_options import ServerOptions
-from engine.entrypoints.openai.serving import OpenAIServing
-from tests.engine.entrypoints.conftest import MODEL, ServerThread, make_async_llm, serve_models
+from tests.engine.entrypoints.conftest import MODEL, ServerThread
 
 CONVERSATION = [
     {"role": "user", "content": "Name a colour."},
@@ -43,12 +42,11 @@ def claude(base_url) -> anthropic.Anthropic:
 
 
 @pytest.fixture(scope="module")
-def compact_claude(model_path) -> anthropic.Anthropic:
-    """A server whose JSON constraints allow no whitespace: the grammar, not luck, ends a forced tool call."""
-    engine = make_async_llm(model_path, max_num_seqs=2, structured_outputs_config={"disable_any_whitespace": True})
-    with serve_models({MODEL: OpenAIServing(engine, MODEL)}) as server:
-        yield anthropic_client(server.base_url)
-    engine.shutdown()
+def compact_claude(qwen3_base_url) -> anthropic.Anthropic:
+    """The server whose JSON constraints allow no whitespace (the grammar, not luck, ends a forced tool call); its
+    qwen3 parser finds no reasoning in an output that does not open with <think>."""
+    with anthropic_client(qwen3_base_url) as client:
+        yield client
 
 
 def as_chat(system: list[dict], messages: list[dict]) -> list[dict]:
@@ -169,11 +167,12 @@ def test_bad_input_is_a_400_in_anthropics_shape_and_the_server_keeps_serving(bas
 
 def test_x_api_key_is_a_serval_api_key(serving):
     app = build_app(LocalModelRouter({MODEL: serving}), ServerOptions(api_keys=["sk-right"]))
-    with ServerThread(app) as server:
-        right = anthropic_client(server.base_url, "sk-right")
+    with ServerThread(app) as server, anthropic_client(server.base_url, "sk-right") as right:
         assert right.messages.create(model=MODEL, max_tokens=2, messages=CONVERSATION).usage.output_tokens == 2
-        wrong = anthropic_client(server.base_url, "sk-wrong")
-        with pytest.raises(anthropic.AuthenticationError) as caught:
+        with (
+            anthropic_client(server.base_url, "sk-wrong") as wrong,
+            pytest.raises(anthropic.AuthenticationError) as caught,
+        ):
             wrong.messages.create(model=MODEL, max_tokens=2, messages=CONVERSATION)
         assert caught.value.body["error"]["type"] == "authentication_error"
         bearer = httpx.get(f"{server.base_url}/v1/models", headers={"x-api-key": "sk-right"})

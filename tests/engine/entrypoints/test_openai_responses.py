@@ -23,8 +23,7 @@ import pytest
 from engine.entrypoints.openai.response_items import MessageItem, OutputText
 from engine.entrypoints.openai.response_object import ResponsesResponse
 from engine.entrypoints.openai.response_store import MIB, InMemoryResponseStore, ResponseStoreOptions, StoredResponse
-from engine.entrypoints.openai.serving import OpenAIServing
-from tests.engine.entrypoints.conftest import MODEL, make_async_llm, make_client, serve_models
+from tests.engine.entrypoints.conftest import MODEL, make_client
 
 pytestmark = pytest.mark.usefixtures("engine_left_idle")
 
@@ -253,16 +252,11 @@ def test_the_stored_responses_routes_refuse_unknown_ids_and_query_parameters(bas
 # --------------------------------------------------------------------------------------------------- reasoning
 
 
-@pytest.fixture(scope="module")
-def qwen3(model_path):
-    """A server whose engine splits ``<think>`` reasoning out (qwen3's parser); a regex forces the whole output,
-    the reasoning included (``enable_in_reasoning``), so the reasoning is exact."""
-    engine = make_async_llm(
-        model_path, max_num_seqs=4, reasoning_parser="qwen3", structured_outputs_config={"enable_in_reasoning": True}
-    )
-    with serve_models({MODEL: OpenAIServing(engine, MODEL)}) as server:
-        yield make_client(server.base_url)
-    engine.shutdown()
+@pytest.fixture
+def qwen3(qwen3_base_url):
+    """The session's qwen3-parser server (a regex forces the whole output, the reasoning included)."""
+    with make_client(qwen3_base_url) as client:
+        yield client
 
 
 FORCED = {"structured_outputs": {"regex": "<think>a b c</think>answer"}}

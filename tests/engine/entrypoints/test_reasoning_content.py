@@ -1,9 +1,9 @@
 """Reasoning content in chat completions (``reasoning_parser``), the real ``openai`` client against servers
 on the tiny checkpoint.
 
-* ``qwen3`` with ``enable_in_reasoning``: a regex forces the whole output, ``<think>`` included, so the
-  reasoning is exact: ``message.reasoning_content`` / ``delta.reasoning_content``, the content after it, its
-  tokens in ``usage``, tool calls parsed from the content only.
+* ``qwen3`` with ``enable_in_reasoning`` (``qwen3_base_url``): a regex forces the whole output, ``<think>``
+  included, so the reasoning is exact: ``message.reasoning_content`` / ``delta.reasoning_content``, the
+  content after it, its tokens in ``usage``, tool calls parsed from the content only.
 * ``deepseek_r1`` (a constraint starts after the reasoning): the model starts inside its reasoning, which a
   JSON schema leaves free; a prompt that closed the reasoning gets the schema from the first token.
 """
@@ -31,32 +31,33 @@ SCHEMA = {
 }
 
 
-def serve(model_path, **engine_kwargs):
-    engine = make_async_llm(model_path, max_num_seqs=4, **engine_kwargs)
-    return engine, serve_models({MODEL: OpenAIServing(engine, MODEL)})
-
-
 @pytest.fixture(scope="module")
 def deepseek_r1_engine(model_path):
-    engine = make_async_llm(model_path, max_num_seqs=4, reasoning_parser="deepseek_r1")
+    # Compact JSON: the grammar, not luck, ends a schema's answer.
+    engine = make_async_llm(
+        model_path,
+        max_num_seqs=4,
+        reasoning_parser="deepseek_r1",
+        structured_outputs_config={"disable_any_whitespace": True},
+    )
     yield engine
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
-def qwen3(model_path):
-    engine, server = serve(
-        model_path, reasoning_parser="qwen3", structured_outputs_config={"enable_in_reasoning": True}
-    )
-    with server:
-        yield make_client(server.base_url)
-    engine.shutdown()
+def qwen3(qwen3_base_url):
+    return make_client(qwen3_base_url)
 
 
 @pytest.fixture(scope="module")
-def deepseek_r1(deepseek_r1_engine):
+def deepseek_r1_server(deepseek_r1_engine):
     with serve_models({MODEL: OpenAIServing(deepseek_r1_engine, MODEL)}) as server:
-        yield make_client(server.base_url)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def deepseek_r1(deepseek_r1_server):
+    return make_client(deepseek_r1_server.base_url)
 
 
 def forced(regex: str = FORCED, **fields) -> dict:
@@ -142,11 +143,7 @@ def test_after_a_closed_reasoning_the_answer_validates(deepseek_r1):
             temperature=0.0,
             response_format=schema_format,
             stream=stream,
-            extra_body={
-                "continue_final_message": True,
-                "add_generation_prompt": False,
-                "structured_outputs": {"disable_any_whitespace": True},  # the grammar, not luck, ends it
-            },
+            extra_body={"continue_final_message": True, "add_generation_prompt": False},
         )
         if stream:
             deltas = [chunk.choices[0].delta for chunk in response if chunk.choices]
@@ -187,3 +184,33 @@ def test_a_continued_stream_goes_on_with_its_reasoning(deepseek_r1_engine):
     assert reasoning and content == "" and usage["completion_tokens_details"]["reasoning_tokens"] == 10
     for cut in range(1, len(full)):
         assert assembled(cut_and_continue(chat.chat, request, full, cut)[0]) == (reasoning, content, usage), cut
+
+
+def test_the_messages_api_answers_the_reasoning_as_a_thinking_block(deepseek_r1_server, deepseek_r1):
+    """Anthropic's client: the reasoning is a ``thinking`` block (its deltas ``thinking_delta``), the same
+    text chat completions give as reasoning_content; a schema in output_config applies after a closed one."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=deepseek_r1_server.base_url, api_key="unused", max_retries=0)
+    request = dict(model=MODEL, max_tokens=12, messages=USER, extra_body={"temperature": 0.0})
+    chat = deepseek_r1.chat.completions.create(model=MODEL, messages=USER, max_tokens=12, temperature=0.0)
+    message = claude.messages.create(**request, thinking={"type": "adaptive"})
+    [block] = message.content
+    assert (block.type, block.thinking) == ("thinking", chat.choices[0].message.reasoning_content)
+    with claude.messages.stream(**request) as stream:
+        events = list(stream)
+    deltas = [event.delta for event in events if event.type == "content_block_delta"]
+    assert {delta.type for delta in deltas} == {"thinking_delta"}
+    assert "".join(delta.thinking for delta in deltas) == block.thinking
+    omitted = claude.messages.create(**request, thinking={"type": "adaptive", "display": "omitted"})
+    assert omitted.content == [] and omitted.stop_reason == "max_tokens"
+    closed = claude.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        messages=[*USER, {"role": "assistant", "content": "<think>a b c</think>"}],  # a prefill, continued
+        output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+        extra_body={"temperature": 0.0},
+    )
+    [answer] = closed.content
+    assert (answer.type, closed.stop_reason) == ("text", "end_turn")
+    jsonschema.validate(json.loads(answer.text), SCHEMA)

@@ -23,3 +23,13 @@ def test_top_p_from_the_top_candidates_keeps_what_the_full_sort_keeps(temperatur
     assert torch.equal(fast.isfinite()[filtered], sorted_.isfinite()[filtered])
     assert torch.equal(fast[fast.isfinite()], logits[fast.isfinite()])
     assert fast[~filtered].isfinite().all()
+
+
+def test_a_top_p_below_float32s_least_keeps_the_most_likely_token():
+    """1e-50 passes SamplingParams' (0, 1] check but is 0 as float32: both paths keep the top token (the
+    candidates' path indexed position -1 and crashed the engine: found by the /v1/messages fuzzing)."""
+    logits = torch.tensor([[4.0, 1.0, 0.5, 3.0]])
+    top_p = torch.tensor([1e-50], dtype=torch.float32)
+    for top_k in (None, torch.tensor([4])):
+        kept = apply_top_k_top_p(logits.clone(), top_k, top_p)
+        assert kept.isfinite().tolist() == [[True, False, False, False]]
