@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from engine.entrypoints.openai.protocol import INT64_MAX, INT64_MIN, ChatCompletionRequest
 from engine.entrypoints.openai.protocol_base import OpenAIBaseModel
 from engine.entrypoints.openai.response_items import Item, MessageItem, chat_turns, check_items
-from engine.entrypoints.openai.tool_calls import FunctionDefinition
+from engine.entrypoints.openai.tool_calls import FunctionDefinition, ToolFields
 
 
 class FunctionTool(FunctionDefinition):
@@ -214,14 +214,19 @@ class ResponsesRequest(OpenAIBaseModel):
         return self
 
     def _check_tools(self) -> None:
-        names = [tool.name for tool in self.tools]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"tools has more than one function named {', '.join(map(repr, duplicates))}.")
-        if self.tool_choice == "required" and not self.tools:
-            raise ValueError("tool_choice 'required' needs tools.")
-        if isinstance(self.tool_choice, FunctionToolChoice) and self.tool_choice.name not in names:
-            raise ValueError(f"tool_choice names the function {self.tool_choice.name!r}, which is not in tools.")
+        """Chat's rules for the tools and the choice (unique names, a choice that names a tool given, ...)."""
+        try:
+            ToolFields.model_validate(self._chat_tool_fields())
+        except ValidationError as exc:
+            raise ValueError("; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())) from None
+
+    def _chat_tool_fields(self) -> dict[str, Any]:
+        """``tools``, ``tool_choice`` and ``parallel_tool_calls`` in chat's shape."""
+        tool_choice = self.tool_choice
+        if isinstance(tool_choice, FunctionToolChoice):
+            tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+        tools = [tool.chat_tool() for tool in self.tools] or None
+        return {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": self.parallel_tool_calls}
 
     @property
     def input_items(self) -> list[Item]:
@@ -250,18 +255,13 @@ class ResponsesRequest(OpenAIBaseModel):
         turns += chat_turns([*self.history, *self.input_items])
         if not turns:
             raise ValueError("The conversation is empty: give input.")
-        tool_choice = self.tool_choice
-        if isinstance(tool_choice, FunctionToolChoice):
-            tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
         effort = None if self.reasoning is None else self.reasoning.effort
-        fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS} | self._chat_tool_fields()
         return ChatCompletionRequest.model_validate(
             fields
             | {
                 "messages": turns,
                 "max_completion_tokens": self.max_output_tokens,
-                "tools": [tool.chat_tool() for tool in self.tools] or None,
-                "tool_choice": tool_choice,
                 "response_format": self.text.format.response_format(),
                 "chat_template_kwargs": None if effort is None else {"reasoning_effort": effort},
             }
@@ -270,7 +270,7 @@ class ResponsesRequest(OpenAIBaseModel):
 
 # Fields the chat request takes as they are.
 _SAMPLING_FIELDS = (
-    *("model", "stream", "temperature", "top_p", "parallel_tool_calls", "user", "top_k", "repetition_penalty"),
+    *("model", "stream", "temperature", "top_p", "user", "top_k", "repetition_penalty"),
     *("seed", "stop", "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output"),
     *("priority", "cache_salt", "structured_outputs"),
 )
