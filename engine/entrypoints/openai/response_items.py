@@ -148,10 +148,6 @@ class ReasoningItem(OpenAIBaseModel):
             raise ValueError("encrypted_content is not supported: this server never encrypts reasoning.")
         return value
 
-    @property
-    def text(self) -> str:
-        return "".join(part.text for part in self.content or [])
-
     def add_to(self, turns: list[dict[str, Any]]) -> None:
         """Nothing: earlier turns' reasoning is no part of the prompt (chat templates drop it too)."""
 
