@@ -10,6 +10,7 @@
 - ``routing``: ``KVAwareRouter``; ``kv_index``: its index and policy (no Ray); ``routing_hints``: the
   ingress's prompt tokenization for it.
 - ``migration``: ``MigratingCall``, a request moved off a replica that died.
+- ``response_store``: the app's ``/v1/responses`` store, one named Ray actor per app (``RayResponseStore``).
 - ``autoscaling``: ``TTFTPolicy``, a custom autoscaling policy on a TTFT objective.
 - ``lora``: multi-LoRA on Serve (``serve.multiplexed``).
 - ``metrics``: ``RayStatLogger`` and the router, migration and LoRA metrics; ``metrics_export``: ``GET /metrics``.

@@ -36,6 +36,7 @@ from deployments.metrics import MigrationMetrics
 from deployments.metrics_export import scrape_serval_metrics
 from deployments.migration import MigratingCall
 from deployments.node_address import bind_replica_grpc_to_node_ip
+from deployments.response_store import RayResponseStore
 from deployments.routing_hints import PromptTokenizer, make_hint, session_id, session_middleware
 from engine.entrypoints.openai import api_server
 from engine.entrypoints.openai.api_server import LocalModelRouter
@@ -178,10 +179,12 @@ async def metrics() -> Response:
 
 
 def build_http_app(router: api_server.ModelRouter, server_options: ServerOptions) -> FastAPI:
-    """The engine's OpenAI app over ``router`` (its calls counted: ``CountedRouter``), plus ``GET /metrics``
-    (every replica's, not one's); on a Serve replica."""
+    """The engine's OpenAI app over ``router`` (its calls counted: ``CountedRouter``), with the app's response
+    store (its named actor, shared by every ingress replica: ``deployments.response_store``), plus ``GET /metrics``
+    (every replica's, not one's). Built on a replica."""
     router = CountedRouter(router, serve.get_replica_context().replica_id.unique_id)
-    app = api_server.build_app(router, server_options)
+    store = RayResponseStore(serve.get_replica_context().app_name, server_options.response_store)
+    app = api_server.build_app(router, server_options, store)
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_middleware(session_middleware)  # x-session-id, for KVAwareRouter
     return app

@@ -1,7 +1,7 @@
 """The ingress's half of KV-aware routing: a ``RoutingHint`` for each chat / completion request.
 
 ``RoutingHints`` tokenizes the prompt as the LLM server will (the same
-tokenizer; chat requests through the same chat template,
+tokenizer; chat and Responses requests through the same chat template,
 ``chat_template.render_chat``), once per request, in the ingress, so
 ``KVAwareRouter`` can hash its blocks and the replica can serve the prompt
 without tokenizing it again (``precomputed_prompt``); ``session_middleware`` reads the
@@ -48,10 +48,13 @@ class PromptTokenizer:
         self.tokenizer = tokenizer
 
     def prompt(self, endpoint: Endpoint, request: Any) -> PrecomputedPrompt | None:
-        """The first prompt as the serving would render (chat: ``text``) and tokenize it; None for other
-        endpoints."""
+        """The first prompt as the serving would render (chat, messages, responses: ``text``) and tokenize it;
+        None for other endpoints."""
         if endpoint.renders_chat:
             text, token_ids = render_chat(self.tokenizer, request)
+            return PrecomputedPrompt(token_ids, text)
+        if endpoint is Endpoint.RESPONSES:  # rendered as the chat request it is served as
+            text, token_ids = render_chat(self.tokenizer, request.chat_request())
             return PrecomputedPrompt(token_ids, text)
         if endpoint is Endpoint.COMPLETIONS:
             prompt = request.prompts()[0]
@@ -86,11 +89,11 @@ def make_hint(
 
 def precomputed_prompt(endpoint: Endpoint, hint: Any) -> PrecomputedPrompt | None:
     """What the replica's serving may use of ``hint`` (a ``RoutingHint`` from ``make_hint``, or None) instead of
-    rendering and tokenizing the prompt again: the token ids, and for chat the rendered text as well (a chat
-    hint without it is not used)."""
+    rendering and tokenizing the prompt again: the token ids, and for chat and responses the rendered text as
+    well (a hint of theirs without it is not used)."""
     if not isinstance(hint, RoutingHint) or hint.prompt_token_ids is None:
         return None
-    if endpoint.renders_chat:
+    if endpoint.renders_chat or endpoint is Endpoint.RESPONSES:
         return None if hint.prompt_text is None else PrecomputedPrompt(hint.prompt_token_ids, hint.prompt_text)
     if endpoint is Endpoint.COMPLETIONS:
         return PrecomputedPrompt(hint.prompt_token_ids)

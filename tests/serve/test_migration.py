@@ -2,7 +2,8 @@
 serving greedy streams (completions and chat, through the openai client) is SIGKILLed mid-stream: every stream
 ends with [DONE] and no error, with the text, tokens and usage of an uninterrupted run, and the ingress counts
 exactly the streams the killed replica held as migrations; with ``migration_limit: 0`` the same kill ends the
-stream with an error event, not a cut.
+stream with an error event, not a cut. A Responses conversation goes on (``previous_response_id``) after the
+replica that answered its first turn is killed: the app's response store is a named actor, no replica's.
 
 No race decides what is proved: the replica killed is the one whose engine holds the most requests, asked of
 each replica (not through Serve's router), and the engines are held still around the kill, stepped only
@@ -25,6 +26,7 @@ import psutil
 import pytest
 import ray
 
+from deployments.response_store import ACTOR_NAME_PREFIX, ACTOR_NAMESPACE
 from serval.bench.soak_client import MIGRATIONS_METRIC, migration_counts, read_migrations
 from tests.conftest import wait_until
 from tests.serve.cluster import (
@@ -46,6 +48,8 @@ SERVER = f"LLMServer:{LLAMA}"
 MAX_TOKENS = 600  # the engines make a few tokens of each before the kill (kill_mid_stream), far fewer
 PROMPT = "The colours of the rainbow are"
 MESSAGES = [{"role": "user", "content": "Count the colours of the rainbow."}]
+RESPONSE_KWARGS = {"model": LLAMA, "max_output_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+FIRST_TURN = {**RESPONSE_KWARGS, "max_output_tokens": MAX_TOKENS // 2}
 
 
 def app_config(checkpoint: str, migration_limit: int | None = None) -> dict:
@@ -276,6 +280,59 @@ def test_streams_survive_the_kill_of_their_replica(app):
         assert stream.result() == references[stream.kind]  # text, tokens, finish reason and exact usage
         assert len(stream.ids) == 1  # one id across replicas
     assert_counted(head, before, expected)
+
+
+def first_turn_and_its_replica(head, replicas: list[Replica]) -> tuple[object, Replica]:
+    """A stored response and the replica that served it: asked of each replica while it runs (the engines held
+    still around the question, ``EnginePause``), as the router's choice is not for the test to know."""
+    answers: list = []
+    turn = threading.Thread(
+        # Long enough that no step of the held engines (EnginePause.step) can finish it unseen.
+        target=lambda: answers.append(client(head).responses.create(input="Hi!", **FIRST_TURN)),
+        daemon=True,
+    )
+    pause = EnginePause(replicas)
+    pause.stop()
+    try:
+        turn.start()
+        deadline = time.monotonic() + 60
+        while True:
+            unstarted, loads = unstarted_requests(replicas)
+            if any(load["num_running"] + load["num_waiting"] for load in loads.values()):
+                break
+            assert turn.is_alive() and time.monotonic() < deadline, f"the first turn never ran: {answers}, {loads}"
+            pause.step([replica_id for replica_id, count in unstarted.items() if count > 0])
+            time.sleep(0.02)
+    finally:
+        pause.cont()
+    turn.join(timeout=120)
+    [first] = answers
+    [served_by] = [r for r in replicas if loads[r.replica_id]["num_running"] + loads[r.replica_id]["num_waiting"]]
+    return first, served_by
+
+
+def test_a_conversation_goes_on_after_the_replica_that_answered_it_died(app):
+    """``previous_response_id`` is resolved from the app's response store, a named actor of its own: the replica
+    that answered the first turn SIGKILLed, the second turn (streamed) is served by the other one as if the
+    whole conversation had been sent again."""
+    head, _ = app
+    assert wait_until(lambda: len(running_replicas(head, SERVER)) == 2, 180), "the killed replica was not replaced"
+    first, served_by = first_turn_and_its_replica(head, running_replicas(head, SERVER))
+    os.kill(served_by.pid, signal.SIGKILL)  # Serve may route the next turn there still: the ingress resends it
+    with client(head).responses.stream(input="And then?", previous_response_id=first.id, **RESPONSE_KWARGS) as stream:
+        *_, last = stream  # streamed through the ingress, and stored from the stream
+    assert last.type == "response.incomplete"  # max_output_tokens reached (the SDK's final response: completed only)
+    second = last.response
+    conversation = [{"role": "user", "content": "Hi!"}, *(item.model_dump(exclude_none=True) for item in first.output)]
+    resent = client(head).responses.create(
+        input=[*conversation, {"role": "user", "content": "And then?"}], store=False, **RESPONSE_KWARGS
+    )
+    assert (second.output_text, second.usage.input_tokens) == (resent.output_text, resent.usage.input_tokens)
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client(head).responses.retrieve(first.id).output_text == first.output_text
+    assert client(head).responses.retrieve(second.id).output_text == second.output_text
+    store = ray.get_actor(f"{ACTOR_NAME_PREFIX}llm", namespace=ACTOR_NAMESPACE)
+    assert ray.get(store.num_stored.remote()) >= 2  # the two stored turns (store: false was not kept)
 
 
 def test_without_migration_the_kill_ends_the_stream_with_an_error_event(app):

@@ -24,6 +24,10 @@ only.
   ``/tokenize`` and ``/detokenize``.
 - ``messages_protocol``, ``messages_responses``, ``serving_messages``: Anthropic's ``/v1/messages``, its request
   mapped onto a chat completion, its answer and events in Anthropic's shapes.
+- The Responses API: ``responses_request`` (``ResponsesRequest``, and the chat request it is served as),
+  ``response_items`` (input and output items), ``response_object`` (``ResponsesResponse``), ``serving_responses``
+  (``ResponsesServing``), ``responses_output`` (output items and stream events), ``response_store``
+  (``ResponseStore``, ``InMemoryResponseStore``), ``responses_routes`` (the HTTP routes, ``previous_response_id``).
 - ``streaming``: merging one HTTP request's engine streams and SSE framing (``SSEChunk``, ``StreamDelta``).
 - ``logprobs``: the engine's logprobs in OpenAI's two formats.
 - ``continuation``: a stream continued on another server (``Continuation``, ``ResumedRequest``).
@@ -32,5 +36,5 @@ only.
 - ``auth``: ``ApiKeyMiddleware``, ``Authorization: Bearer`` keys.
 - ``server_options``: ``ServerOptions``, the HTTP layer's app-wide options.
 - ``api_server``: the FastAPI route handlers, ``ModelRouter`` / ``LocalModelRouter`` and ``build_app``;
-  ``http_responses``: an item stream as an HTTP response.
+  ``http_responses``: an item stream as an HTTP response (``respond``), a request body parsed (``parse_body``).
 """

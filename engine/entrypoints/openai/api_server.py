@@ -5,6 +5,8 @@ The handlers parse and validate the body (malformed JSON or invalid fields
 -> 400 in the route's error shape, ``Endpoint.style``), pick the model
 (unknown -> 404; omitted -> the only one served), call the router's
 ``Endpoint`` and turn its item stream into a response (``http_responses``).
+The Responses API's routes (``responses_routes``) also use the app's response
+store.
 
 They are free functions so the Ray ingress can register them on its own
 app with a router that calls Ray handles; ``build_app(LocalModelRouter(...))``
@@ -22,7 +24,7 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -34,13 +36,11 @@ from engine.entrypoints.openai.errors import (
     MESSAGES_PATH,
     ApiStyle,
     ErrorResponse,
-    bad_request,
     error_response,
     from_exception,
-    from_validation_error,
     make_error,
 )
-from engine.entrypoints.openai.http_responses import json_response, respond
+from engine.entrypoints.openai.http_responses import json_response, parse_body, respond
 from engine.entrypoints.openai.limits import LimitedRouter, RequestBodyLimit
 from engine.entrypoints.openai.lora_routes import (
     handle_load_lora_adapter,
@@ -59,9 +59,16 @@ from engine.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
-    parse_json_object,
 )
+from engine.entrypoints.openai.response_store import InMemoryResponseStore, ResponseStore
 from engine.entrypoints.openai.responses import ModelList
+from engine.entrypoints.openai.responses_request import ResponsesRequest
+from engine.entrypoints.openai.responses_routes import (
+    handle_cancel_response,
+    handle_create_response,
+    handle_delete_response,
+    handle_retrieve_response,
+)
 from engine.entrypoints.openai.server_options import ServerOptions
 from engine.entrypoints.openai.serving import OpenAIServing, StreamItem
 
@@ -173,6 +180,10 @@ ROUTES: list[tuple[str, str, Callable[[ModelRouter, Request], Awaitable[Response
     ("POST", "/v1/chat/completions", handle_chat),
     ("POST", MESSAGES_PATH, handle_messages),
     ("POST", "/v1/embeddings", handle_embeddings),
+    ("POST", "/v1/responses", handle_create_response),
+    ("GET", "/v1/responses/{response_id}", handle_retrieve_response),
+    ("DELETE", "/v1/responses/{response_id}", handle_delete_response),
+    ("POST", "/v1/responses/{response_id}/cancel", handle_cancel_response),
     ("GET", "/v1/models", handle_models),
     ("POST", "/tokenize", handle_tokenize),
     ("POST", "/detokenize", handle_detokenize),
@@ -188,6 +199,7 @@ REQUEST_MODELS: dict[str, Any] = {
     "/v1/chat/completions": ChatCompletionRequest,
     MESSAGES_PATH: MessagesRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
@@ -195,15 +207,19 @@ REQUEST_MODELS: dict[str, Any] = {
 }
 
 
-def build_app(router: ModelRouter, options: ServerOptions | None = None) -> FastAPI:
+def build_app(
+    router: ModelRouter, options: ServerOptions | None = None, response_store: ResponseStore | None = None
+) -> FastAPI:
     """A FastAPI app serving ``ROUTES`` through ``router``; HTTP errors (404 route, 405) in OpenAI's shape.
 
     ``options`` (default ``ServerOptions()``): API keys, checked first, then ``request_limits``, all before
-    ``router`` sees a request.
+    ``router`` sees a request. ``response_store``: where ``/v1/responses`` keeps stored responses (default: an
+    ``InMemoryResponseStore`` of ``options.response_store``'s size, in this process).
     """
     options = options or ServerOptions()
     router = LimitedRouter(router, options.request_limits)
     app = FastAPI(title="Serval OpenAI-compatible server")
+    app.state.response_store = response_store or InMemoryResponseStore(options.response_store)
     for method, path, handler in ROUTES:
         docs = request_body_docs(REQUEST_MODELS.get(path))
         app.add_api_route(path, _bind(router, handler), methods=[method], openapi_extra=docs)
@@ -237,12 +253,9 @@ async def _handle_endpoint(
     router: ModelRouter, raw_request: Request, endpoint: Endpoint, parse: Callable[[dict], BaseModel]
 ) -> Response:
     style = endpoint.style
-    try:
-        request = parse(parse_json_object(await raw_request.body()))
-    except ValidationError as exc:
-        return style.response(from_validation_error(exc))
-    except ValueError as exc:
-        return style.response(bad_request(str(exc)))
+    request = await parse_body(raw_request, parse)
+    if isinstance(request, ErrorResponse):
+        return style.response(request)
     model_id = await resolve_model(router, getattr(request, "model", None))
     if isinstance(model_id, ErrorResponse):
         return style.response(model_id)

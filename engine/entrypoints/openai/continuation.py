@@ -15,8 +15,8 @@ strings that start in it (``resumed_outputs``), so the client receives the text 
 stream would have sent. Greedy output is the same token for token (unless presence / frequency
 penalties are set: they count output tokens only, and the new engine sees those generated before as
 prompt); seeded sampling continues with a fresh generator (not the same tokens). Only single-choice
-streams without tools or an output constraint can be continued (``can_continue``); a tool parser's or
-a grammar's state does not travel.
+completion, chat and messages streams without tools or an output constraint can be continued
+(``can_continue``); a tool parser's or a grammar's state does not travel, nor a Responses stream's.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class ResumedRequest:
 def can_continue(endpoint: Endpoint, request: Any) -> bool:
     """Whether a stream of ``request`` can move to another server mid-way (one choice, one prompt, no tool
     parser, no output constraint); others are only retried whole before their first item."""
-    if not endpoint.generates or not getattr(request, "stream", False) or request.n != 1:
+    if not endpoint.resumable or not getattr(request, "stream", False) or request.n != 1:
         return False
     if endpoint is Endpoint.COMPLETIONS and len(request.prompts()) != 1:
         return False

@@ -15,6 +15,7 @@ class Endpoint(Enum):
     COMPLETIONS = "completions"
     CHAT = "chat"
     MESSAGES = "messages"  # Anthropic's Messages API: a chat request, answered in Anthropic's shapes
+    RESPONSES = "responses"  # OpenAI's Responses API: served as a chat request, answered as Responses items
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
     EMBEDDINGS = "embeddings"
@@ -23,8 +24,14 @@ class Endpoint(Enum):
 
     @property
     def generates(self) -> bool:
-        """Whether the endpoint runs engine requests (chat, completions): the calls a router tokenizes to route,
-        and the only ones whose streams can be continued elsewhere."""
+        """Whether the endpoint runs engine requests (completions, chat, messages, responses): the calls a router
+        tokenizes to route."""
+        return self in (Endpoint.COMPLETIONS, Endpoint.CHAT, Endpoint.MESSAGES, Endpoint.RESPONSES)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the endpoint's streams can be continued on another server (``continuation``): completions,
+        chat and messages; a Responses stream's event state (item ids, sequence numbers) does not travel."""
         return self in (Endpoint.COMPLETIONS, Endpoint.CHAT, Endpoint.MESSAGES)
 
     @property

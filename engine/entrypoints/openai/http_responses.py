@@ -1,26 +1,44 @@
 """How an endpoint's item stream (``serving.StreamItem``) becomes an HTTP response: by the declared type of its
 first item, an ``SSEChunk`` -> an SSE stream of it and the rest; an ``ErrorResponse`` -> that status, its body
 in the route's ``ApiStyle``; a response model -> a JSON body. A client that disconnects closes the item
-stream, which aborts the engine requests.
+stream, which aborts the engine requests. ``parse_body``: a request body parsed into its model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from engine.entrypoints.openai.errors import ApiStyle, ErrorResponse, from_exception, make_error
+from engine.entrypoints.openai.errors import (
+    ApiStyle,
+    ErrorResponse,
+    bad_request,
+    from_exception,
+    from_validation_error,
+    make_error,
+)
+from engine.entrypoints.openai.protocol import parse_json_object
 from engine.entrypoints.openai.serving import StreamItem
 from engine.entrypoints.openai.streaming import SSEChunk
 
 # Returned (never sent) when the client went away before the first item.
 HTTP_CLIENT_CLOSED_REQUEST = 499
+
+
+async def parse_body(raw_request: Request, parse: Callable[[dict], BaseModel]) -> BaseModel | ErrorResponse:
+    """The body, a JSON object, parsed by ``parse``; a 400 naming what is wrong (malformed JSON, invalid fields)."""
+    try:
+        return parse(parse_json_object(await raw_request.body()))
+    except ValidationError as exc:
+        return from_validation_error(exc)
+    except ValueError as exc:
+        return bad_request(str(exc))
 
 
 def json_response(model: BaseModel, status_code: int = HTTPStatus.OK, headers: dict | None = None) -> Response:

@@ -101,7 +101,7 @@ class LimitedRouter:
         return self.router.model_ids()
 
     def call(self, model_id: str, endpoint: Endpoint, request: BaseModel) -> AsyncGenerator[Any, None]:
-        refusal = self.limits.violation(request)
+        refusal = self.limits.violation(_measured(endpoint, request))
         if refusal is None:
             return self.router.call(model_id, endpoint, request)  # its own stream: no extra hop per item
         return _one_item(refusal)
@@ -114,6 +114,17 @@ class LimitedRouter:
 
     async def check_health(self, model_id: str) -> None:
         await self.router.check_health(model_id)
+
+
+def _measured(endpoint: Endpoint, request: BaseModel) -> BaseModel:
+    """What the limits measure: a Responses request's sampling fields are those of the chat request it is
+    served as (``ResponsesRequest.chat_request``)."""
+    if endpoint is not Endpoint.RESPONSES:
+        return request
+    try:
+        return request.chat_request()
+    except ValueError:  # nothing to measure: the model's server answers this request's 400
+        return request
 
 
 async def _one_item(item: Any) -> AsyncGenerator[Any, None]:

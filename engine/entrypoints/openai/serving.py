@@ -7,7 +7,8 @@ items to the ingress). The items (``StreamItem``), each of a declared type:
 
 * not streamed: exactly one item, the response model or an ``ErrorResponse``;
 * streamed: one ``ErrorResponse`` (then nothing), or ``streaming.SSEChunk``\\ s of SSE events, the last
-  ending with ``"data: [DONE]\\n\\n"``.
+  ending with ``"data: [DONE]\\n\\n"``; a Responses stream (``serving_responses``) ends without it, and
+  yields its finished ``ResponsesResponse`` just before its last chunk (for the HTTP layer's store).
 
 Nothing runs until the iterator is first advanced; closing it early aborts
 its engine requests. A request whose ``model`` names a LoRA adapter
@@ -36,6 +37,7 @@ from engine.entrypoints.openai.responses import ModelCard
 from engine.entrypoints.openai.serving_completion import CompletionServing
 from engine.entrypoints.openai.serving_embedding import EmbeddingServing
 from engine.entrypoints.openai.serving_messages import MessagesServing
+from engine.entrypoints.openai.serving_responses import ResponsesServing
 from engine.entrypoints.openai.serving_tokenize import TokenizationServing
 from engine.entrypoints.openai.streaming import SSEChunk
 
@@ -56,7 +58,7 @@ class OpenAIServing:
     and ``check_health()``.
 
     It only routes: each endpoint's work is done by the serving it composes
-    (completion, chat, messages, tokenization, embedding), all over the same ``EngineClient``.
+    (completion, chat and messages, responses, tokenization, embedding), all over the same ``EngineClient``.
     """
 
     def __init__(
@@ -69,12 +71,14 @@ class OpenAIServing:
         self.model_root = model_root if model_root is not None else engine.model_config.model
         completion = CompletionServing(engine, model_id)
         chat = MessagesServing(engine, model_id)  # chat completions, and Anthropic's Messages API over them
+        responses = ResponsesServing(engine, model_id)
         tokenization = TokenizationServing(engine, model_id)
         embedding = EmbeddingServing(engine, model_id)
         self._endpoints: dict[Endpoint, EndpointMethod] = {
             Endpoint.COMPLETIONS: completion.completions,
             Endpoint.CHAT: chat.chat,
             Endpoint.MESSAGES: chat.messages,
+            Endpoint.RESPONSES: responses.responses,
             Endpoint.TOKENIZE: tokenization.tokenize,  # an adapter tokenizes as its base model
             Endpoint.DETOKENIZE: tokenization.detokenize,
             Endpoint.EMBEDDINGS: embedding.embeddings,  # an adapter's: its hidden states pooled

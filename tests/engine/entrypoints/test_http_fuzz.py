@@ -22,6 +22,7 @@ from schemathesis.checks import not_a_server_error
 from engine.entrypoints.openai.embeddings import EmbeddingRequest
 from engine.entrypoints.openai.messages_protocol import MessagesRequest
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from engine.entrypoints.openai.responses_request import ResponsesRequest
 from tests.conftest import wait_until_idle
 from tests.engine.entrypoints.conftest import MODEL, ServerThread
 
@@ -34,7 +35,15 @@ FUZZ_SETTINGS = settings(
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )
-OPERATIONS = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/embeddings", "/tokenize", "/detokenize"]
+OPERATIONS = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+]
 # The keys of each route's error body's "error" object (OpenAI's; Anthropic's on /v1/messages).
 ERROR_KEYS = {"/v1/messages": {"type", "message"}}
 OPENAI_ERROR_KEYS = {"message", "type", "code"}
@@ -69,6 +78,7 @@ def test_openapi_documents_the_real_request_bodies(base_url):
         ("/v1/completions", CompletionRequest),
         ("/v1/chat/completions", ChatCompletionRequest),
         ("/v1/embeddings", EmbeddingRequest),
+        ("/v1/responses", ResponsesRequest),
         ("/detokenize", DetokenizeRequest),
     ]:
         schema = _body_schema(openapi, path)
@@ -98,11 +108,13 @@ def _keep_generation_short(body) -> None:
     for key in ("prompt", "input"):
         if body.get(key) in ("", []):
             body[key] = "Hi"
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if type(body.get(key)) is int and MAX_GENERATED_TOKENS < body[key] <= 2**20:
             body[key] = MAX_GENERATED_TOKENS
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens"] = MAX_GENERATED_TOKENS
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_GENERATED_TOKENS
 
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
@@ -158,6 +170,7 @@ FIELDS = sorted(
     | set(ChatCompletionRequest.model_fields)
     | set(MessagesRequest.model_fields)
     | set(EmbeddingRequest.model_fields)
+    | set(ResponsesRequest.model_fields)
 )
 
 
@@ -173,6 +186,7 @@ def hostile_bodies(draw) -> bytes:
         fields.setdefault("prompt", "Hi")
         fields.setdefault("input", "Hi")
         fields.setdefault("messages", [{"role": "user", "content": "Hi"}])
+        fields.setdefault("input", "Hi")
     _keep_generation_short(fields)
     text = json.dumps(fields)
     splice = draw(
@@ -237,6 +251,7 @@ def test_a_body_nested_past_the_recursion_limit_is_a_400(base_url, path):
     [
         ("/v1/completions", rb'{"prompt": "Hi \ud800", "max_tokens": 2}'),
         ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\uDFFF"}], "max_tokens": 2}'),
+        ("/v1/responses", rb'{"input": [{"role": "user", "content": "\ud800"}], "max_output_tokens": 2}'),
         ("/tokenize", rb'{"prompt": "\udc80"}'),
         ("/v1/embeddings", rb'{"input": ["Hi", "\ud800"]}'),
     ],

@@ -114,6 +114,17 @@ def test_chat_top_logprobs_is_limited_too(limited_url):
     assert error_of(caught.value.response, 400)["param"] == "top_logprobs"
 
 
+def test_responses_are_limited_as_the_chat_request_they_are_served_as(limited_url, engine):
+    client = make_client(limited_url)
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, extra_body={"stop": ["a", "b"]}).output
+    before = engine_counters(engine)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, extra_body={"stop": ["a", "b", "c"]})
+    error = error_of(caught.value.response, 400)
+    assert error["param"] == "stop" and "request_limits.max_stop_strings" in error["message"]
+    assert engine_counters(engine) == before
+
+
 def test_a_body_over_the_limit_is_413_declared_or_streamed(limited_url, engine):
     url = f"{limited_url}/v1/completions"
     body = json.dumps({"model": MODEL, "prompt": "x" * 4096, "max_tokens": 2}).encode()
@@ -159,6 +170,7 @@ def test_prompt_and_max_tokens_beyond_max_model_len_are_refused_before_the_engin
     [
         ("POST", "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}),
         ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+        ("POST", "/v1/responses", {"input": "Hi", "max_output_tokens": 2, "store": False}),
         ("GET", "/v1/models", None),
         ("POST", "/tokenize", {"prompt": PROMPT}),
         ("POST", "/detokenize", {"tokens": [5, 6]}),
