@@ -28,6 +28,14 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
     completion_tokens_details: CompletionTokensDetails | None = None  # set when a reasoning parser runs
 
+    @model_serializer(mode="wrap")
+    def _details_when_set(self, handler) -> dict:
+        """No ``completion_tokens_details`` key without a reasoning parser: the usage answered as before it."""
+        usage = handler(self)
+        if self.completion_tokens_details is None:
+            usage.pop("completion_tokens_details", None)
+        return usage
+
     @classmethod
     def of(
         cls, num_prompt_tokens: int, num_completion_tokens: int, num_reasoning_tokens: int | None = None
