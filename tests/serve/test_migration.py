@@ -186,10 +186,10 @@ def kill_mid_stream(
 
     By construction, whatever the speed and the load of the CPU: from before the start to the kill the
     engines are stopped, and one runs only in short steps of CPU work (``EnginePause.step``) while its
-    replica holds a request that it has not started: no engine makes a token while a request is still on
-    its way through the ingress and Serve's router (which, on a loaded machine, can take seconds), so the
-    requests that started early cannot finish while the last ones travel. The killed replica's engine
-    core, continued, sees its parent gone and exits.
+    replica holds a request that it has not started (once all run, while one has not reached its client): no
+    engine makes a token while a request is still on its way through the ingress and Serve's router (which, on a
+    loaded machine, can take seconds), so the requests that started early cannot finish while the last ones
+    travel. The killed replica's engine core, continued, sees its parent gone and exits.
     """
     pause = EnginePause(replicas)
     pause.stop()
@@ -207,7 +207,12 @@ def kill_mid_stream(
             if is_running and (has_reached or wait_until(reached, 1.0)):
                 break
             assert time.monotonic() < deadline, f"the requests did not all run and reach their clients: {loads}"
-            pause.step([replica_id for replica_id, count in unstarted.items() if count > 0])
+            # All running but not yet reached (a client that waits for a few events: the step that started a
+            # request may have made one token): the engines running them step on, else those with one to start.
+            if is_running:
+                pause.step([replica_id for replica_id, load in loads.items() if load["num_running"] > 0])
+            else:
+                pause.step([replica_id for replica_id, count in unstarted.items() if count > 0])
             time.sleep(0.02)
         held = {replica_id: load["num_running"] + load["num_waiting"] for replica_id, load in loads.items()}
         victim = max(replicas, key=lambda replica: held[replica.replica_id])
