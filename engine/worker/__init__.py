@@ -11,5 +11,5 @@
 - ``decode_step``: ``DecodeStep``, the one other way a runner may run decode steps: ``native_decode``'s
   ``NativeDecodeStep`` (CPU, the stack in one native call) or ``cuda_graphs``' ``DecodeGraphRunner`` (CUDA,
   captured once per batch size and replayed).
-- ``profiling``: ``profile_forward``, the largest step, run once before the KV cache exists.
+- ``profiling``: ``profile_forward``, the largest step, run once before the KV cache exists (on GPU).
 """

@@ -145,7 +145,7 @@ class ModelRunner:
             )
 
     def profile_run(self) -> None:
-        """One forward of a full step's token budget, to find (on GPU) the activation peak (``profile_forward``)."""
+        """One forward of a full step's token budget, to find the GPU's activation peak (``profile_forward``)."""
         profile_forward(
             self.model,
             self.config.scheduler_config,

@@ -1,7 +1,9 @@
 """The profiling forward: the largest step the scheduler can send, run once before the KV cache exists.
 
 On a GPU its activation peak tells the worker how much memory is left for KV
-blocks (``Worker.determine_num_available_blocks``).
+blocks (``Worker.determine_num_available_blocks``). A CPU worker runs none: its
+budget is a share of RAM, and the activations of a forward of the whole budget,
+freed, stay in the process's heap (its resident memory) for good.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ class Worker:
         self.model_runner.load_model()
 
     def determine_num_available_blocks(self) -> int:
-        """How many KV blocks fit this worker's budget, after loading and a profiling forward.
+        """How many KV blocks fit this worker's budget, after loading (and on GPU a profiling forward).
 
         The budget is ``kv_cache_memory_bytes`` if set (per worker, as vLLM's);
         else on GPU ``gpu_memory_utilization`` of the device minus what the
@@ -142,9 +142,9 @@ class Worker:
         tp_size > 1 (the profiling forward): call it on every worker at once.
         """
         cache_config = self.config.cache_config
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # on CPU the budget is RAM's, whatever a step's activations take
             torch.cuda.reset_peak_memory_stats()
-        self.model_runner.profile_run()
+            self.model_runner.profile_run()
         if cache_config.kv_cache_memory_bytes is not None:
             budget = cache_config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
