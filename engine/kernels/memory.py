@@ -1,4 +1,4 @@
-"""Transparent huge pages for big, long-lived CPU tensors (the KV cache).
+"""Transparent huge pages for big, long-lived CPU tensors (the KV cache); freed heap pages given back.
 
 Decode attention reads each request's blocks wherever the block pool put them; with 4 KiB pages
 nearly every 16-token block is a TLB miss. Backing the cache with 2 MiB pages removes most of
@@ -41,3 +41,15 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     start = (tensor.data_ptr() + _HUGE_PAGE_BYTES - 1) & ~(_HUGE_PAGE_BYTES - 1)
     end = (tensor.data_ptr() + num_bytes) & ~(_HUGE_PAGE_BYTES - 1)
     return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+
+
+def release_freed_memory() -> None:
+    """Returns the heap's free pages to the OS (glibc's ``malloc_trim``, whatever its trim threshold).
+
+    For the load: each weight read into a tensor and then copied (packed, onto huge pages) frees the tensor,
+    and a heap that keeps what is freed (the worker's ``keep_freed_memory_in_heap``) would hold every one of
+    them resident beside its copy.
+    """
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

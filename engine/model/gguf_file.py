@@ -20,6 +20,7 @@ parameter's ``weight_loader`` to the engine's dtype.
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -95,6 +96,17 @@ def _free_parse() -> None:
     """Frees a dropped ``gguf.GGUFReader`` now: its fields refer to each other, so only the cycle collector
     frees them, and until then the next parse takes memory of its own."""
     gc.collect()
+
+
+def _drop_pages(reader, tensor) -> None:
+    """Unmaps ``tensor``'s bytes, read, from this process: its resident memory would otherwise hold the whole
+    file beside the weights read out of it until the reader goes. The page cache keeps them; a read maps them
+    back."""
+    mapping = getattr(reader.data, "_mmap", None)  # numpy's memmap of the whole file, from offset 0
+    if mapping is None or not hasattr(mapping, "madvise"):
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
 
 
 class GGUFFile:
@@ -181,8 +193,8 @@ class GGUFFile:
         """(Hugging Face name, CPU tensor), one tensor at a time, in the file's order: float32 values, or
         block bytes for the names in ``blocks`` (as stored, or quantized from the dequantized values).
 
-        The tensors are read through a reader of their own, dropped at the end, so the file's pages stay
-        mapped only while the weights load."""
+        The tensors are read through a reader of their own, dropped at the end, and each tensor's pages are
+        unmapped once it is read: the file is never resident beside the weights."""
         import gguf
         from tqdm import tqdm
 
@@ -197,7 +209,8 @@ class GGUFFile:
             name = hf_tensor_name(tensor.name)
             if tensor.name in _SKIPPED or (name_filter is not None and not name_filter(name)):
                 continue
-            values = self._read(tensor, blocks.get(name))
+            values = self._read(tensor, blocks.get(name))  # a copy
+            _drop_pages(reader, tensor)
             projection = name.split(".")[-2]
             if permuted and projection in heads:
                 values = _unpermute(values, heads[projection])  # rows: of values or of blocks alike

@@ -72,18 +72,6 @@ def keep_freed_memory_in_heap() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
 
 
-def release_freed_memory() -> None:
-    """Returns the heap's free pages to the OS once (glibc's ``malloc_trim``, whatever the trim threshold).
-
-    For after the load: the tensors the weights were read into are freed once packed, and a heap that keeps
-    what is freed (``keep_freed_memory_in_heap``) would hold them resident beside the packed weights for good.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        return
-
-
 def device_for_rank(device: torch.device, rank: int) -> torch.device:
     """``cuda`` without an index means one GPU per rank when several are visible (Ray shows each actor one)."""
     if device.type != "cuda" or device.index is not None:
@@ -141,7 +129,6 @@ class Worker:
         if get_parallel_state() != self.parallel_state:  # else every rank would load the whole model
             raise RuntimeError(f"Worker {self.rank}: call init_device (joins the process group) before load_model")
         self.model_runner.load_model()
-        release_freed_memory()
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit this worker's budget, after loading (and on GPU a profiling forward).

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.memory import release_freed_memory
 from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS, TorchProduct, float_product
 
 
@@ -85,4 +86,5 @@ def process_weights_after_loading(model: nn.Module) -> int:
     layers = [module for module in model.modules() if getattr(module, "quant_method", None) is not None]
     for layer in layers:
         layer.quant_method.process_weights_after_loading(layer)
+        release_freed_memory()  # the weight it replaced: the load then holds one layer twice, not the model
     return sum(layer.product.packed is not None for layer in layers)
