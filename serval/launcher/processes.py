@@ -20,6 +20,9 @@ import psutil
 
 # Workers exit at once on SIGTERM once Serve has shut down; the GCS and the monitor linger: killed after this.
 STOP_GRACE_S = 1.0
+# Ray's processes that catch SIGTERM and go on running (`ray stop` waits up to 16 s for them, then kills
+# them): killed as soon as the others are gone, rather than at the end of the grace period.
+LINGERING = ("/ray/gcs/gcs_server ", "/ray/raylet/raylet ", "ray::RuntimeEnvAgent", "/autoscaler/_private/monitor.py ")
 
 
 def command_lines() -> dict[int, tuple[int, str]]:
@@ -93,13 +96,26 @@ def is_running(pid: int) -> bool:
 
 
 def stop_processes(pids: set[int], grace_s: float = STOP_GRACE_S) -> set[int]:
-    """SIGTERM to each pid, SIGKILL to those still running after ``grace_s``; returns the pids killed."""
+    """SIGTERM to each pid, SIGKILL to those still running after ``grace_s`` (or once only Ray's ``LINGERING``
+    ones are left); returns the pids killed."""
+    deaf = {pid for pid, command in _command_lines(pids).items() if any(m in command for m in LINGERING)}
     _signal_all(pids, signal.SIGTERM)
-    _wait_gone(pids, grace_s)
+    _wait_gone(pids - deaf, grace_s)
     lingering = {pid for pid in pids if is_running(pid)}
     _signal_all(lingering, signal.SIGKILL)
     _wait_gone(lingering, grace_s)
     return lingering
+
+
+def _command_lines(pids: set[int]) -> dict[int, str]:
+    """pid -> command line (with a trailing space) of each of ``pids`` still there."""
+    found = {}
+    for pid in pids:
+        try:
+            found[pid] = " ".join(psutil.Process(pid).cmdline()) + " "
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 def _wait_gone(pids: set[int], timeout_s: float) -> None:

@@ -1,18 +1,21 @@
 """``serval serve``'s lifecycle, run as a user runs it (the real command in a subprocess, a real Ray head on
-127.0.0.1, real HTTP): in the foreground one request, then SIGINT, then nothing of what it started is left
-(no process of its head, no listener); ``--detach`` with ``serval status`` and ``serval stop``; a second
-``serval serve`` refused while the first runs, and one whose replica no node can hold given up within seconds
-with the reason; and a Hugging Face id resolved from the local cache only.
+127.0.0.1, real HTTP): ``--detach`` with ``serval status`` and ``serval stop``, then nothing of what it
+started is left (no process of its head, no listener); a second ``serval serve`` refused while the first
+runs, and one whose replica no node can hold given up within seconds with the reason; and a Hugging Face id
+resolved from the local cache only.
+
+The foreground lifecycle (one request with an API key, then SIGINT, then nothing left) is proved by
+``tests/serval/test_first_start.py``, whose foreground run starts its head anyway: one head start per
+lifecycle, not two.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import signal
 import subprocess
 import sys
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -56,17 +59,6 @@ def tiny_flags() -> list[str]:
     return [str(TINY), "--num-cpus-per-replica", "0.5", "--max-model-len", "256"]
 
 
-def wait_for_line(log: Path, text: str, process: subprocess.Popen, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        output = log.read_text(errors="replace")
-        if text in output:
-            return output
-        assert process.poll() is None, f"serval serve exited ({process.returncode}):\n{output[-4000:]}"
-        time.sleep(1.0)
-    raise AssertionError(f"no {text!r} after {timeout_s} s:\n{log.read_text(errors='replace')[-4000:]}")
-
-
 def chat(ports: Ports, model: str, api_key: str = "none") -> str:
     from openai import OpenAI
 
@@ -77,35 +69,6 @@ def chat(ports: Ports, model: str, api_key: str = "none") -> str:
             model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
         )
     return reply.choices[0].message.content
-
-
-def test_foreground_serves_until_sigint_then_leaves_nothing_running(tmp_path):
-    ports, log = Ports(), tmp_path / "serve.log"
-    command = serval("serve", *tiny_flags(), "--served-model-name", "tiny", "--api-key", "k-1", *ports.head_flags())
-    with log.open("w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=tmp_path)
-    try:
-        output = wait_for_line(log, "Serving until Ctrl-C", server, START_TIMEOUT_S)
-        assert "Self-check: '" in output and "Up in " in output and "replica LLMServer:tiny" in output
-        started = processes.head_processes(ports.gcs)
-        assert started and ports.listening() == {ports.gcs, ports.dashboard, ports.http, ports.metrics}
-        assert isinstance(chat(ports, "tiny", api_key="k-1"), str)
-        server.send_signal(signal.SIGINT)
-        try:
-            assert server.wait(timeout=300) == 0
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"still running 300 s after SIGINT:\n{log.read_text(errors='replace')[-4000:]}"
-            ) from None
-    finally:
-        if server.poll() is None:
-            server.kill()
-            processes.stop_head(ports.gcs)
-    output = log.read_text()
-    assert "Stopping ..." in output and "Stopped the Ray head" in output
-    assert not processes.head_processes(ports.gcs)
-    assert not any(map(processes.is_running, started))
-    assert not ports.listening()
 
 
 def never_placed_config() -> dict:
@@ -120,9 +83,30 @@ def never_placed_config() -> dict:
     return {"applications": [{**app, "args": {"llm_configs": [never]}}]}
 
 
+def run_at_once(*commands: list[str], timeout_s: float, **run) -> list[subprocess.CompletedProcess]:
+    """Each command's result, in order, the commands run side by side (their start-ups overlap, and one's
+    waits overlap the others' work): only commands none of whose outcomes depends on another's."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda command: subprocess.run(command, timeout=timeout_s, **run), commands))
+
+
+def unfit_config() -> dict:
+    """The P/D example at one CPU per pool: more than this 2-CPU head has, whatever runs on it."""
+    unfit = yaml.safe_load((ROOT / "configs" / "serve" / "pd.yaml").read_text())
+    for pool in ("prefill_config", "decode_config"):
+        unfit["applications"][0]["args"][pool]["deployment_config"]["ray_actor_options"]["num_cpus"] = 1
+    return copy.deepcopy(unfit)
+
+
 def test_detach_status_stop_and_a_second_serve_is_refused(tmp_path):
+    """``--detach`` returns once RUNNING with the head left up; ``serval status`` reports it; a second serve
+    of the same app and a config that can never fit are refused, the first app untouched; a replica no node
+    can hold is given up; ``serval stop`` then ends everything: no process of the head, no listener."""
     ports = Ports()
     run = dict(env=env(), cwd=tmp_path, capture_output=True, text=True)
+    status_command = serval("status", "--dashboard-port", str(ports.dashboard))
+    (tmp_path / "unfit.yaml").write_text(yaml.safe_dump(unfit_config()))
+    (tmp_path / "never.yaml").write_text(yaml.safe_dump(never_placed_config()))
     try:
         up = subprocess.run(
             serval("serve", *tiny_flags(), "--detach", *ports.head_flags()), timeout=START_TIMEOUT_S, **run
@@ -130,41 +114,39 @@ def test_detach_status_stop_and_a_second_serve_is_refused(tmp_path):
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
         assert processes.head_processes(ports.gcs) and ports.http in ports.listening()
         assert isinstance(chat(ports, "tiny-llama"), str)
-        status = subprocess.run(serval("status", "--dashboard-port", str(ports.dashboard)), timeout=120, **run)
+        status = subprocess.run(status_command, timeout=120, **run)
         assert status.returncode == 0 and "llm: RUNNING" in status.stdout, status.stdout + status.stderr
         assert "LLMServer:tiny-llama: HEALTHY (1 RUNNING)" in status.stdout
         assert "Native CPU kernels: built" in status.stdout  # make test builds them first
 
-        second = subprocess.run(serval("serve", *tiny_flags(), *ports.flags()), timeout=300, **run)
+        # Side by side: a second serve of the running app, refused; a config that can never fit this 2-CPU head,
+        # refused before anything is deployed, even with --replace (both read only the app names and the node's
+        # total resources, which the third leaves as they are); and a replica no node can ever hold (a resource
+        # the cluster lacks), given up within seconds with the reason, which `serval status` shows too
+        # (`serval stop` below then ends it with the rest).
+        second, refused, never = run_at_once(
+            serval("serve", *tiny_flags(), *ports.flags()),
+            serval("serve", "--config", "unfit.yaml", "--replace", *ports.flags()),
+            serval("serve", "--config", "never.yaml", "--detach", *ports.flags()),
+            timeout_s=300,
+            **run,
+        )
         assert second.returncode == 2 and "already runs" in second.stderr and "--replace" in second.stderr
-        # A config that can never fit this 2-CPU head is refused before anything is deployed, even with --replace.
-        unfit = yaml.safe_load((ROOT / "configs" / "serve" / "pd.yaml").read_text())
-        for pool in ("prefill_config", "decode_config"):
-            unfit["applications"][0]["args"][pool]["deployment_config"]["ray_actor_options"]["num_cpus"] = 1
-        (tmp_path / "unfit.yaml").write_text(yaml.safe_dump(copy.deepcopy(unfit)))
-        refused = subprocess.run(
-            serval("serve", "--config", "unfit.yaml", "--replace", *ports.flags()), timeout=300, **run
-        )
         assert refused.returncode == 2 and "can never be scheduled" in refused.stderr, refused.stderr
-        assert isinstance(chat(ports, "tiny-llama"), str)  # the first app still serves, untouched
-        # A replica no node can ever hold (a resource the cluster lacks): given up within seconds with the reason,
-        # which `serval status` shows too; `serval stop` below then ends it with the rest.
-        (tmp_path / "never.yaml").write_text(yaml.safe_dump(never_placed_config()))
-        never = subprocess.run(
-            serval("serve", "--config", "never.yaml", "--detach", *ports.flags()), timeout=300, **run
-        )
         assert never.returncode == 1 and "no node of the cluster can hold" in never.stderr, never.stderr
         assert "[{CPU: 0.6, serval_test_missing: 1}]" in never.stderr  # the replica's 0.1 CPU and its worker's 0.5
-        status = subprocess.run(serval("status", "--dashboard-port", str(ports.dashboard)), timeout=120, **run)
+        assert isinstance(chat(ports, "tiny-llama"), str)  # the first app still serves, untouched
+        status = subprocess.run(status_command, timeout=120, **run)
         assert status.returncode == 3 and "INFEASIBLE" in status.stdout, status.stdout + status.stderr
         assert "no node of the cluster can hold" in status.stdout and "llm: RUNNING" in status.stdout
 
         stop = subprocess.run(serval("stop", "--dashboard-port", str(ports.dashboard)), timeout=300, **run)
         assert stop.returncode == 0 and "Stopped the Ray head" in stop.stdout, stop.stdout + stop.stderr
+        left, listening = processes.head_processes(ports.gcs), ports.listening()  # before the clean-up ends them
     finally:
         processes.stop_head(ports.gcs)
-    assert not processes.head_processes(ports.gcs) and not ports.listening()
-    after = subprocess.run(serval("status", "--dashboard-port", str(ports.dashboard)), timeout=120, **run)
+    assert not left and not listening, (left, listening)
+    after = subprocess.run(status_command, timeout=120, **run)
     assert after.returncode == 1 and "No Ray cluster answers" in after.stderr
 
 
@@ -178,10 +160,14 @@ def test_a_hugging_face_id_is_served_from_the_local_cache_only(tmp_path):
     (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
     (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
     run = dict(env={**env(), "HF_HUB_CACHE": str(tmp_path / "hub")}, cwd=tmp_path, capture_output=True, text=True)
-    found = subprocess.run(serval("serve", "acme/tiny", "--print-config"), timeout=300, **run)
+    found, missing = run_at_once(
+        serval("serve", "acme/tiny", "--print-config"),
+        serval("serve", "acme/absent", "--print-config"),
+        timeout_s=300,
+        **run,
+    )
     assert found.returncode == 0, found.stderr
     llm_config = yaml.safe_load(found.stdout)["applications"][0]["args"]["llm_configs"][0]
     assert llm_config["model_loading_config"] == {"model_id": "acme/tiny", "model_source": str(snapshot)}
-    missing = subprocess.run(serval("serve", "acme/absent", "--print-config"), timeout=300, **run)
     assert missing.returncode == 1 and "not in the Hugging Face cache" in missing.stderr
     assert "huggingface-cli download acme/absent" in missing.stderr and not missing.stdout
