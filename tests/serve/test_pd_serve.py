@@ -1,11 +1,15 @@
 """Disaggregated prefill and decode through a real Ray Serve app, driven by the official OpenAI client.
 
-Three PD apps run side by side: ``/`` fails a request whose prefill fails (503),
-``/fb`` prefills it on the decode replica instead; both move KV through the
-object store. ``/rd`` moves it worker to worker with Ray Direct Transport (gloo). The prefill pool's
-max_model_len (128) is below the decode pool's (512): a longer prompt is a real
-prefill failure, with no test hooks. Greedy outputs equal the colocated engine;
-both pools end with every KV block free.
+Two PD apps run side by side: ``/`` moves KV through the object store and fails a request whose prefill
+fails (503); ``/rd`` moves it worker to worker with Ray Direct Transport (gloo) and prefills such a request
+on the decode replica instead (``fallback_to_local_prefill``: a fallback moves no KV, so the transport's
+app proves it too, and the module starts four engines). The prefill pool's max_model_len (128) is below
+the decode pool's (512): a longer prompt is a real prefill failure, with no test hooks. Greedy outputs
+equal the colocated engine; both pools end with every KV block free.
+
+configs/serve/pd.yaml, as shipped, is deployed by tests/serve/test_shipped_configs.py (its 1.7 CPUs leave no
+room for these apps on the 2-CPU head), where it becomes RUNNING and answers; what an object-store app like it
+does is proved here, on ``/``.
 """
 
 from __future__ import annotations
@@ -61,18 +65,37 @@ def base_url(ray_head, tiny_checkpoint):
         "http_options": {"host": LOOPBACK, "port": ray_head.http_port},
         "applications": [
             pd_app("llm", "/", source, fallback=False),
-            pd_app("fb", "/fb", source, fallback=True),
-            pd_app("rd", "/rd", source, fallback=False, kv_connector="ray_direct"),
+            pd_app("rd", "/rd", source, fallback=True, kv_connector="ray_direct"),
         ],
     }
     deploy_and_wait(ray_head, config)
     yield ray_head.base_url
-    for app in ("llm", "fb", "rd"):
-        serve.delete(app)
+    for client in CLIENTS.values():
+        client.close()
+    CLIENTS.clear()
+    delete_apps([app["name"] for app in config["applications"]])
+
+
+def delete_apps(names: list[str], timeout_s: float = 60.0) -> None:
+    """Deletes the apps at once (Serve stops their replicas side by side) and returns once all are gone."""
+    for name in names:
+        serve.delete(name, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while left := set(names) & set(serve.status().applications):
+        assert time.monotonic() < deadline, f"apps still deleting: {sorted(left)}"
+        time.sleep(0.1)
+
+
+CLIENTS: dict[str, openai.OpenAI] = {}  # by URL, closed before the apps are deleted (``base_url``)
 
 
 def client_for(base_url: str, prefix: str = "") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base_url}{prefix}/v1", api_key="none", max_retries=0, timeout=120)
+    """The module's client for ``prefix``. Closed at the end: an idle keep-alive connection holds the
+    HAProxy that Serve replaces as the apps go (a soft stop), and the head's drain waits on it up to 60 s."""
+    url = f"{base_url}{prefix}/v1"
+    if url not in CLIENTS:
+        CLIENTS[url] = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    return CLIENTS[url]
 
 
 @pytest.fixture(scope="module")
@@ -202,10 +225,13 @@ def test_a_failed_prefill_is_a_503_and_disturbs_nothing(base_url, offline):
 
 
 def test_a_failed_prefill_falls_back_to_local_prefill_when_configured(base_url, offline):
+    """On ``/rd`` (configured so): the decode replica prefills the prompt itself, loading no KV."""
     long_prompt = random_token_ids(random.Random(9), 200)
-    assert completion_text(client_for(base_url, "/fb"), long_prompt) == offline_greedy(offline, long_prompt)
-    assert stats("fb", "LLMServer")["kv_transfer"]["num_loads"] == 0
-    wait_all_blocks_free("fb")
+    before = stats("rd", "LLMServer")["kv_transfer"]
+    assert completion_text(client_for(base_url, "/rd"), long_prompt) == offline_greedy(offline, long_prompt)
+    after = stats("rd", "LLMServer")["kv_transfer"]
+    assert after["num_loads"] == before["num_loads"] and after["num_loaded_blocks"] == before["num_loaded_blocks"]
+    wait_all_blocks_free("rd")
 
 
 def test_the_dashboard_row_reads_series_the_apps_export(base_url):
@@ -227,7 +253,7 @@ def test_the_dashboard_row_reads_series_the_apps_export(base_url):
         if not missing:
             break
         assert time.monotonic() < deadline, f"series missing from /metrics: {missing}"
-        time.sleep(2)
+        time.sleep(0.5)
     assert f'model_name="{MODEL}:prefill"' in text
 
 

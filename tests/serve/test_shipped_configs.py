@@ -1,10 +1,14 @@
 """Every shipped CPU config runs where the README says it runs: a 2-CPU Ray head on loopback, started as
 `make serve` starts it. Each ``configs/serve/*.yaml`` that is not a GPU example (``gpu-*`` or any
-``num_gpus``) is deployed with its model pointed at a local tiny checkpoint, becomes RUNNING and answers
-one completion per app; then the launcher's stop (`make stop`) lets a stream in flight finish and leaves
-none of the head's processes behind.
+``num_gpus``) fits the head as shipped (the launcher's check, which counts every replica), is deployed with
+its model pointed at a local tiny checkpoint and at one replica a deployment (kv_routing.yaml ships two: the
+check counts the second, and starting a copy of the first would cost an engine start), becomes RUNNING and
+answers one completion per app; then the launcher's stop (`make stop`) lets a stream in flight finish and
+leaves none of the head's processes behind. What the PD app of pd.yaml does (KV moved, outputs equal, blocks
+freed) is proved by tests/serve/test_pd_serve.py; here, that the shipped file runs.
 
-One head for the module; the configs replace each other's app (Serve's deploy is declarative).
+One head for the module; the configs replace each other's app (Serve's deploy is declarative; each app is
+named after its file, so that the one before is deleted as the next one builds).
 """
 
 from __future__ import annotations
@@ -55,6 +59,21 @@ def localized(name: str, http_port: int, checkpoint: str) -> dict:
     return config
 
 
+def as_deployed(config: dict, name: str) -> dict:
+    """``config`` with each LLM server's fixed ``num_replicas`` above one cut to one (autoscaled ones start at
+    their min_replicas, 1 in every shipped config), and each app named after the file too (``llm`` ->
+    ``llm-pd``): Serve deletes the app of the config before as the deploy arrives, so its replicas stop while
+    this one builds, instead of after."""
+    for app in config["applications"]:
+        app["name"] = f"{app['name']}-{Path(name).stem}"
+        args = app["args"]
+        for llm_config in args.get("llm_configs") or [args["prefill_config"], args["decode_config"]]:
+            deployment = llm_config.get("deployment_config", {})
+            if deployment.get("num_replicas", 1) > 1:
+                deployment["num_replicas"] = 1
+    return config
+
+
 def served_model_ids(app: dict) -> set[str]:
     args = app["args"]
     configs = args.get("llm_configs") or [args["decode_config"]]
@@ -76,10 +95,12 @@ def test_the_cpu_configs_are_found():
 
 @pytest.mark.parametrize("name", cpu_configs())
 def test_a_shipped_cpu_config_becomes_running_and_answers(head, name, tiny_checkpoint):
+    """Fits the 2-CPU head with every replica it ships; at one replica a deployment, becomes RUNNING and
+    answers each model it serves."""
     config = localized(name, head.http_port, tiny_checkpoint("llama"))
     cpus = [{"CPU": float(NUM_CPUS)}]
     assert launcher_status.unfit_reason(launcher_status.config_needs(config), cpus, name) is None
-    launcher.deploy(config, head.dashboard_url)
+    launcher.deploy(as_deployed(config, name), head.dashboard_url)
     apps = config["applications"]
     launcher.wait_until_running(head.dashboard_url, [app["name"] for app in apps], 300, name, fixed_cluster=True)
     for app in apps:
