@@ -96,10 +96,7 @@ def test_serval_loads_the_output_and_f32_answers_as_the_source_does(quantized):
     for qtype, flags in (("F32", ("--embedding-type", "F32")), ("Q8_0", ())):
         path = str(quantized("--type", qtype, *flags))
         assert open_model_source(path).hf_config["architectures"] == ["LlamaForCausalLM"]
-        # A step's budget of max_model_len: the load's profiling forward then runs 256 tokens, not 2048.
-        llm = LLM(
-            model=path, dtype="float32", max_model_len=256, max_num_batched_tokens=256, kv_cache_memory_bytes=16 << 20
-        )
+        llm = LLM(model=path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
         outputs[qtype] = llm.chat([CHAT], greedy, use_tqdm=False)[0].outputs[0]
         llm.shutdown()
     # The source's own greedy answer (tests/real_model: the float directory of the same values says it too).

@@ -74,8 +74,7 @@ def test_the_written_directory_holds_the_same_tensors(dequantized):
     assert "You are a helpful AI assistant named SmolLM" in directory.load_tokenizer().chat_template
 
 
-# The engines of the two tests below: a step's budget of max_model_len (the chats are far shorter), so each
-# load's profiling forward runs 256 tokens rather than the default 2048.
+# The engines of the two tests below: a step's budget of max_model_len (the chats are far shorter).
 ENGINE_KWARGS = dict(
     dtype="float32", quantization="none", max_model_len=256, max_num_batched_tokens=256, kv_cache_memory_bytes=16 << 20
 )

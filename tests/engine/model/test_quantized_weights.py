@@ -129,7 +129,7 @@ def test_tensor_parallel_shards_are_rows_or_whole_blocks(quantized):
 
 
 # The chats' and the perplexity's engines: a step's budget of 512 tokens (the longest prompt is a 256-token
-# window), so each load's profiling forward runs 512 tokens rather than the default 2048.
+# window).
 ENGINE_KWARGS = dict(max_model_len=1024, max_num_batched_tokens=512, kv_cache_memory_bytes=64 << 20)
 
 
