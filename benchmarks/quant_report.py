@@ -69,10 +69,10 @@ def main(out: str, files: dict[str, str]) -> None:
     print(f"read bandwidth {read / 1e9:.1f} GB/s (2 threads, torch.sum over 256 MB)")
     print(f"copy bandwidth {copy_bandwidth() / 1e9:.1f} GB/s (2 threads, a 256 MB copy_, read + write)")
     table = runs(out)
-    print(f"{'engine':<18} {'load':<4} {'runs':>4} {'out tok/s':>9} {'TTFT ms':>8} {'TPOT ms':>8}  step bandwidth")
+    print(f"{'engine':<18} {'load':<5} {'runs':>4} {'out tok/s':>9} {'TTFT ms':>8} {'TPOT ms':>8}  step bandwidth")
     for (engine, load), records in sorted(table.items(), key=lambda item: (item[0][1], item[0][0])):
         tpot = median(records, "median_tpot_ms")
-        line = f"{engine:<18} {load:<4} {len(records):>4} {median(records, 'output_throughput'):9.1f} "
+        line = f"{engine:<18} {load:<5} {len(records):>4} {median(records, 'output_throughput'):9.1f} "
         line += f"{median(records, 'median_ttft_ms'):8.1f} {tpot:8.1f}"
         weights = sizes.get(engine.rsplit("-", 1)[-1])
         if load == "B1" and weights:
@@ -105,6 +105,10 @@ def targets(table: dict[tuple[str, str], list[dict]]) -> None:
         if ours and f32 and not f.startswith("1b"):
             ratio = median(ours, "output_throughput") / median(f32, "output_throughput")
             print(f"C32 {f}: Serval's output tok/s {ratio:.2f}x its float32 figure")
+        ours, theirs = table.get((f"serval-{f}", "P2048")), table.get((f"llama-{f}", "P2048"))
+        if ours and theirs:
+            ratio = median(ours, "median_ttft_ms") / median(theirs, "median_ttft_ms")
+            print(f"P2048 {f}: Serval's TTFT of a 2,048-token prompt {ratio:.2f}x llama-server's")
 
 
 if __name__ == "__main__":

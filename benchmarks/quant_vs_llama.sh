@@ -3,11 +3,13 @@
 # both driven by vLLM's own `bench serve` client (../shared/peers/vllm_bench_serve.sh), plus Serval's float32
 # directory (the default app) for reference, in one run:
 #
-#   [FILES="q4_1 q8_0 q4_k_m 1b_q8_0 1b_q4_k_m"] [LOADS="B1 C32"] [ENGINES="serval llama serval-f32"] [ROUNDS=1] [ISA=avx2] \
+#   [FILES="q4_1 q8_0 q4_k_m 1b_q8_0 1b_q4_k_m"] [LOADS="B1 C32 P2048"] [ENGINES="serval llama serval-f32"] [ROUNDS=1] \
+#   [ISA=avx2] [C32_PROMPTS=160] \
 #     benchmarks/quant_vs_llama.sh [RESULT_DIR]                     (default results/quant-vs-llama)
 #
 #   B1:  8 prompts of 128 random tokens -> 128, one at a time (batch 1), ignore_eos.
-#   C32: 160 prompts of 256 random tokens -> 128, max concurrency 32, no rate limit, ignore_eos.
+#   C32: C32_PROMPTS (default 160) prompts of 256 random tokens -> 128, max concurrency 32, no rate limit, ignore_eos.
+#   P2048: 3 prompts of 2,048 random tokens -> 16, one at a time: a long prompt's prefill (its TTFT).
 # Files (each made when missing, under FILES_DIR, default /tmp):
 #   q4_1       models/smollm2-135m-instruct.gguf (the registry's: Q4_1 linears, Q8_0 embedding);
 #   q8_0       SmolLM2 by llama.cpp's own converter from the float32 directory (../shared/peers/gguf_from_hf.sh q8_0);
@@ -32,6 +34,7 @@ FILES=${FILES:-q4_1 q8_0}
 LOADS=${LOADS:-B1 C32}
 ENGINES=${ENGINES:-serval llama serval-f32}
 ROUNDS=${ROUNDS:-1}
+C32_PROMPTS=${C32_PROMPTS:-160}
 KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-float16}
 MODEL_ID=smollm2-135m-instruct
 FILES_DIR=${FILES_DIR:-/tmp}
@@ -82,7 +85,12 @@ make_file() {  # make_file FILE: writes gguf_of FILE where it is missing (minute
 for f in $FILES; do make_file "$f"; done
 
 shape() {  # shape LOAD -> "prompts input output concurrency"
-  case $1 in B1) echo "8 128 128 1" ;; C32) echo "160 256 128 32" ;; *) echo "unknown load $1" >&2; exit 2 ;; esac
+  case $1 in
+    B1) echo "8 128 128 1" ;;
+    C32) echo "$C32_PROMPTS 256 128 32" ;;
+    P2048) echo "3 2048 16 1" ;;
+    *) echo "unknown load $1" >&2; exit 2 ;;
+  esac
 }
 
 load() {  # load NAME URL MODEL LOAD RUN TOKENIZER
