@@ -3,12 +3,13 @@
 # parity of the whole engine against transformers on a random Llama-3-8B-shaped checkpoint made on the
 # spot, and measure decode tokens/s (batch 1, 32, 256; CUDA graphs and eager) against the bandwidth
 # roofline and prefill tokens/s against the matmul roofline, then check and time quant_linear (GGUF Q8_0/Q4_0/
-# Q4_1/Q5_0/Q5_1 weights) on SmolLM2-135M's shapes against torch fp16. Prints a short table last.
+# Q4_1/Q5_0/Q5_1 weights on SmolLM2-135M's shapes, Q4_K/Q5_K/Q6_K on Llama-3.2-1B's) against torch fp16.
+# Prints a short table last.
 #
 #   bash benchmarks/gpu_check.sh                    # the GPU check (about 8 minutes on an H200)
 #   bash benchmarks/gpu_check.sh --smoke            # the same phases on a CPU: tiny model, Triton interpreter
 #   bash benchmarks/gpu_check.sh --phases hardware,decode_graphs   # a subset (checkpoint added when needed)
-#   bash benchmarks/gpu_check.sh --phases hardware,quant           # the quantized GEMM only (about a minute)
+#   bash benchmarks/gpu_check.sh --phases hardware,quant           # the quantized GEMM only (about 2 minutes)
 #
 # Environment: PYTHON (default python3), OUT (where results.json, table.md and log.txt go; default
 # WORK/out), GPU_CHECK_WORK (checkpoint and records; default /tmp/gpu_check, /tmp/gpu_check_smoke with
@@ -86,7 +87,7 @@ phase_limit() {
       kernels|checkpoint|parity_ours|parity_hf) echo 180 ;;
       decode_graphs|decode_eager) echo 150 ;;
       prefill) echo 100 ;;
-      quant) echo 90 ;;
+      quant) echo 150 ;;
       *) echo 120 ;;
     esac
   fi

@@ -12,8 +12,9 @@ process (``python -m benchmarks.gpu_check PHASE``) under its own timeout:
 * ``prefill``: prefill tokens/s against the matmul roofline.
 * ``parity_ours`` / ``parity_hf``: greedy tokens of the whole engine and of transformers, float32
   without TF32, on random prompts; compared by ``report``.
-* ``quant``: ``quant_linear`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 weights, fp16 activations) on SmolLM2-135M's shapes:
-  its error against the dequantized weight, its time beside torch's fp16 matmul, its bandwidth at M = 1.
+* ``quant``: ``quant_linear`` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 weights on SmolLM2-135M's shapes, the K-quants
+  Q4_K, Q5_K, Q6_K on Llama-3.2-1B's; fp16 activations): its error against the dequantized weight, its time
+  beside torch's fp16 matmul, its bandwidth at M = 1.
 * ``report``: results.json, table.md and the table, printed last.
 
 ``--smoke`` runs the same phases on a CPU with a tiny model and Triton's interpreter, so that every

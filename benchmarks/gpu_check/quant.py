@@ -1,10 +1,13 @@
-"""The ``quant`` phase: ``quant_linear`` (engine/kernels/triton_quant.py) on SmolLM2-135M's shapes, and its rows.
+"""The ``quant`` phase: ``quant_linear`` (engine/kernels/triton_quant.py, triton_kquant.py) on a small model's
+shapes, and its rows.
 
 For every format, (K, N) and M, with float16 activations: the relative error against
 ``x.float() @ dequantize(w).T`` (float32 without TF32), and the seconds of one call beside torch's float16
-matmul on the dequantized weight; at M = 1 also the weight bytes read per second. The weights are random
+matmul on the dequantized weight; at M = 1 also the weight bytes read per second. The 32-weight formats run
+on SmolLM2-135M's shapes, the K-quants (K a multiple of 256) on Llama-3.2-1B's. The weights are random
 block bytes made on the device (random quants, scales that keep ``y`` near unit size), so no gguf is
-needed there. On CUDA each call is timed inside a CUDA graph (the engine's decode path: no Python launch
+needed there. The cases run M by M (every format and shape at M = 1 first), so a phase deadline skips the
+largest batches. On CUDA each call is timed inside a CUDA graph (the engine's decode path: no Python launch
 cost) that cycles through enough copies of the weight to miss the L2 cache.
 
 ``quant_rows`` turns the record into the report's rows (no torch: the report runs on the CPU).
@@ -18,18 +21,27 @@ from pathlib import Path
 
 from benchmarks.gpu_check.settings import QUANT_FP16_REL_TOL, Settings
 
-QUANT_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+QUANT_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def random_blocks(n: int, k: int, qtype, device: str, generator):
     """uint8 [n, row_bytes(k)]: random quants, positive fp16 scales of ~1/(64 sqrt(k)); a min (Q4_1, Q5_1) is
-    minus half the quants' range times d (-8 d, -16 d)."""
+    minus half the quants' range times d (-8 d, -16 d). A K-quant's d is that over 32 (its 6-bit or int8
+    sub-block scales multiply it), its dmin (Q4_K, Q5_K) the quants' mean times d (7.5 d, 15.5 d)."""
     import torch
 
+    from engine.model.quantization import kquants
+
     blocks = torch.randint(
-        0, 256, (n, k // 32, qtype.block_bytes), dtype=torch.uint8, device=device, generator=generator
+        0, 256, (n, k // qtype.block_weights, qtype.block_bytes), dtype=torch.uint8, device=device, generator=generator
     )
-    scale = (0.5 + torch.rand(n, k // 32, 1, device=device, generator=generator)) / (64 * math.sqrt(k))
+    scale = (0.5 + torch.rand(n, k // qtype.block_weights, 1, device=device, generator=generator)) / (64 * math.sqrt(k))
+    if qtype.super_block:
+        halves = [f.offset for f in kquants.LAYOUTS[qtype.value].fields if f.half]  # d (and dmin)
+        values = [scale / 32, scale / 32 * (15.5 if qtype.value == "Q5_K" else 7.5)]
+        for offset, value in zip(halves, values):
+            blocks[..., offset : offset + 2] = value.half().view(torch.uint8)
+        return blocks.reshape(n, -1)
     middle = 16 if qtype.high_bits_bytes else 8
     header = torch.cat([scale, -middle * scale], dim=-1) if qtype.has_min else scale
     blocks[..., : qtype.scale_bytes] = header.half().view(torch.uint8)
@@ -92,7 +104,7 @@ def measure_case(settings: Settings, qtype, k: int, n: int, m: int, generator) -
 
 
 def run_quant(settings: Settings, work: Path, deadline: float) -> dict:
-    """Every format x shape x M, in that order; what would start past the deadline is skipped."""
+    """Every M x format x shape, in that order; what would start past the deadline is skipped."""
     import torch
 
     from benchmarks.gpu_check.device import disable_tf32
@@ -102,13 +114,14 @@ def run_quant(settings: Settings, work: Path, deadline: float) -> dict:
     disable_tf32()  # the float32 reference
     generator = torch.Generator(device=settings.device).manual_seed(settings.seed)
     record = {"tolerance": QUANT_FP16_REL_TOL, "activation_dtype": "float16", "cases": [], "skipped": []}
-    for name in QUANT_FORMATS:
-        for k, n in settings.quant_shapes:
-            for m in settings.quant_batches:
+    for m in settings.quant_batches:
+        for name in QUANT_FORMATS:
+            qtype = QuantType[name]
+            for k, n in settings.quant_kquant_shapes if qtype.super_block else settings.quant_shapes:
                 if time.time() > deadline:
                     record["skipped"].append({"format": name, "k": k, "n": n, "m": m})
                     continue
-                case = measure_case(settings, QuantType[name], k, n, m, generator)
+                case = measure_case(settings, qtype, k, n, m, generator)
                 record["cases"].append(case)
                 log(describe_case(case))
     if record["skipped"]:

@@ -43,8 +43,10 @@ class Settings:
     prefill_num_prompts: int
     prefill_prompt_len: int
     prefill_max_num_batched_tokens: int
-    # quant: quant_linear's (K, N) shapes, activation rows, timed replays, bytes of weight copies cycled.
+    # quant: quant_linear's (K, N) shapes (the K-quants': K a multiple of 256), activation rows, timed replays,
+    # bytes of weight copies cycled.
     quant_shapes: tuple[tuple[int, int], ...]
+    quant_kquant_shapes: tuple[tuple[int, int], ...]
     quant_batches: tuple[int, ...]
     quant_reps: int
     quant_rotate_bytes: int
@@ -87,6 +89,8 @@ FULL = Settings(
     prefill_max_num_batched_tokens=8192,
     # SmolLM2-135M: fused q/k/v (576 -> 960), fused gate/up (576 -> 3072), down (1536 -> 576), lm_head.
     quant_shapes=((576, 960), (576, 3072), (1536, 576), (576, 49152)),
+    # Llama-3.2-1B (a Q4_K_M file's K-quants): fused q/k/v (2048 -> 3072), fused gate/up (2048 -> 16384), down.
+    quant_kquant_shapes=((2048, 3072), (2048, 16384), (8192, 2048)),
     quant_batches=(1, 16, 256),
     quant_reps=20,
     quant_rotate_bytes=512 << 20,  # the fp16 copies: several times the L2 cache (50 MB on an H100)
@@ -115,6 +119,7 @@ SMOKE = Settings(
     prefill_prompt_len=64,
     prefill_max_num_batched_tokens=128,
     quant_shapes=((64, 96), (96, 33)),
+    quant_kquant_shapes=((256, 33), (512, 20)),
     quant_batches=(1, 17),
     quant_reps=2,
     quant_rotate_bytes=0,

@@ -1,5 +1,6 @@
-"""What the Triton attention kernels share: reading a tile of keys through the block table, one step of
-the online softmax, and the options of their ``tl.dot`` calls."""
+"""What the Triton kernels share: reading a tile of keys through the block table and one step of the online
+softmax (attention), a little-endian fp16 read from bytes (the quantized GEMMs), and the options of their
+``tl.dot`` calls."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def dot_options(dtype: torch.dtype) -> dict:
 
 def is_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def load_fp16(ptr, mask):
+    """The little-endian fp16 at ``ptr`` (two bytes, any alignment) as float32; 0 where ``mask`` is off."""
+    low = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    high = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""Triton GEMM on GGUF-quantized weights: ``y = x @ dequantize(w).T (+ bias)``, W8A16 (Q8_0), W4A16 (Q4_0, Q4_1),
-W5A16 (Q5_0, Q5_1).
+"""Triton GEMM on GGUF-quantized weights: ``y = x @ dequantize(w).T (+ bias)``, W8A16 (Q8_0), W4A16 (Q4_0, Q4_1,
+Q4_K), W5A16 (Q5_0, Q5_1, Q5_K), W6A16 (Q6_K).
 
 ``quant_linear(x, w, qtype, bias=None) -> y``
 
@@ -7,21 +7,26 @@ W5A16 (Q5_0, Q5_1).
   its last dimension contiguous (else it is copied).
 * ``qtype``: the weight's ``BlockFormat`` (``engine.model.quantization.blocks.QuantType`` is one; the kernel
   imports nothing of the model's).
-* ``w``: uint8 [N, qtype.row_bytes(K)], a row of K / 32 blocks per output feature, in GGUF's layout; a row or
-  whole-block ``narrow`` of a larger weight is fine.
+* ``w``: uint8 [N, qtype.row_bytes(K)], a row of K / block_weights blocks per output feature (32-weight blocks,
+  or the K-quants' 256-weight super-blocks), in GGUF's layout; a row or whole-block (whole-super-block)
+  ``narrow`` of a larger weight is fine.
 * ``bias``: None or [N], any float dtype.
 * returns ``y`` [M, N] in ``x``'s dtype, accumulated in float32.
-* raises ``ValueError`` when K is not a multiple of 32, when ``w`` is not a 2-D uint8 tensor of
-  ``row_bytes(K)`` bytes per row, when ``bias`` is not [N], when ``x`` has another dtype, or when the
-  tensors are on different devices.
+* raises ``ValueError`` when K is not a multiple of the format's block (32; 256 for Q4_K, Q5_K, Q6_K), when
+  ``qtype`` is a format the kernel does not read, when ``w`` is not a 2-D uint8 tensor of ``row_bytes(K)``
+  bytes per row, when ``bias`` is not [N], when ``x`` has another dtype, or when the tensors are on different
+  devices.
 
-One kernel for the five formats (``qtype.kernel_id`` is a compile-time constant): each program owns a
-[BLOCK_M, BLOCK_N] tile of ``y`` and walks K, BLOCK_K weights (BLOCK_K / 32 blocks) at a time. It loads the
-block bytes, rebuilds each block's fp16 scale (and Q4_1's / Q5_1's min) from two bytes (a uint16 bitcast to
-fp16), unpacks the int8, 4-bit or 5-bit quants (the fifth bit from qh, the header's last 4 bytes),
-dequantizes the [BLOCK_K, BLOCK_N] tile in float32 registers exactly as ``dequantize`` does, casts it to
-``x``'s dtype and feeds ``tl.dot`` with the activation tile. The tile sizes are chosen by M: a decode
-configuration (M <= 16: narrow tiles, many programs) and a prefill one.
+One kernel for the eight formats (``qtype.kernel_id`` and ``qtype.super_block`` are compile-time constants):
+each program owns a [BLOCK_M, BLOCK_N] tile of ``y`` and walks K, BLOCK_K weights at a time. It dequantizes
+the [BLOCK_K, BLOCK_N] weight tile in float32 registers exactly as ``dequantize`` does, casts it to ``x``'s
+dtype and feeds ``tl.dot`` with the activation tile. A 32-weight format's tile is BLOCK_K / 32 blocks: it loads
+the block bytes, rebuilds each block's fp16 scale (and Q4_1's / Q5_1's min) from two bytes (a uint16 bitcast to
+fp16) and unpacks the int8, 4-bit or 5-bit quants (the fifth bit from qh, the header's last 4 bytes). A
+K-quant's tile (``triton_kquant``: a part of a super-block or several) unpacks each 16 weights' scales once
+(Q4_K's / Q5_K's 6-bit scales and mins, Q6_K's int8 ones) and their 4-, 5- or 6-bit quants. The tile sizes
+are chosen by M: a decode configuration (M <= 16: narrow tiles, many programs) and a prefill one, the same
+for every format (BLOCK_K 128 and 64: whole blocks, a half and a quarter super-block).
 """
 
 from __future__ import annotations
@@ -33,21 +38,27 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_common import MIN_DOT_ROWS, dot_options
+from engine.kernels.triton_common import MIN_DOT_ROWS, dot_options, load_fp16
+from engine.kernels.triton_kquant import KERNEL_IDS as KQUANT_IDS
+from engine.kernels.triton_kquant import dequantize_kquant_tile
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK = 32  # weights per block, in every format the kernel reads
+BLOCK = 32  # weights per block, in every format but the K-quants
+SUPER_BLOCK = 256  # weights per K-quant super-block
+BLOCK_IDS = (0, 1, 2, 3, 4)  # Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
 
 
 class BlockFormat(Protocol):
-    """What the kernel reads of a block format: its name, kernel id (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1), a
-    block's bytes and its header's (fp16 scale, and min, then for Q5 the 4 bytes of qh), a row's bytes."""
+    """What the kernel reads of a block format: its name, kernel id (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q5_0, 4 Q5_1;
+    10 Q4_K, 11 Q5_K, 12 Q6_K), whether it is a K-quant, a block's weights and bytes, a 32-weight block's
+    header's bytes (fp16 scale, and min, then for Q5 the 4 bytes of qh), a row's bytes."""
 
     value: str
     kernel_id: int
-    block_weights: int  # 32: the kernel reads no K-quant super-block (256)
+    super_block: bool  # a K-quant: 256-weight super-blocks (triton_kquant)
+    block_weights: int  # 32, or 256 for a K-quant
     block_bytes: int
-    header_bytes: int
+    header_bytes: int  # read for the 32-weight formats only
 
     def row_bytes(self, k: int) -> int: ...
 
@@ -56,13 +67,13 @@ class BlockFormat(Protocol):
 class TileConfig:
     block_m: int
     block_n: int
-    block_k: int  # a multiple of 32: whole blocks
+    block_k: int  # a power of two of whole blocks (32 on): a part of a super-block, or whole ones
     num_warps: int
     num_stages: int
 
     def __post_init__(self) -> None:
-        if self.block_k % BLOCK or min(self.block_m, self.block_n, self.block_k) < MIN_DOT_ROWS:
-            raise ValueError(f"tiles {self}: BLOCK_K must hold whole blocks, tl.dot needs 16 rows and columns")
+        if self.block_k < BLOCK or self.block_k & (self.block_k - 1) or min(self.block_m, self.block_n) < MIN_DOT_ROWS:
+            raise ValueError(f"tiles {self}: BLOCK_K must be a power of two from 32, tl.dot needs 16 rows and columns")
 
 
 DECODE_TILES = TileConfig(block_m=MIN_DOT_ROWS, block_n=32, block_k=128, num_warps=4, num_stages=3)
@@ -73,14 +84,6 @@ DECODE_MAX_ROWS = DECODE_TILES.block_m
 def tile_config(m: int) -> TileConfig:
     """The tiles for ``m`` rows of activations: decode (a few rows, weight-bandwidth bound) or prefill."""
     return DECODE_TILES if m <= DECODE_MAX_ROWS else PREFILL_TILES
-
-
-@triton.jit
-def _load_fp16(ptr, mask):
-    """The little-endian fp16 at ``ptr`` (two bytes, any alignment) as float32."""
-    low = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
-    high = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
-    return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -107,17 +110,21 @@ def _dequantize_tile(
     K,
     stride_wn,
     QTYPE: tl.constexpr,
+    SUPER: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
     HEADER: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Weights [BLOCK_K, BLOCK_N] (k ``k_start``.., output features ``cols_n``) in float32; 0 out of range."""
+    if SUPER:  # a K-quant (triton_kquant)
+        return dequantize_kquant_tile(w_ptr, cols_n, k_start, N, K, stride_wn, QTYPE, BLOCK_BYTES, BLOCK_K, BLOCK_N)
     ks = k_start + tl.arange(0, BLOCK_K)
     within = (ks % 32)[:, None]
     mask = (ks < K)[:, None] & (cols_n < N)[None, :]
     # int64: a large weight (an lm_head) has more than 2**31 bytes.
     block_ptrs = w_ptr + cols_n.to(tl.int64)[None, :] * stride_wn + ((ks // 32) * BLOCK_BYTES)[:, None]
-    scale = _load_fp16(block_ptrs, mask)
+    scale = load_fp16(block_ptrs, mask)
     quants = _load_quants(block_ptrs, within, mask, QTYPE, HEADER)
     if QTYPE == 0:
         return scale * quants
@@ -125,7 +132,7 @@ def _dequantize_tile(
         return scale * (quants - 8.0)
     if QTYPE == 3:
         return scale * (quants - 16.0)
-    return scale * quants + _load_fp16(block_ptrs + 2, mask)
+    return scale * quants + load_fp16(block_ptrs + 2, mask)
 
 
 @triton.jit
@@ -141,6 +148,7 @@ def _quant_linear_kernel(
     stride_wn,
     stride_ym,
     QTYPE: tl.constexpr,
+    SUPER: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
     HEADER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -158,7 +166,9 @@ def _quant_linear_kernel(
     for k_start in range(0, K, BLOCK_K):
         ks = k_start + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + ks[None, :], mask=(rows_m < M)[:, None] & (ks < K)[None, :], other=0.0)
-        w = _dequantize_tile(w_ptr, cols_n, k_start, N, K, stride_wn, QTYPE, BLOCK_BYTES, HEADER, BLOCK_K)
+        w = _dequantize_tile(
+            w_ptr, cols_n, k_start, N, K, stride_wn, QTYPE, SUPER, BLOCK_BYTES, HEADER, BLOCK_K, BLOCK_N
+        )
         w = w.to(x_ptr.dtype.element_ty)  # rounded to x's dtype, also when the interpreter upcasts
         if UPCAST:
             x = x.to(tl.float32)
@@ -172,11 +182,14 @@ def _quant_linear_kernel(
 
 def _check(x: torch.Tensor, w: torch.Tensor, qtype: BlockFormat, bias: torch.Tensor | None) -> None:
     """Raises ValueError unless the operands fit the module docstring's contract."""
-    if qtype.block_weights != 32:
-        raise ValueError(f"quant_linear reads 32-weight blocks; {qtype.value}'s are {qtype.block_weights}")
+    ids, weights = (KQUANT_IDS, SUPER_BLOCK) if qtype.super_block else (BLOCK_IDS, BLOCK)
+    if qtype.kernel_id not in ids or qtype.block_weights != weights:
+        raise ValueError(f"quant_linear has no kernel for {qtype.value} (kernel id {qtype.kernel_id})")
     if x.dim() != 2 or x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"quant_linear needs x [M, K] of float16, bfloat16 or float32, got {x.dtype} {list(x.shape)}")
-    row_bytes = qtype.row_bytes(x.shape[1])  # raises unless K is a multiple of 32
+    if x.shape[1] % weights:
+        raise ValueError(f"quant_linear needs K a multiple of {weights} for {qtype.value}, got {x.shape[1]}")
+    row_bytes = qtype.row_bytes(x.shape[1])
     if w.dim() != 2 or w.dtype != torch.uint8 or w.shape[1] != row_bytes:
         raise ValueError(
             f"quant_linear needs w uint8 [N, {row_bytes}] ({qtype.value}, K={x.shape[1]}), "
@@ -215,6 +228,7 @@ def quant_linear(
         w.stride(0),
         y.stride(0),
         QTYPE=qtype.kernel_id,
+        SUPER=qtype.super_block,
         BLOCK_BYTES=qtype.block_bytes,
         HEADER=qtype.header_bytes,
         HAS_BIAS=bias is not None,

@@ -254,7 +254,7 @@ def test_quant_phase_checks_and_times_every_format(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     cases = results["records"]["quant"]["cases"]
-    formats = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
+    formats = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
     assert {c["format"] for c in cases} == formats and not results["records"]["quant"]["skipped"]
     assert all(c["ours_s"] > 0 and c["torch_fp16_s"] > 0 for c in cases)
     verdicts = {r["check"]: r["verdict"] for r in results["rows"] if r["target"]}

@@ -10,8 +10,8 @@ native kernels there:
   rows interleaved, the same bytes): activations quantized per block to 14 bits and exact integer dot
   products; each output row depends only on its input row, bit for bit, so batching and prefix caching
   change no token. Activations of another dtype compute in float32 and round back.
-* ``TritonBlockProduct`` (CUDA): the Triton kernel (``engine.kernels.triton_quant``), activations in their
-  own dtype.
+* ``TritonBlockProduct`` (CUDA): the Triton kernel (``engine.kernels.triton_quant``, every format: the
+  32-weight blocks and the K-quants' super-blocks), on the file's layout, activations in their own dtype.
 * ``TorchBlockProduct`` (elsewhere: no compiler, native ops switched off; every layer before its weights are
   processed): the torch reference, the weight dequantized per call; exact, slow.
 
@@ -92,7 +92,7 @@ def block_product(weight: torch.Tensor, qtype: QuantType) -> TorchBlockProduct:
             weight.data = on_huge_pages(pack(weight.data, qtype))  # streamed whole each step: few TLB misses
             weight.packed = True
         return NativeBlockProduct(weight, qtype, kernels)
-    if weight.device.type == "cuda" and not qtype.super_block:  # the Triton kernel reads 32-weight blocks only
+    if weight.device.type == "cuda":
         return TritonBlockProduct(weight, qtype)
     return TorchBlockProduct(weight, qtype)
 
