@@ -45,15 +45,17 @@ grep -m1 "model name" /proc/cpuinfo
 if [[ ${ISA:-native} == avx2 ]]; then
   export SERVAL_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
   export LLAMA_CPP_HOME=${LLAMA_CPP_HOME:-/tmp/llama-cpp-avx2}
-  if [[ ! -x $LLAMA_CPP_HOME/bin/llama-server ]]; then
+  if [[ ! -x $LLAMA_CPP_HOME/bin/llama-server || ! -x $LLAMA_CPP_HOME/bin/llama-quantize ]]; then
     src=${LLAMA_CPP_SRC:-/tmp/llama-cpp/src}
     [[ -d $src ]] || LLAMA_CPP_HOME=${src%/src} ../shared/peers/setup_llama_cpp.sh
     echo "building llama-server for AVX2 into $LLAMA_CPP_HOME (minutes) ..." >&2
     cmake -S "$src" -B "$LLAMA_CPP_HOME/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF \
       > "$OUT/llama-avx2-build.log" 2>&1
-    cmake --build "$LLAMA_CPP_HOME/build" --target llama-server -j"$(nproc)" >> "$OUT/llama-avx2-build.log" 2>&1
-    mkdir -p "$LLAMA_CPP_HOME/bin" && ln -sf "$LLAMA_CPP_HOME/build/bin/llama-server" "$LLAMA_CPP_HOME/bin/llama-server"
+    # Both binaries: ../shared/peers/llama_cpp_server.sh takes a home holding llama-server and llama-quantize as built.
+    cmake --build "$LLAMA_CPP_HOME/build" --target llama-server llama-quantize -j"$(nproc)" >> "$OUT/llama-avx2-build.log" 2>&1
+    mkdir -p "$LLAMA_CPP_HOME/bin"
+    for b in llama-server llama-quantize; do ln -sf "$LLAMA_CPP_HOME/build/bin/$b" "$LLAMA_CPP_HOME/bin/$b"; done
   fi
   .venv/bin/python -m engine.kernels.cpu >&2  # the x86-64-v3 build, before the replicas need it
 fi
