@@ -81,6 +81,31 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (value,)
 
 
+def _sliding_layers(cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window and the per-layer attention types, as transformers derives them.
+
+    Explicit ``layer_types`` win; else Gemma's ``sliding_window_pattern`` (every n-th layer full); else a set
+    ``sliding_window`` applies to every layer (Mistral), or for Qwen2 / Qwen3 only with ``use_sliding_window``
+    and from layer ``max_window_layers`` on.
+    """
+    window, layers = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    if window is None:
+        return None, ()
+    if cfg.get("layer_types"):
+        types = tuple(cfg["layer_types"])
+    elif cfg.get("sliding_window_pattern"):
+        pattern = cfg["sliding_window_pattern"]
+        types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers))
+    else:
+        first = cfg.get("max_window_layers", 0) if "use_sliding_window" in cfg else 0
+        types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+    if len(types) != layers:
+        raise ValueError(f"config.json has {len(types)} layer_types for {layers} layers")
+    return (window, types) if "sliding_attention" in types else (None, ())
+
+
 @dataclass(frozen=True)
 class Architecture:
     """Architecture hyper-parameters of one decoder-only checkpoint (immutable)."""
@@ -102,7 +127,9 @@ class Architecture:
     o_proj_bias: bool = False  # bias on o_proj
     mlp_bias: bool = False  # bias on gate/up/down (llama's ``mlp_bias``)
     has_qk_norm: bool = False  # per-head RMSNorm on q and k before rope (qwen3)
-    sliding_window: int | None = None  # recorded only; attention is always full (see report)
+    sliding_window: int | None = None  # the window of the layers ``layer_types`` names "sliding_attention"
+    # Per layer, transformers' names: "full_attention" or "sliding_attention" (empty: every layer full).
+    layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: torch.dtype | None = None  # dtype the checkpoint was saved in
@@ -115,6 +142,11 @@ class Architecture:
     @property
     def rope_type(self) -> str:
         return self.rope_scaling.get("rope_type", "default")
+
+    def attention_window(self, layer: int) -> int | None:
+        """How many positions back layer ``layer`` attends (the query's own included); None: all of them."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -130,7 +162,7 @@ class Architecture:
         arch = archs[0]
         heads = cfg["num_attention_heads"]
         attention_bias = bool(cfg.get("attention_bias", False))
-        use_sliding = cfg.get("use_sliding_window", True)
+        window, layer_types = _sliding_layers(cfg)
         rope = _rope_params(cfg)
         return cls(
             architecture=arch,
@@ -150,7 +182,8 @@ class Architecture:
             o_proj_bias=attention_bias and arch not in _QKV_BIAS_ARCHS,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             has_qk_norm=arch in _QK_NORM_ARCHS,
-            sliding_window=cfg.get("sliding_window") if use_sliding else None,
+            sliding_window=window,
+            layer_types=layer_types,
             bos_token_id=_first_id(cfg.get("bos_token_id")),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
             torch_dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
