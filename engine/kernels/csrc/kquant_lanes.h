@@ -3,7 +3,7 @@
 // The integer steps, per build (quant_activations.h's forms):
 //   digits (VNNI): vpdpbusd of the unsigned quants u with each digit h, l of the activations; sum = 128 h-sum +
 //     l-sum; Q6_K's u - 32 by its offset: sum - 32 * (the half-block's activation sum);
-//   pairs (AVX2, AVX-512 without VNNI): u widened to int16 pairs (Q6_K's minus 32), vpmaddwd.
+//   pairs (AVX2, AVX-512 without VNNI): u widened to int16 pairs, vpmaddwd; Q6_K's u - 32 by the offset as above.
 // Both are the same integers, so the same bits on every build as kquant_linear.cpp's scalar reference.
 #pragma once
 
@@ -30,6 +30,12 @@ inline vint srl16(vint a, int n) { return _mm512_srl_epi16(a, _mm_cvtsi32_si128(
 inline vint sll(vint a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
 inline vint sra32(vint a, int n) { return _mm512_sra_epi32(a, _mm_cvtsi32_si128(n)); }
 inline vfloat fnmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
+template <int B>
+inline vint sll16(vint a) { return _mm512_slli_epi16(a, B); }
+// Each byte's bits 0-3 from `low`, 4-5 from `high`, 6-7 zero: one ternary-logic select (c ? a : b) and a mask.
+inline vint nibble_and_two(vint low, vint high) {
+  return quant::and16(_mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(0x0F), 0xE4), 0x3F3F);
+}
 #else
 inline vint add32(vint a, vint b) { return _mm256_add_epi32(a, b); }
 inline vint mul32(vint a, vint b) { return _mm256_mullo_epi32(a, b); }
@@ -40,7 +46,21 @@ inline vint srl16(vint a, int n) { return _mm256_srl_epi16(a, _mm_cvtsi32_si128(
 inline vint sll(vint a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
 inline vint sra32(vint a, int n) { return _mm256_sra_epi32(a, _mm_cvtsi32_si128(n)); }
 inline vfloat fnmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fnmadd_ps(a, b, c); }
+template <int B>
+inline vint sll16(vint a) { return _mm256_slli_epi16(a, B); }
+inline vint nibble_and_two(vint low, vint high) { return or_(quant::and16(low, 0x0F0F), quant::and16(high, 0x3030)); }
 #endif
+
+// Q6_K's quants u of block 4 n + T from its ql and qh chunks: ql's low (T < 2) or high nibble, bits 2T, 2T + 1 of
+// qh as bits 4, 5. Shifts in 16-bit lanes move no wanted bit across a byte.
+template <int T>
+inline vint q6_bytes(vint ql, vint qh) {
+  const vint low = T < 2 ? ql : quant::shift_right16<4>(ql);
+  if constexpr (T == 0) return nibble_and_two(low, sll16<4>(qh));
+  if constexpr (T == 1) return nibble_and_two(low, sll16<2>(qh));
+  if constexpr (T == 2) return nibble_and_two(low, qh);
+  return nibble_and_two(low, quant::shift_right16<2>(qh));
+}
 
 // A block's integer sums for one row of x and one lane set, and a chunk's weights (4 a row) made ready for them.
 #if SERVAL_QUANT_DIGITS
@@ -50,7 +70,6 @@ struct Acc {
 struct Quads {
   vint u;
 };
-template <int Offset>
 inline Quads prepare(vint u) { return {u}; }
 inline void clear(Acc& acc) { acc.h = acc.l = quant::zero(); }
 // acc += weights 4c .. 4c + 3 of the block times values 4c .. 4c + 3 of its stored activations a.
@@ -71,16 +90,15 @@ struct Acc {
 struct Quads {
   vint even, odd;
 };
-template <int Offset>
-inline Quads prepare(vint u) {
-  return {quant::sub16(quant::and16(u, 0x00FF), Offset), quant::sub16(quant::shift_right16<8>(u), Offset)};
-}
+inline Quads prepare(vint u) { return {quant::and16(u, 0x00FF), quant::shift_right16<8>(u)}; }
 inline void clear(Acc& acc) { acc.s = quant::zero(); }
 inline void dot_chunk(Acc& acc, const Quads& w, const int8_t* a, int c) {
   acc.s = quant::dot2(quant::dot2(acc.s, w.even, quant::bcast4(a + 8 * c)), w.odd, quant::bcast4(a + 8 * c + 4));
 }
 template <int Offset>
-inline vint finish(const Acc& acc, int32_t) { return acc.s; }
+inline vint finish(const Acc& acc, int32_t a_sum) {
+  return Offset == 0 ? acc.s : quant::sub32(acc.s, quant::set32(Offset * a_sum));
+}
 #endif
 
 // NV lane sets of kRows rows each from row n0 (inside whole groups), as quant_lanes.h's LaneSets.

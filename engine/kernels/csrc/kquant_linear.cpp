@@ -80,7 +80,7 @@ inline void q45_block(const k::KLanes<F, NV>& L, const k::RowBlocks<MR>& rows, i
       q::vint u = q::and16(k::srl16(L.chunk(v, sb, Fl::qs, 8 * (b / 2) + c), 4 * (b % 2)), 0x0F0F);
       if constexpr (F == KFormat::kQ5_K)
         u = k::or_(u, k::sll(q::and16(k::srl16(L.chunk(v, sb, Fl::qh, c), b), 0x0101), 4));
-      const k::Quads w = k::prepare<0>(u);
+      const k::Quads w = k::prepare(u);
       for (int m = 0; m < MR; ++m) k::dot_chunk(acc[m][v], w, rows.a[m], c);
     }
   for (int v = 0; v < NV; ++v) {
@@ -96,11 +96,11 @@ inline void q45_block(const k::KLanes<F, NV>& L, const k::RowBlocks<MR>& rows, i
   }
 }
 
-template <int MR, int NV>
-inline void q6_block(const k::KLanes<KFormat::kQ6_K, NV>& L, const k::RowBlocks<MR>& rows, int64_t sb, int b,
+template <int B, int MR, int NV>
+inline void q6_block(const k::KLanes<KFormat::kQ6_K, NV>& L, const k::RowBlocks<MR>& rows, int64_t sb,
                      const vfloat (&d)[NV], vfloat (&y)[MR][NV]) {
   using Fl = k::Fields<KFormat::kQ6_K>;
-  const int n = b / 4, t = b % 4;
+  constexpr int n = B / 4, t = B % 4;
   q::vint sum[MR][NV];
   // Unrolled whole, as q45_block's loops are by the compiler's own choice: rolled, the accumulators live on the
   // stack (the step was 4x Q4_K's time for 1.5x its bytes).
@@ -113,12 +113,11 @@ inline void q6_block(const k::KLanes<KFormat::kQ6_K, NV>& L, const k::RowBlocks<
     for (int c = 4 * h; c < 4 * h + 4; ++c)
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        const q::vint low = q::and16(k::srl16(L.chunk(v, sb, Fl::qs, 16 * n + 8 * (t % 2) + c), 4 * (t / 2)), 0x0F0F);
-        const q::vint high = q::and16(k::srl16(L.chunk(v, sb, Fl::qh, 8 * n + c), 2 * t), 0x0303);
-        const k::Quads w = k::prepare<32>(k::or_(low, k::sll(high, 4)));
+        const q::vint ql = L.chunk(v, sb, Fl::qs, 16 * n + 8 * (t % 2) + c), qh = L.chunk(v, sb, Fl::qh, 8 * n + c);
+        const k::Quads w = k::prepare(k::q6_bytes<t>(ql, qh));
         for (int m = 0; m < MR; ++m) k::dot_chunk(acc[m][v], w, rows.a[m], c);
       }
-    const int i = 2 * b + h;  // the sub-block's int8 scale: byte i % 4 of dword i / 4, sign-extended
+    const int i = 2 * B + h;  // the sub-block's int8 scale: byte i % 4 of dword i / 4, sign-extended
     for (int v = 0; v < NV; ++v) {
       const q::vint sc = k::sra32(k::sll(L.chunk(v, sb, Fl::scales, i / 4), 24 - 8 * (i % 4)), 24);
       for (int m = 0; m < MR; ++m) {
@@ -142,6 +141,7 @@ void micro(const Problem& p, const Activations& act, const int32_t* halves, int6
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) y[m][v] = simd::set1(0.f);
   for (int64_t sb = 0; sb < p.K / k::kSuper; ++sb) {
+    const auto rows_of = [&](int b) { return k::RowBlocks<MR>(act, halves, m0, sb * k::kBlocks + b); };
     vfloat d[NV], dmin[NV];
     q::vint dw[NV][3];
     for (int v = 0; v < NV; ++v) {
@@ -151,10 +151,12 @@ void micro(const Problem& p, const Activations& act, const int32_t* halves, int6
         for (int i = 0; i < 3; ++i) dw[v][i] = L.chunk(v, sb, Fl::scales, i);
       }
     }
-    for (int b = 0; b < k::kBlocks; ++b) {
-      const k::RowBlocks<MR> rows(act, halves, m0, sb * k::kBlocks + b);
-      if constexpr (F == KFormat::kQ6_K) q6_block<MR, NV>(L, rows, sb, b, d, y);
-      else q45_block<F, MR, NV>(L, rows, sb, b, dw, d, dmin, y);
+    if constexpr (F == KFormat::kQ6_K) {
+      // The block's index a compile-time constant: its nibble and qh bits are shifts by immediates.
+      q::for_each_chunk([&](auto b) { q6_block<decltype(b)::value, MR, NV>(L, rows_of(b), sb, d, y); },
+                        std::make_integer_sequence<int, k::kBlocks>{});
+    } else {
+      for (int b = 0; b < k::kBlocks; ++b) q45_block<F, MR, NV>(L, rows_of(b), sb, b, dw, d, dmin, y);
     }
   }
   q::store_rows<MR, NV>(p, m0, n0, y);
@@ -162,10 +164,10 @@ void micro(const Problem& p, const Activations& act, const int32_t* halves, int6
 
 // ---- Scheduling: few rows stream the weights once; many rows reuse a tile of them from cache. ----
 
-// Q6_K on the digits builds (its u - 32 by the offset): each block's sum of its first 16 activations.
+// Q6_K (its u - 32 by the offset): each block's sum of its first 16 activations.
 template <KFormat F>
 std::vector<int32_t> first_halves(const Activations& act, int64_t M) {
-  if (F != KFormat::kQ6_K || !SERVAL_QUANT_DIGITS) return {};
+  if (F != KFormat::kQ6_K) return {};
   std::vector<int32_t> sums(M * act.blocks);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < act.blocks; ++b) {
