@@ -109,9 +109,16 @@ def bench_shape(ops, formats: list[QuantType], k: int, n: int, rows: list[int], 
         print(" | ".join(cells), flush=True)
 
 
-def load_module(path: str):
-    """A built kernels module by its file (its name is the file's stem: torch's loader names the init so)."""
-    spec = importlib.util.spec_from_file_location(Path(path).name.split(".")[0], path)
+def load_module(path: str, loaded: str):
+    """A built kernels module by its file (its name is the file's stem: torch's loader names the init so).
+
+    Refuses a module named as the one ``loaded`` already: Python then runs the first module's code for both (two
+    copies of one checkout's build time the same code). Each checkout names its build apart (engine/kernels/cpu.py).
+    """
+    name = Path(path).name.split(".")[0]
+    if name == loaded:
+        raise SystemExit(f"{path} is named {name}, as this checkout's build: build the other in another checkout")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -138,7 +145,8 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, help="block formats (QuantType names)")
     args = parser.parse_args()
     formats = [QuantType.parse(name) for name in args.formats]
-    ops, other = load_cpu_kernels(), args.against and load_module(args.against)
+    ops = load_cpu_kernels()
+    other = args.against and load_module(args.against, ops.__name__)
     assert ops is not None and hasattr(ops, "quant_linear"), "the native CPU kernels are not built here"
     print(f"CPU: {cpu_name()}; torch {torch.__version__}")
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
