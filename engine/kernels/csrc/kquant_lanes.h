@@ -120,6 +120,33 @@ struct KLanes {
   vfloat half(int v, int64_t s, Field f) const { return quant::halves(super(v, s) + f.packed + 2 * lane[v]); }
 };
 
+// Block B's quants u (as kquant_blocks.h's u_at) of its chunk c, weights 4c .. 4c + 3 of each row of lane set v.
+template <KFormat F, int B, int NV>
+inline vint quants(const KLanes<F, NV>& L, int v, int64_t s, int c) {
+  using Fl = Fields<F>;
+  if constexpr (F == KFormat::kQ6_K) {
+    constexpr int n = B / 4, t = B % 4;
+    return q6_bytes<t>(L.chunk(v, s, Fl::qs, 16 * n + 8 * (t % 2) + c), L.chunk(v, s, Fl::qh, 8 * n + c));
+  } else {
+    vint u = quant::and16(quant::shift_right16<4 * (B % 2)>(L.chunk(v, s, Fl::qs, 8 * (B / 2) + c)), 0x0F0F);
+    if constexpr (F == KFormat::kQ5_K)
+      u = or_(u, sll16<4>(quant::and16(quant::shift_right16<B>(L.chunk(v, s, Fl::qh, c)), 0x0101)));
+    return u;
+  }
+}
+
+// fn(std::integral_constant<int, B>{}) for each block B of a super-block.
+template <typename Fn>
+inline void for_blocks(Fn&& fn) {
+  quant::for_each_chunk(fn, std::make_integer_sequence<int, kBlocks>{});
+}
+
+// Q6_K's int8 scale i (0 .. 15) of each row of lane set v, sign-extended: byte i % 4 of the scales' dword i / 4.
+template <int NV>
+inline vint q6_scale(const KLanes<KFormat::kQ6_K, NV>& L, int v, int64_t s, int i) {
+  return sra32(sll(L.chunk(v, s, Fields<KFormat::kQ6_K>::scales, i / 4), 24 - 8 * (i % 4)), 24);
+}
+
 // What the MR rows' blocks need: their stored activations, scales d_a and sums (Q6_K: of the first 16 too).
 template <int MR>
 struct RowBlocks {

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <vector>
 
-#include "kquant_lanes.h"
+#include "kquant_tile.h"
 
 #if SERVAL_SIMD
 
@@ -67,25 +67,21 @@ SERVAL_EXACT_ORDER float dot_reference(const Problem& p, const Activations& act,
 
 // ---- The vector micro-kernel: one block b of super-block sb. ----
 
-template <KFormat F, int MR, int NV>
-inline void q45_block(const k::KLanes<F, NV>& L, const k::RowBlocks<MR>& rows, int64_t sb, int b,
+template <KFormat F, int B, int MR, int NV>
+inline void q45_block(const k::KLanes<F, NV>& L, const k::RowBlocks<MR>& rows, int64_t sb,
                       const q::vint (&dw)[NV][3], const vfloat (&d)[NV], const vfloat (&dmin)[NV],
                       vfloat (&y)[MR][NV]) {
-  using Fl = k::Fields<F>;
   k::Acc acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) k::clear(acc[m][v]);
   for (int c = 0; c < 8; ++c)
     for (int v = 0; v < NV; ++v) {
-      q::vint u = q::and16(k::srl16(L.chunk(v, sb, Fl::qs, 8 * (b / 2) + c), 4 * (b % 2)), 0x0F0F);
-      if constexpr (F == KFormat::kQ5_K)
-        u = k::or_(u, k::sll(q::and16(k::srl16(L.chunk(v, sb, Fl::qh, c), b), 0x0101), 4));
-      const k::Quads w = k::prepare(u);
+      const k::Quads w = k::prepare(k::quants<F, B>(L, v, sb, c));
       for (int m = 0; m < MR; ++m) k::dot_chunk(acc[m][v], w, rows.a[m], c);
     }
   for (int v = 0; v < NV; ++v) {
     q::vint sc, mn;
-    k::scale_min(dw[v], b, &sc, &mn);
+    k::scale_min(dw[v], B, &sc, &mn);
     vfloat ds = simd::mul(d[v], q::to_float(sc)), dm = simd::mul(dmin[v], q::to_float(mn));
     // (d sc) d_a as the reference rounds it: the module's -fassociative-math would fold the products otherwise.
     asm("" : "+v"(ds), "+v"(dm));
@@ -99,8 +95,6 @@ inline void q45_block(const k::KLanes<F, NV>& L, const k::RowBlocks<MR>& rows, i
 template <int B, int MR, int NV>
 inline void q6_block(const k::KLanes<KFormat::kQ6_K, NV>& L, const k::RowBlocks<MR>& rows, int64_t sb,
                      const vfloat (&d)[NV], vfloat (&y)[MR][NV]) {
-  using Fl = k::Fields<KFormat::kQ6_K>;
-  constexpr int n = B / 4, t = B % 4;
   q::vint sum[MR][NV];
   // Unrolled whole, as q45_block's loops are by the compiler's own choice: rolled, the accumulators live on the
   // stack (the step was 4x Q4_K's time for 1.5x its bytes).
@@ -113,13 +107,11 @@ inline void q6_block(const k::KLanes<KFormat::kQ6_K, NV>& L, const k::RowBlocks<
     for (int c = 4 * h; c < 4 * h + 4; ++c)
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
-        const q::vint ql = L.chunk(v, sb, Fl::qs, 16 * n + 8 * (t % 2) + c), qh = L.chunk(v, sb, Fl::qh, 8 * n + c);
-        const k::Quads w = k::prepare(k::q6_bytes<t>(ql, qh));
+        const k::Quads w = k::prepare(k::quants<KFormat::kQ6_K, B>(L, v, sb, c));
         for (int m = 0; m < MR; ++m) k::dot_chunk(acc[m][v], w, rows.a[m], c);
       }
-    const int i = 2 * B + h;  // the sub-block's int8 scale: byte i % 4 of dword i / 4, sign-extended
     for (int v = 0; v < NV; ++v) {
-      const q::vint sc = k::sra32(k::sll(L.chunk(v, sb, Fl::scales, i / 4), 24 - 8 * (i % 4)), 24);
+      const q::vint sc = k::q6_scale(L, v, sb, 2 * B + h);
       for (int m = 0; m < MR; ++m) {
         const int32_t a_sum = h == 0 ? rows.first_half[m] : rows.s[m] - rows.first_half[m];
         const q::vint part = k::mul32(k::finish<32>(acc[m][v], a_sum), sc);
@@ -151,13 +143,11 @@ void micro(const Problem& p, const Activations& act, const int32_t* halves, int6
         for (int i = 0; i < 3; ++i) dw[v][i] = L.chunk(v, sb, Fl::scales, i);
       }
     }
-    if constexpr (F == KFormat::kQ6_K) {
-      // The block's index a compile-time constant: its nibble and qh bits are shifts by immediates.
-      q::for_each_chunk([&](auto b) { q6_block<decltype(b)::value, MR, NV>(L, rows_of(b), sb, d, y); },
-                        std::make_integer_sequence<int, k::kBlocks>{});
-    } else {
-      for (int b = 0; b < k::kBlocks; ++b) q45_block<F, MR, NV>(L, rows_of(b), sb, b, dw, d, dmin, y);
-    }
+    k::for_blocks([&](auto b) {  // the block's index a compile-time constant: its bits are shifts by immediates
+      constexpr int B = decltype(b)::value;
+      if constexpr (F == KFormat::kQ6_K) q6_block<B, MR, NV>(L, rows_of(B), sb, d, y);
+      else q45_block<F, B, MR, NV>(L, rows_of(B), sb, dw, d, dmin, y);
+    });
   }
   q::store_rows<MR, NV>(p, m0, n0, y);
 }
@@ -203,21 +193,42 @@ void few_rows(const Problem& p, const Activations& act, const int32_t* halves, i
   });
 }
 
+// Many rows on the pairs builds: from this many, a task's lane sets are widened once (kquant_tile.h).
+constexpr int64_t kWideRowsFrom = 8;
+
+// Rows [m_begin, m_end) of x against lane sets [v0, v1): through a widened tile on the pairs builds, else the
+// micro-kernel, kTileRows rows at a time.
+template <KFormat F>
+void tile_task(const Problem& p, const Activations& act, const int32_t* halves, q::TileBuffer& buffer,
+               int64_t m_begin, int64_t m_end, int64_t v0, int64_t v1) {
+#if !SERVAL_QUANT_DIGITS
+  if (m_end - m_begin >= kWideRowsFrom) {
+    if (v1 - v0 == q::kTileSets)
+      return q::tile_rows<q::kTileSets>(p, act, k::KWideTile<F, q::kTileSets>(buffer, p, v0 * kRows), m_begin, m_end,
+                                        v0 * kRows);
+    for (int64_t v = v0; v < v1; ++v)
+      q::tile_rows<1>(p, act, k::KWideTile<F, 1>(buffer, p, v * kRows), m_begin, m_end, v * kRows);
+    return;
+  }
+#endif
+  int64_t m = m_begin;
+  for (; m + kTileRows <= m_end; m += kTileRows) lane_range<F, kTileRows>(p, act, halves, m, v0, v1);
+  for (; m < m_end; ++m) lane_range<F, 1>(p, act, halves, m, v0, v1);
+}
+
 template <KFormat F>
 void many_rows(const Problem& p, const Activations& act, const int32_t* halves, int64_t sets) {
   // Tasks (tile of NV lane sets, chunk of up to about 256 rows of x), the chunks of one size: quant_linear.cpp's.
-  constexpr int NV = lane_sets<kTileRows>();
+  constexpr int NV = SERVAL_QUANT_DIGITS ? lane_sets<kTileRows>() : q::kTileSets;
   const int64_t parts = (p.M + 255) / 256;
   const int64_t chunk = ((p.M + parts - 1) / parts + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t tiles = (sets + NV - 1) / NV, chunks = (p.M + chunk - 1) / chunk;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (NV * kRows * p.K * std::min(p.M, chunk)));
   at::parallel_for(0, tiles * chunks, grain, [&](int64_t begin, int64_t end) {
+    q::TileBuffer buffer;  // allocated by the first widened tile, if any
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t v0 = task % tiles * NV, v1 = std::min(sets, v0 + NV), m_begin = task / tiles * chunk;
-      const int64_t m_end = std::min(p.M, m_begin + chunk);
-      int64_t m = m_begin;
-      for (; m + kTileRows <= m_end; m += kTileRows) lane_range<F, kTileRows>(p, act, halves, m, v0, v1);
-      for (; m < m_end; ++m) lane_range<F, 1>(p, act, halves, m, v0, v1);
+      const int64_t v0 = task % tiles * NV, m_begin = task / tiles * chunk;
+      tile_task<F>(p, act, halves, buffer, m_begin, std::min(p.M, m_begin + chunk), v0, std::min(sets, v0 + NV));
     }
   });
 }

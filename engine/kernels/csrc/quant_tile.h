@@ -53,6 +53,8 @@ inline void store_scales(const LaneSets<F, NV>& sets, int64_t b, int v, float* d
 // (weights 4s .. 4s + 3) of block b at bytes[(b * kSteps + s) * NV + v].
 template <Format F, int NV>
 struct ByteTile {
+  static constexpr int kOffset = offset(F);  // the bytes are u: wide_micro subtracts offset * s
+  static constexpr bool kHasMin = has_min(F);
   vint* bytes;
   float* d;  // [block][lane set][kRows]: the scales as float
   float* m;  // the same for the mins
@@ -99,6 +101,8 @@ inline void byte_block_sums(const vint* w, const int8_t* const (&a)[MR], vint (&
 // NV lane sets' weights from row n0, widened into the buffer.
 template <Format F, int NV>
 struct WideTile {
+  static constexpr int kOffset = 0;  // the pairs are signed q
+  static constexpr bool kHasMin = has_min(F);
   vint* pairs;  // [block][step][lane set][even, odd]
   float* d;     // [block][lane set][kRows]: the scales as float
   float* m;     // the same for the mins (Q4_1, Q5_1)
@@ -147,11 +151,11 @@ inline void tile_block_sums(const vint* w, const int8_t* const (&a)[MR], vint (&
     }
 }
 
-// y[m0 .. m0 + MR, the tile's rows) = x's rows times the tile (+ bias); micro's fused multiply-adds (the pairs are
-// signed q, the bytes u: an offset correction).
-template <Format F, int MR, int NV, typename Tile>
+// y[m0 .. m0 + MR, the tile's rows) = x's rows times the tile (+ bias); micro's fused multiply-adds. A Tile has
+// `block(b)` (its bytes or pairs), the scales `d` and mins `m` as float at [block][lane set][kRows], `kOffset` (the
+// correction offset * s of unsigned bytes) and `kHasMin` (then y += s * m d_a after each block's d term).
+template <int MR, int NV, typename Tile>
 inline void wide_micro(const Problem& p, const Activations& act, const Tile& tile, int64_t m0, int64_t n0) {
-  constexpr bool kBytes = SERVAL_QUANT_DIGITS;
   simd::vfloat y[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) y[m][v] = simd::set1(0.f);
@@ -167,18 +171,27 @@ inline void wide_micro(const Problem& p, const Activations& act, const Tile& til
     for (int m = 0; m < MR; ++m) {
       const int64_t i = (m0 + m) * act.blocks + b;
       const simd::vfloat da = simd::set1(act.d[i]);
-      const vint correction = set32(kBytes ? offset(F) * act.s[i] : 0);
+      const vint correction = set32(Tile::kOffset * act.s[i]);
       for (int v = 0; v < NV; ++v) {
         const int64_t at = (b * NV + v) * kRows;
-        const simd::vfloat sum = to_float(kBytes ? sub32(acc[m][v], correction) : acc[m][v]);
+        const simd::vfloat sum = to_float(Tile::kOffset != 0 ? sub32(acc[m][v], correction) : acc[m][v]);
         y[m][v] = simd::fmadd(sum, simd::mul(simd::load(tile.d + at), da), y[m][v]);
-        if constexpr (has_min(F))
+        if constexpr (Tile::kHasMin)
           y[m][v] = simd::fmadd(simd::set1(static_cast<float>(act.s[i])), simd::mul(simd::load(tile.m + at), da),
                                 y[m][v]);
       }
     }
   }
   store_rows<MR, NV>(p, m0, n0, y);
+}
+
+// Rows [m_begin, m_end) of x through one unpacked tile of NV lane sets from row n0.
+template <int NV, typename Tile>
+void tile_rows(const Problem& p, const Activations& act, const Tile& tile, int64_t m_begin, int64_t m_end,
+               int64_t n0) {
+  int64_t m = m_begin;
+  for (; m + kTileRows <= m_end; m += kTileRows) wide_micro<kTileRows, NV>(p, act, tile, m, n0);
+  for (; m < m_end; ++m) wide_micro<1, NV>(p, act, tile, m, n0);
 }
 
 #if SERVAL_QUANT_DIGITS
@@ -193,10 +206,7 @@ using Tile = WideTile<F, NV>;
 template <Format F, int NV>
 void wide_rows(const Problem& p, const Activations& act, TileBuffer& buffer, int64_t m_begin, int64_t m_end,
                int64_t v0) {
-  const Tile<F, NV> tile(buffer, p, v0 * kRows);
-  int64_t m = m_begin;
-  for (; m + kTileRows <= m_end; m += kTileRows) wide_micro<F, kTileRows, NV>(p, act, tile, m, v0 * kRows);
-  for (; m < m_end; ++m) wide_micro<F, 1, NV>(p, act, tile, m, v0 * kRows);
+  tile_rows<NV>(p, act, Tile<F, NV>(buffer, p, v0 * kRows), m_begin, m_end, v0 * kRows);
 }
 
 }  // namespace serval::quant
