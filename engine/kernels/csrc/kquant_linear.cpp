@@ -168,17 +168,20 @@ std::vector<int32_t> first_halves(const Activations& act, int64_t M) {
   return sums;
 }
 
-// Lane sets per micro-kernel: MR x NV pairs of int32 accumulators and NV floats per row stay in the registers.
-template <int MR>
+// Lane sets per micro-kernel: MR x NV pairs of int32 accumulators and NV floats per row stay in the registers;
+// Q6_K's on VNNI with its sub-block sums beside them: at 4 rows one lane set (4 x 2 spilled: 1.5-2.5x the time).
+template <KFormat F, int MR>
 constexpr int lane_sets() {
-  return simd::kRegisters == 32 ? (MR == 1 ? 4 : 2) : (MR == 1 ? 2 : 1);
+  if constexpr (simd::kRegisters != 32) return MR == 1 ? 2 : 1;
+  if constexpr (F == KFormat::kQ6_K && SERVAL_QUANT_DIGITS && MR >= 4) return 1;
+  return MR == 1 ? 4 : 2;
 }
 constexpr int kTileRows = simd::kRegisters == 32 ? 4 : 2;  // MR for many rows of x
 
 template <KFormat F, int MR>
 void lane_range(const Problem& p, const Activations& act, const int32_t* halves, int64_t m0, int64_t v_begin,
                 int64_t v_end) {
-  constexpr int NV = lane_sets<MR>();
+  constexpr int NV = lane_sets<F, MR>();
   int64_t v = v_begin;
   for (; v + NV <= v_end; v += NV) micro<F, MR, NV>(p, act, halves, m0, v * kRows);
   for (; v < v_end; ++v) micro<F, MR, 1>(p, act, halves, m0, v * kRows);
@@ -186,7 +189,7 @@ void lane_range(const Problem& p, const Activations& act, const int32_t* halves,
 
 template <KFormat F, int MR>
 void few_rows(const Problem& p, const Activations& act, const int32_t* halves, int64_t sets) {
-  constexpr int NV = lane_sets<MR>();  // tiles of about 16 K weights a task at least
+  constexpr int NV = lane_sets<F, MR>();  // tiles of about 16 K weights a task at least
   const int64_t tiles = (sets + NV - 1) / NV, grain = std::max<int64_t>(1, 16384 / (NV * kRows * p.K));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     lane_range<F, MR>(p, act, halves, 0, begin * NV, std::min(sets, end * NV));
@@ -219,7 +222,7 @@ void tile_task(const Problem& p, const Activations& act, const int32_t* halves, 
 template <KFormat F>
 void many_rows(const Problem& p, const Activations& act, const int32_t* halves, int64_t sets) {
   // Tasks (tile of NV lane sets, chunk of up to about 256 rows of x), the chunks of one size: quant_linear.cpp's.
-  constexpr int NV = SERVAL_QUANT_DIGITS ? lane_sets<kTileRows>() : q::kTileSets;
+  constexpr int NV = SERVAL_QUANT_DIGITS ? lane_sets<F, kTileRows>() : q::kTileSets;
   const int64_t parts = (p.M + 255) / 256;
   const int64_t chunk = ((p.M + parts - 1) / parts + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t tiles = (sets + NV - 1) / NV, chunks = (p.M + chunk - 1) / chunk;
