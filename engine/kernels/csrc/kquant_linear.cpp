@@ -196,24 +196,23 @@ void few_rows(const Problem& p, const Activations& act, const int32_t* halves, i
   });
 }
 
-// Many rows on the pairs builds: from this many, a task's lane sets are widened once (kquant_tile.h).
-constexpr int64_t kWideRowsFrom = 8;
+// Many rows: from this many, a task's lane sets are unpacked once (kquant_tile.h), where the format has a tile.
+constexpr int64_t kWideRowsFrom = SERVAL_QUANT_DIGITS ? 16 : 8;
 
-// Rows [m_begin, m_end) of x against lane sets [v0, v1): through a widened tile on the pairs builds, else the
-// micro-kernel, kTileRows rows at a time.
+// Rows [m_begin, m_end) of x against lane sets [v0, v1): through an unpacked tile, else the micro-kernel,
+// kTileRows rows at a time.
 template <KFormat F>
 void tile_task(const Problem& p, const Activations& act, const int32_t* halves, q::TileBuffer& buffer,
                int64_t m_begin, int64_t m_end, int64_t v0, int64_t v1) {
-#if !SERVAL_QUANT_DIGITS
-  if (m_end - m_begin >= kWideRowsFrom) {
-    if (v1 - v0 == q::kTileSets)
-      return q::tile_rows<q::kTileSets>(p, act, k::KWideTile<F, q::kTileSets>(buffer, p, v0 * kRows), m_begin, m_end,
-                                        v0 * kRows);
-    for (int64_t v = v0; v < v1; ++v)
-      q::tile_rows<1>(p, act, k::KWideTile<F, 1>(buffer, p, v * kRows), m_begin, m_end, v * kRows);
-    return;
-  }
-#endif
+  if constexpr (k::has_tile<F>())
+    if (m_end - m_begin >= kWideRowsFrom) {
+      if (v1 - v0 == q::kTileSets)
+        return q::tile_rows<q::kTileSets>(p, act, k::KWideTile<F, q::kTileSets>(buffer, p, v0 * kRows), m_begin,
+                                          m_end, v0 * kRows);
+      for (int64_t v = v0; v < v1; ++v)
+        q::tile_rows<1>(p, act, k::KWideTile<F, 1>(buffer, p, v * kRows), m_begin, m_end, v * kRows);
+      return;
+    }
   int64_t m = m_begin;
   for (; m + kTileRows <= m_end; m += kTileRows) lane_range<F, kTileRows>(p, act, halves, m, v0, v1);
   for (; m < m_end; ++m) lane_range<F, 1>(p, act, halves, m, v0, v1);
