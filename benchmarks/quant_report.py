@@ -50,12 +50,29 @@ def weight_bytes(path: str) -> int:
 
 
 def runs(out: str) -> dict[tuple[str, str], list[dict]]:
-    """(engine, load) -> its runs' records."""
+    """(engine, load) -> its runs' records, each ``recounted``."""
     table: dict[tuple[str, str], list[dict]] = {}
     for path in sorted(glob.glob(f"{out}/*-*-*.json")):
         engine, load, _ = os.path.basename(path).removesuffix(".json").rsplit("-", 2)
-        table.setdefault((engine, load), []).append(json.load(open(path)))
+        table.setdefault((engine, load), []).append(recounted(json.load(open(path))))
     return table
+
+
+def recounted(record: dict) -> dict:
+    """The record with its output tok/s and median TPOT counted from the tokens each completed request was told
+    to make (``ignore_eos``: the ``output_len`` the script records), for every engine alike. The client counts a
+    server's tokens from its usage where it streams one and from the streamed text otherwise (llama-server), and
+    random tokens need not round-trip: it counted 68 a request of llama-server's 128 at concurrency 32. Records
+    without the per-request fields (``--save-detailed``) are kept as the client counted them."""
+    n = int(record.get("output_len", 0))
+    if n < 2 or "ttfts" not in record:
+        return record
+    done = [i for i, error in enumerate(record["errors"]) if not error]
+    tpots = [(record["latencies"][i] - record["ttfts"][i]) / (n - 1) * 1000 for i in done]
+    return record | {
+        "output_throughput": len(done) * n / record["duration"],
+        "median_tpot_ms": statistics.median(tpots) if tpots else float("nan"),
+    }
 
 
 def median(records: list[dict], key: str) -> float:
@@ -69,10 +86,12 @@ def main(out: str, files: dict[str, str]) -> None:
     print(f"read bandwidth {read / 1e9:.1f} GB/s (2 threads, torch.sum over 256 MB)")
     print(f"copy bandwidth {copy_bandwidth() / 1e9:.1f} GB/s (2 threads, a 256 MB copy_, read + write)")
     table = runs(out)
-    print(f"{'engine':<18} {'load':<5} {'runs':>4} {'out tok/s':>9} {'TTFT ms':>8} {'TPOT ms':>8}  step bandwidth")
+    header = f"{'engine':<18} {'load':<5} {'runs':>4} {'failed':>6} {'out tok/s':>9} {'TTFT ms':>8} {'TPOT ms':>8}"
+    print(header + "  step bandwidth")
     for (engine, load), records in sorted(table.items(), key=lambda item: (item[0][1], item[0][0])):
         tpot = median(records, "median_tpot_ms")
-        line = f"{engine:<18} {load:<5} {len(records):>4} {median(records, 'output_throughput'):9.1f} "
+        failed = sum(r.get("failed", 0) for r in records)
+        line = f"{engine:<18} {load:<5} {len(records):>4} {failed:>6} {median(records, 'output_throughput'):9.1f} "
         line += f"{median(records, 'median_ttft_ms'):8.1f} {tpot:8.1f}"
         weights = sizes.get(engine.rsplit("-", 1)[-1])
         if load == "B1" and weights:

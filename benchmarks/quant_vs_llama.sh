@@ -100,8 +100,8 @@ load() {  # load NAME URL MODEL LOAD RUN TOKENIZER
   echo "[$1 $4 run $5] $prompts prompts $input -> $output, concurrency $concurrency ..." >&2
   ../shared/peers/vllm_bench_serve.sh --base-url "$2" --model "$3" --tokenizer "$6" --dataset-name random \
     --random-input-len "$input" --random-output-len "$output" --num-prompts "$prompts" --ignore-eos --seed "$5" \
-    --request-rate inf --max-concurrency "$concurrency" --save-result --result-dir "$OUT" \
-    --result-filename "$1-$4-$5.json" > "$OUT/$1-$4-$5.log" 2>&1
+    --request-rate inf --max-concurrency "$concurrency" --save-result --save-detailed --metadata "output_len=$output" \
+    --result-dir "$OUT" --result-filename "$1-$4-$5.json" > "$OUT/$1-$4-$5.log" 2>&1
 }
 
 serval() {  # serval NAME MODEL_SOURCE RUN TOKENIZER [KV_CACHE_DTYPE]: the default app on MODEL_SOURCE, every load
