@@ -39,8 +39,16 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DecoderLayer(nn.Module):
+    """Layer ``index`` of the stack; its attention takes the layer's window (``Architecture.attention_window``)."""
+
     def __init__(
-        self, cfg: Architecture, rotary: RotaryEmbedding, backend: AttentionBackend, tp_rank: int, tp_size: int
+        self,
+        cfg: Architecture,
+        index: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp_rank: int,
+        tp_size: int,
     ):
         super().__init__()
         self.self_attn = SelfAttention(
@@ -53,6 +61,7 @@ class DecoderLayer(nn.Module):
             qkv_bias=cfg.qkv_bias,
             o_bias=cfg.o_proj_bias,
             qk_norm_eps=cfg.rms_norm_eps if cfg.has_qk_norm else None,
+            window=cfg.attention_window(index),
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
@@ -115,7 +124,7 @@ class LlamaModel(nn.Module):
             VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size) if is_first_stage else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend, tp_rank, tp_size)
+            DecoderLayer(cfg, index, self.rotary, backend, tp_rank, tp_size)
             if self.start_layer <= index < self.end_layer
             else PPMissingLayer()
             for index in range(cfg.num_hidden_layers)

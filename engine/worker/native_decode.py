@@ -55,6 +55,7 @@ class NativeDecodeStep:
         attn = first.self_attn
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
         self.eps = first.input_layernorm.eps
+        self.windows = [layer.self_attn.window or 0 for layer in stack.local_layers]  # the kernel's 0: full
         empty = torch.empty(0)
         self.layer_weights = [
             tensor
@@ -113,6 +114,7 @@ class NativeDecodeStep:
             self.scale,
             self.native_rows,
             self.weight_formats,
+            self.windows,
         )
 
 

@@ -10,7 +10,8 @@
 namespace py = pybind11;
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out);
+                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out,
+                                     int64_t window);
 torch::Tensor argmax_rows(torch::Tensor logits);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 #if SERVAL_FUSED_OPS
@@ -27,7 +28,7 @@ torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> laye
                            std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
                            torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
                            torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                           int64_t native_rows, std::vector<int64_t> weight_formats);
+                           int64_t native_rows, std::vector<int64_t> weight_formats, std::vector<int64_t> windows);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -36,9 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (float32 logits, int32 bitmask)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D], written into out if given)",
+        "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D], written into out if given); "
+        "window > 0: each query attends its last `window` keys only",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::arg("window") = 0);
 #endif
 #if SERVAL_FUSED_OPS && !SERVAL_QUANT_ONLY
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
@@ -65,6 +67,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"), py::arg("layer_weights"), py::arg("packed_weights"), py::arg("kv_caches"), py::arg("final_norm"), py::arg("positions"),
         py::arg("slot_mapping"), py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("native_rows"),
-        py::arg("weight_formats"));
+        py::arg("weight_formats"), py::arg("windows"));
 #endif
 }
