@@ -3,9 +3,10 @@
 A Mistral checkpoint whose every layer slides (window 12), and a Qwen2 one with ``use_sliding_window`` and
 ``max_window_layers=1`` (layer 0 full, layer 1 sliding, window 20), both written by transformers, with
 prompts several windows long and blocks of 8 tokens. One engine per checkpoint runs every scheduling
-stress at once: prefill chunked small, prefix caching, and a KV pool small enough to preempt. Greedy
-tokens must equal transformers' and logprobs its ``log_softmax``. After every engine step the KV cache
-manager is consistent; when all is done every block is free again.
+stress at once: prefill chunked small, prefix caching, and a KV pool of the fewest blocks the scheduler
+accepts (so it preempts). Greedy tokens must equal transformers' and logprobs its ``log_softmax``. After
+every engine step the KV cache manager is consistent and each request holds, in a sliding group, no more
+blocks than its window and one step's tokens span; when all is done every block is free again.
 """
 
 from __future__ import annotations
@@ -23,21 +24,29 @@ from tests.engine.test_llm_fidelity import Case, assert_greedy_equal, check_logp
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 160
-NUM_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE + 1  # one max_model_len sequence: the batch preempts
+MAX_STEP_TOKENS = 8  # long_prefill_token_threshold: the most tokens a request computes in one step
 MAX_TOKENS = 20
-# (arch, what transformers' config is given): every layer sliding; one full layer and one sliding.
+# arch -> what transformers' config is given: every layer sliding; one full layer and one sliding.
 SLIDING = {
     "mistral": dict(sliding_window=12),
     "qwen2": dict(use_sliding_window=True, sliding_window=20, max_window_layers=1),
 }
-ENGINE = dict(
-    block_size=BLOCK_SIZE,
-    max_model_len=MAX_MODEL_LEN,
-    num_gpu_blocks_override=NUM_BLOCKS,
-    max_num_batched_tokens=16,
-    long_prefill_token_threshold=8,
-    enable_prefix_caching=True,
-)
+# The most blocks a request holds in a sliding group: its window and a step's tokens, block-aligned.
+MAX_SLIDING_BLOCKS = {window: -(-(window - 1 + MAX_STEP_TOKENS) // BLOCK_SIZE) + 1 for window in (12, 20)}
+# The fewest the scheduler accepts, one max_model_len sequence (+ the null block): Mistral's one sliding
+# group holds 4 blocks of it; Qwen2's full group all 20, its sliding one 5.
+NUM_BLOCKS = {"mistral": 1 + 4, "qwen2": 1 + 20 + 5}
+
+
+def engine_kwargs(arch: str) -> dict:
+    return dict(
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        num_gpu_blocks_override=NUM_BLOCKS[arch],
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=MAX_STEP_TOKENS,
+        enable_prefix_caching=True,
+    )
 
 
 def write_sliding_checkpoint(source: str, target, changes: dict) -> str:
@@ -56,12 +65,35 @@ def write_sliding_checkpoint(source: str, target, changes: dict) -> str:
 def case(request, tiny_checkpoint, tmp_path_factory) -> Case:
     arch = request.param
     path = write_sliding_checkpoint(tiny_checkpoint(arch), tmp_path_factory.mktemp("sliding") / arch, SLIDING[arch])
-    return Case(path, HFReference(path), None)
+    case = Case(path, HFReference(path), None)
+    case.arch = arch
+    return case
 
 
 @pytest.fixture(scope="module")
 def llm(case):
-    return case.llm(**ENGINE)
+    return case.llm(**engine_kwargs(case.arch))
+
+
+def generate_checking_blocks(llm, prompts, params: SamplingParams) -> list:
+    """``llm.generate`` step by step: after every step the pool is consistent and no request holds more blocks
+    in a sliding group than ``MAX_SLIDING_BLOCKS`` (the null blocks standing in for freed ones aside)."""
+    engine = llm.llm_engine
+    kv = engine.engine_core.engine_core.scheduler.kv_cache_manager
+    windows = [group.window for group in kv.groups]
+    assert any(windows), "the model has a sliding group"
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((output.request_id, output) for output in engine.step() if output.finished)
+        kv.check_integrity()
+        for request_id, req_blocks in kv.req_to_blocks.items():
+            for window, blocks in zip(windows, req_blocks):
+                held = sum(1 for block in blocks if block is not kv.block_pool.null_block)
+                assert window is None or held <= MAX_SLIDING_BLOCKS[window], f"{request_id}: {held} blocks"
+    return [finished[request_id] for request_id in ids]
 
 
 def test_the_checkpoints_slide(case):
@@ -74,7 +106,7 @@ def test_the_checkpoints_slide(case):
 def test_greedy_tokens_and_logprobs_match_hf(case, llm):
     """Chunked prefill, decodes and preemption (recompute) with the window: transformers' tokens and logprobs."""
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS, logprobs=5)
-    outputs = llm.generate(case.prompts, params, use_tqdm=False)
+    outputs = generate_checking_blocks(llm, case.prompts, params)
     assert_greedy_equal(outputs, case.prompt_token_ids, case.expected, "sliding", case.ref.tokenizer)
     for i, output in enumerate(outputs):
         check_logprobs_close(output, case.ref, 5, f"sliding prompt {i}", check_prompt=False)
@@ -86,7 +118,9 @@ def test_prefix_caching_matches_hf(case, llm):
     """Prompts sharing a long prefix, cold then warm (the first run's blocks cached): still transformers' tokens."""
     prompts = [token_prompt(ids) for ids in case.shared_prompt_token_ids]
     for label in ("cold", "warm"):
-        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS))
+        outputs = generate_checking_blocks(
+            llm, prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20)
+        )
         assert_greedy_equal(outputs, case.shared_prompt_token_ids, case.shared_expected, label)
         assert_pool_clean(llm)
     assert any(o.num_cached_tokens > 0 for o in outputs)

@@ -62,7 +62,7 @@ def test_the_decode_side_loads_all_but_the_last_prompt_token_and_computes_that_o
     assert output.scheduled_new_reqs[0].num_computed_tokens == 39
     (load,) = output.kv_connector_metadata.loads
     assert load.src_block_indices == [0, 1, 2]
-    assert load.dst_block_ids == output.scheduled_new_reqs[0].block_ids[:3]
+    assert load.dst_block_ids == output.scheduled_new_reqs[0].block_ids[0][:3]
     assert results["a"].new_token_ids == [7]  # the first token is sampled here, not taken from the prefill
     step(scheduler)
     _, results = step(scheduler)
@@ -118,7 +118,7 @@ def test_the_prefill_side_saves_when_the_prompt_completes_and_returns_the_handle
     output = scheduler.schedule()
     (save,) = output.kv_connector_metadata.saves
     assert save.num_tokens == 70
-    assert save.block_ids == scheduler.kv_cache_manager.get_block_ids("p") and len(save.block_ids) == 5
+    assert save.block_ids == scheduler.kv_cache_manager.get_block_ids("p")[0] and len(save.block_ids) == 5
     handle = handle_for(70)
     results = scheduler.update_from_output(
         output, ModelRunnerOutput(["p"], [[7]], kv_transfer_output=KVTransferOutput(saved={"p": handle}))
