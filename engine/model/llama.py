@@ -231,8 +231,6 @@ class LlamaForCausalLM(nn.Module):
     def native_decode_unfit(self) -> str | None:
         if self.tp_size > 1 or self.pp_size > 1:
             return f"tensor or pipeline parallel (tp {self.tp_size}, pp {self.pp_size})"
-        if len(self.kv_cache_groups) > 1:
-            return f"layers in {len(self.kv_cache_groups)} KV cache groups (the stack reads one block table)"
         for index, layer in enumerate(self.model.local_layers):
             reason = layer.native_decode_unfit()
             if reason is not None:

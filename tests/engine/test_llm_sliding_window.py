@@ -19,6 +19,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.model.architecture import Architecture
+from engine.worker.native_decode import NativeDecodeStep
 from tests.conftest import HFReference, assert_pool_clean, random_token_ids, token_prompt
 from tests.engine.test_llm_fidelity import Case, assert_greedy_equal, check_logprobs_close
 
@@ -112,6 +113,8 @@ def test_greedy_tokens_and_logprobs_match_hf(case, llm):
         check_logprobs_close(output, case.ref, 5, f"sliding prompt {i}", check_prompt=False)
     assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
     assert_pool_clean(llm)
+    # Its decode steps ran on the native decode stack, each layer with its group's block tables and window.
+    assert isinstance(llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_step, NativeDecodeStep)
 
 
 def test_prefix_caching_matches_hf(case, llm):
@@ -129,3 +132,19 @@ def test_prefix_caching_matches_hf(case, llm):
     (output,) = llm.generate([token_prompt(follow_up)], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     assert output.outputs[0].token_ids == case.ref.greedy(follow_up, MAX_TOKENS)[: len(output.outputs[0].token_ids)]
     assert_pool_clean(llm)
+
+
+def test_ngram_speculation_matches_hf(case):
+    """Verify steps (1 + k query rows a request, the native kernel's rows) keep each row's window."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    llm = case.llm(block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, speculative_config=spec)
+    outputs = llm.generate(case.prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_TOKENS))
+    assert_greedy_equal(outputs, case.prompt_token_ids, case.expected, "ngram")
+    assert llm.llm_engine.engine_core.engine_core.scheduler.spec_decode.stats.num_draft_tokens > 0
+    assert_pool_clean(llm)
+
+
+def test_a_draft_model_is_refused(case):
+    """A draft model would read the target's first group's blocks, which a sliding group drops."""
+    with pytest.raises(ValueError, match="draft model"):
+        case.llm(block_size=BLOCK_SIZE, speculative_config={"model": case.path, "num_speculative_tokens": 2})

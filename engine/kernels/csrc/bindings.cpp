@@ -26,9 +26,11 @@ torch::Tensor quant_linear_reference(torch::Tensor x, torch::Tensor w, int64_t q
                                      c10::optional<torch::Tensor> bias);
 torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> layer_weights,
                            std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
-                           torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                           int64_t native_rows, std::vector<int64_t> weight_formats, std::vector<int64_t> windows);
+                           std::vector<torch::Tensor> slot_mappings, torch::Tensor cos_sin,
+                           std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens, int64_t num_heads,
+                           int64_t num_kv_heads, double eps, double scale, int64_t native_rows,
+                           std::vector<int64_t> weight_formats, std::vector<int64_t> windows,
+                           std::vector<int64_t> layer_groups);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -65,8 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_stack", &decode_stack,
         "A Llama decoder stack's decode-only step (one token per request, float32): final-normed hidden [T, hidden]",
         py::arg("hidden"), py::arg("layer_weights"), py::arg("packed_weights"), py::arg("kv_caches"), py::arg("final_norm"), py::arg("positions"),
-        py::arg("slot_mapping"), py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("slot_mappings"), py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("native_rows"),
-        py::arg("weight_formats"), py::arg("windows"));
+        py::arg("weight_formats"), py::arg("windows"), py::arg("layer_groups"));
 #endif
 }

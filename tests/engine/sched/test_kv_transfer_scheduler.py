@@ -1,7 +1,10 @@
 """The scheduler side of KV transfer, driven by hand-made runner outputs, no model and no transport."""
 
+import pytest
+
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_cache_groups import KVCacheGroup
 from engine.sched.kv_transfer import KVHandle, KVTransferOutput
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
@@ -148,3 +151,15 @@ def test_a_handle_saved_for_a_request_aborted_during_the_step_is_dropped():
         output, ModelRunnerOutput(["p"], [[7]], kv_transfer_output=KVTransferOutput(saved={"p": handle_for(40)}))
     )
     assert results == [] and not scheduler.kv_connector._handles
+
+
+def test_a_sliding_window_model_is_refused():
+    """KV transfer moves one block table of full attention; a model of sliding groups has more to move."""
+    groups = (KVCacheGroup(None, (0,)), KVCacheGroup(16, (1,)))
+    with pytest.raises(ValueError, match="not a sliding-window model's"):
+        Scheduler(
+            SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256),
+            CacheConfig(block_size=BLOCK, num_blocks=64),
+            KVTransferConfig(kv_role="kv_consumer"),
+            kv_cache_groups=groups,
+        )
