@@ -170,21 +170,32 @@ def test_prefill_tiles_cover_every_query_token_once():
 def test_the_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_checkpoint, arch):
     """The whole engine on the Triton backend: mixed prefill/decode steps, prompts chunked by a small token
     budget, prefix-cache hits (the prompts share prefixes): the same greedy tokens as the torch backend."""
+    tokens = {backend: _greedy_tokens(tiny_checkpoint(arch), backend) for backend in ("torch", "triton")}
+    assert tokens["triton"] == tokens["torch"]
+
+
+def test_the_triton_backend_keeps_sliding_windows_and_kv_cache_groups(tiny_checkpoint, tmp_path):
+    """Qwen2 with layer 0 full and layer 1 sliding (window 20, two KV cache groups) on prompts past the window."""
+    from tests.engine.test_llm_sliding_window import SLIDING, write_sliding_checkpoint
+
+    path = write_sliding_checkpoint(tiny_checkpoint("qwen2"), tmp_path / "qwen2", SLIDING["qwen2"])
+    tokens = {backend: _greedy_tokens(path, backend, (3, 40, 70, 45)) for backend in ("torch", "triton")}
+    assert tokens["triton"] == tokens["torch"]
+
+
+def _greedy_tokens(path: str, backend: str, lengths=(3, 17, 40, 21)) -> list[list[int]]:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    prompts = [{"prompt_token_ids": list(range(5, 5 + length))} for length in (3, 17, 40, 21)]
+    prompts = [{"prompt_token_ids": list(range(5, 5 + length))} for length in lengths]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(
-            tiny_checkpoint(arch),
-            attention_backend=backend,
-            max_model_len=128,
-            dtype="float32",
-            num_gpu_blocks_override=32,
-            max_num_seqs=4,
-            max_num_batched_tokens=16,
-        )
-        tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
-    assert tokens["triton"] == tokens["torch"]
+    llm = LLM(
+        path,
+        attention_backend=backend,
+        max_model_len=128,
+        dtype="float32",
+        num_gpu_blocks_override=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
