@@ -61,8 +61,8 @@ class DecoderLayer(nn.Module):
             backend,
             qkv_bias=cfg.qkv_bias,
             o_bias=cfg.o_proj_bias,
-            qk_norm_eps=cfg.rms_norm_eps if cfg.has_qk_norm else None,
             window=cfg.attention_window(index),
+            qk_norm_eps=cfg.rms_norm_eps if cfg.has_qk_norm else None,
             tp_rank=tp_rank,
             tp_size=tp_size,
         )

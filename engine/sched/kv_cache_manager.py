@@ -39,7 +39,7 @@ class KVCacheManager:
     reads are returned to the pool as the request moves on, their places taken by the null block (the
     index arithmetic stays the same; vLLM's ``SlidingWindowManager``). Block ids go out as one list per
     group. A group's full blocks enter the prefix cache under their hash with the group's index appended
-    (group 0: the hash itself, what KV events report).
+    (group 0: the hash itself, what a KV-aware router matches).
     """
 
     def __init__(self, cache_config: CacheConfig, groups: Sequence[KVCacheGroup] = FULL_ATTENTION) -> None:

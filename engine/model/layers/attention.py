@@ -18,7 +18,8 @@ class SelfAttention(nn.Module):
     """[T, hidden] -> [T, hidden]. HF ``q_proj``/``k_proj``/``v_proj`` load into ``qkv_proj`` shards q/k/v.
 
     ``window``: a sliding window (each query attends its last ``window`` positions, its own included), or None
-    for full causal attention; the backend applies it."""
+    for full causal attention; the backend applies it. No default: whoever builds a layer says which
+    (``Architecture.attention_window(layer)``), so no model gets full attention by forgetting it."""
 
     def __init__(
         self,
@@ -29,10 +30,10 @@ class SelfAttention(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         *,
+        window: int | None,
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
-        window: int | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
     ):
