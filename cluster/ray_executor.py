@@ -62,6 +62,7 @@ from cluster.placement import (
 from cluster.worker_actor import HEALTH_CONCURRENCY_GROUP, KV_CONCURRENCY_GROUP, LORA_CONCURRENCY_GROUP, RayWorker
 from engine.config import EngineConfig
 from engine.executor.base import Executor, StepFuture, all_of
+from engine.sched.kv_cache_groups import KVCacheGroup
 from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,10 @@ class RayExecutor(Executor):
     @property
     def max_concurrent_batches(self) -> int:
         return self.config.parallel_config.pipeline_parallel_size
+
+    def get_kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        ref = self.workers[0].get_kv_cache_groups.remote()  # every rank derives them from the whole model
+        return self._collect(lambda timeout_s: ray.get(ref, timeout=timeout_s))
 
     def determine_num_available_blocks(self) -> int:
         refs = [worker.determine_num_available_blocks.remote() for worker in self.workers]

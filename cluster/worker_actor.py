@@ -49,6 +49,9 @@ class RayWorker:
         self.worker.load_model()
         return os.getpid()
 
+    def get_kv_cache_groups(self):
+        return self.worker.get_kv_cache_groups()
+
     def determine_num_available_blocks(self) -> int:
         return self.worker.determine_num_available_blocks()
 

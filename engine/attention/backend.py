@@ -11,7 +11,10 @@ Contract of ``forward(kv_cache, q, k, v, attn_metadata, scale)``:
   ``attn_metadata.slot_mapping``, then computes causal attention of each
   request's new tokens over its whole cached sequence (so a request may read
   blocks another request of the same step just filled);
-* returns [num_tokens, num_heads * head_dim] in ``q.dtype``.
+* returns [num_tokens, num_heads * head_dim] in ``q.dtype``;
+* ``window`` (the layer's sliding window, None: full): the query at position p attends only keys at
+  positions k with ``p - window < k <= p`` (transformers' ``sliding_window_causal_mask_function``), and
+  reads nothing of the blocks wholly before them (a KV cache group may have freed them: the null block).
 
 A backend whose ``accepts_written_kv`` is True also takes ``kv_is_written=True``:
 the caller has already stored the new K/V at ``slot_mapping`` (e.g. fused with
@@ -51,6 +54,7 @@ class AttentionBackend(ABC):
         attn_metadata: AttentionMetadata,
         scale: float,
         kv_is_written: bool = False,
+        window: int | None = None,
     ) -> torch.Tensor:
         """See the module docstring."""
 

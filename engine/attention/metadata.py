@@ -12,7 +12,10 @@ request (no padding). For request ``i``:
   ``b*block_size .. (b+1)*block_size-1``; unused entries are 0 (the null block).
 
 ``slot_mapping[t] = block_id * block_size + offset`` is where token ``t``'s new
-K/V are written. ``query_lens_cpu`` / ``seq_lens_cpu`` are the same numbers as
+K/V are written. A model with several KV cache groups (``engine.sched.kv_cache_groups``: layers of
+different windows) has block tables and a slot mapping per group: this metadata is group 0's, and
+``group_views`` holds the others' (the same batch, their own tables); each layer reads its group's
+(``for_group``). ``query_lens_cpu`` / ``seq_lens_cpu`` are the same numbers as
 plain Python lists so backends can plan without device syncs. Requests may come
 in any order: the torch backend treats every request with one new token as a
 decode and batches those together (it is fastest when decodes come first, as a
@@ -50,6 +53,16 @@ class AttentionMetadata:
     max_verify_query_len: int = 1
     # Whatever the backend derives from the batch layout on the first layer and reuses on the others.
     backend_plan: object | None = None
+    # KV cache groups 1, 2, ...: the same step with their block tables and slot mappings (see the module docstring).
+    group_views: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The step's metadata for KV cache group ``group`` (this one is group 0's)."""
+        if group == 0:
+            return self
+        if group > len(self.group_views):
+            raise ValueError(f"this step's attention metadata has no block tables for KV cache group {group}")
+        return self.group_views[group - 1]
 
     @property
     def num_reqs(self) -> int:
@@ -85,6 +98,7 @@ class AttentionMetadata:
             self.seq_lens_cpu,
             self.num_decodes,
             self.max_verify_query_len,
+            group_views=tuple(view.to(device) for view in self.group_views),
         )  # the plan is rebuilt on the device
 
 

@@ -21,9 +21,12 @@ Forward plan (see ``backend.py`` for the contract):
 3. prefills (longer chunks, with or without cached context): one SDPA call per
    request, ``is_causal`` when nothing is cached, an explicit mask otherwise.
 
-Everything that depends only on the batch layout (the decode chunks, their
-block indices and masks) is planned once per step, on the first layer, and
-cached on the metadata for the other layers.
+A sliding window (``window``) narrows each query's keys to its last ``window`` positions: the kernel
+starts there, and the torch paths gather from the block holding the window's first key on, and mask.
+
+Everything that depends only on the batch layout and the window (the decode chunks, their
+block indices and masks) is planned once per step and window, on the first layer with that window,
+and cached on the metadata (``backend_plan``: window -> plan) for the other layers.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ MAX_NATIVE_QUERY_LEN = 8
 @dataclass
 class _DecodeChunk:
     tokens: slice | torch.Tensor  # the chunk's query tokens in the batch
-    block_ids: torch.Tensor  # [n * num_blocks] flattened, for index_select
+    block_ids: torch.Tensor  # [n * num_blocks] flattened, for index_select (each row from its first window block)
     num_reqs: int
     num_blocks: int
-    mask: torch.Tensor  # [n, 1, 1, S] True where a key exists
+    mask: torch.Tensor  # [n, 1, 1, S] True where a key exists and is in the window
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _NativeDecode:
     tokens: slice | torch.Tensor
     block_tables: torch.Tensor  # [n, max_blocks] int32
     seq_lens: torch.Tensor  # [n] int32
+    window: int  # the kernel's: 0 for full attention
 
 
 @dataclass
@@ -64,8 +68,9 @@ class _Prefill:
     start: int
     end: int
     seq_len: int
-    block_ids: torch.Tensor | None  # the request's blocks when it has cached context
-    mask: torch.Tensor | None  # [Q, S] causal mask with context offset; None = plain causal
+    first_key: int  # the position of the first key read: the first block the window needs (0 without one)
+    block_ids: torch.Tensor | None  # the request's blocks from first_key's on, when it has cached context
+    mask: torch.Tensor | None  # [Q, S - first_key] causal (and window) mask; None = plain causal
 
 
 @dataclass
@@ -105,6 +110,7 @@ class TorchPagedAttention(AttentionBackend):
         attn_metadata: AttentionMetadata,
         scale: float,
         kv_is_written: bool = False,
+        window: int | None = None,
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
@@ -112,8 +118,12 @@ class TorchPagedAttention(AttentionBackend):
         if not kv_is_written:
             self.write_kv(kv_cache, k, v, md.slot_mapping[:n])
         if md.backend_plan is None:
-            md.backend_plan = self._plan(md, kv_cache.shape[2], kv_cache.shape[3] * kv_cache.shape[4])
-        plan = md.backend_plan
+            md.backend_plan = {}
+        plan = md.backend_plan.get(window)
+        if plan is None:
+            plan = md.backend_plan[window] = self._plan(
+                md, kv_cache.shape[2], kv_cache.shape[3] * kv_cache.shape[4], window
+            )
         out = torch.empty_like(q)  # [T, H, D]
         if plan.native_decode is not None:
             self._native_decode(kv_cache, q, plan.native_decode, scale, out)
@@ -131,11 +141,17 @@ class TorchPagedAttention(AttentionBackend):
         """Every decode of the step in one kernel call (the compiled CPU kernel here), into ``out``."""
         if isinstance(native.tokens, slice):  # the usual case: the kernel writes straight into out
             load_cpu_kernels().paged_decode_attention(
-                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale, out[native.tokens]
+                q[native.tokens],
+                kv_cache,
+                native.block_tables,
+                native.seq_lens,
+                scale,
+                out[native.tokens],
+                native.window,
             )
         else:
             out[native.tokens] = load_cpu_kernels().paged_decode_attention(
-                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale
+                q[native.tokens], kv_cache, native.block_tables, native.seq_lens, scale, None, native.window
             )
 
     def _has_native_decode(self, device: torch.device) -> bool:
@@ -143,7 +159,7 @@ class TorchPagedAttention(AttentionBackend):
 
     # ------------------------------------------------------------------ planning
 
-    def _plan(self, md: AttentionMetadata, block_size: int, row_elems: int) -> _StepPlan:
+    def _plan(self, md: AttentionMetadata, block_size: int, row_elems: int, window: int | None) -> _StepPlan:
         query_lens, seq_lens = md.host_lens()
         starts = [0]
         for query_len in query_lens:
@@ -157,14 +173,14 @@ class TorchPagedAttention(AttentionBackend):
         decodes = [i for i, query_len in enumerate(query_lens) if query_len <= max_decode_len]
         native_decode, chunks = None, []
         if decodes and native:
-            native_decode = self._plan_native_decode(decodes, starts, query_lens, seq_lens, md)
+            native_decode = self._plan_native_decode(decodes, starts, query_lens, seq_lens, md, window or 0)
         elif decodes:
             chunks = [
-                self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, device)
-                for chunk in self._decode_chunks(decodes, seq_lens, block_size, row_elems)
+                self._plan_decode_chunk(chunk, starts, seq_lens, md.block_tables, block_size, window, device)
+                for chunk in self._decode_chunks(decodes, seq_lens, block_size, row_elems, window)
             ]
         prefills = [
-            self._plan_prefill(i, starts, query_lens[i], seq_lens[i], md.block_tables, block_size, device)
+            self._plan_prefill(i, starts, query_lens[i], seq_lens[i], md.block_tables, block_size, window, device)
             for i, query_len in enumerate(query_lens)
             if query_len > max_decode_len
         ]
@@ -172,14 +188,21 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def _plan_native_decode(
-        decodes: list[int], starts: list[int], query_lens: list[int], seq_lens: list[int], md: AttentionMetadata
+        decodes: list[int],
+        starts: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        md: AttentionMetadata,
+        window: int,
     ) -> _NativeDecode:
         """One kernel row per query token of ``decodes``: row (i, j) reads request i's first
         ``seq_lens[i] - query_lens[i] + 1 + j`` keys through its block table."""
         if decodes == list(range(len(decodes))) and starts[len(decodes)] == len(decodes):  # running decodes first
             tokens: slice | torch.Tensor = slice(0, len(decodes))
             block_tables, row_seq_lens = md.block_tables[: len(decodes)], md.seq_lens[: len(decodes)]
-            return _NativeDecode(tokens, block_tables.to(torch.int32).contiguous(), row_seq_lens.to(torch.int32))
+            return _NativeDecode(
+                tokens, block_tables.to(torch.int32).contiguous(), row_seq_lens.to(torch.int32), window
+            )
         rows, token_ids, lens = [], [], []
         for i in decodes:
             first = seq_lens[i] - query_lens[i] + 1
@@ -188,17 +211,18 @@ class TorchPagedAttention(AttentionBackend):
             lens.extend(range(first, seq_lens[i] + 1))
         block_tables = md.block_tables[torch.tensor(rows, dtype=torch.long)]
         tokens = torch.tensor(token_ids, dtype=torch.long)
-        return _NativeDecode(tokens, block_tables.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32))
+        lens_tensor = torch.tensor(lens, dtype=torch.int32)
+        return _NativeDecode(tokens, block_tables.to(torch.int32).contiguous(), lens_tensor, window)
 
     def _decode_chunks(
-        self, decodes: list[int], seq_lens: list[int], block_size: int, row_elems: int
+        self, decodes: list[int], seq_lens: list[int], block_size: int, row_elems: int, window: int | None
     ) -> list[list[int]]:
         """Group decode requests (sorted by length) so each padded gather stays under the budget."""
         order = sorted(decodes, key=lambda i: seq_lens[i])
         chunks: list[list[int]] = []
         current: list[int] = []
         for i in order:
-            padded = -(-seq_lens[i] // block_size) * block_size
+            padded = _num_blocks_read(seq_lens[i], window, block_size) * block_size
             if current and (len(current) + 1) * padded * row_elems > self.decode_chunk_elems:
                 chunks.append(current)
                 current = []
@@ -207,7 +231,13 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def _plan_decode_chunk(
-        chunk: list[int], starts: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int, device
+        chunk: list[int],
+        starts: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+        window: int | None,
+        device,
     ) -> _DecodeChunk:
         first = chunk[0]
         is_contiguous = chunk == list(range(first, first + len(chunk))) and starts[first + len(chunk)] - starts[
@@ -218,26 +248,36 @@ class TorchPagedAttention(AttentionBackend):
             if is_contiguous
             else torch.tensor([starts[i] for i in chunk], dtype=torch.long, device=device)
         )
-        lens = [seq_lens[i] for i in chunk]
-        num_blocks = -(-max(lens) // block_size)
+        lens = torch.tensor([seq_lens[i] for i in chunk], device=device)  # [n]
+        first_keys = torch.tensor([first_key(seq_lens[i] - 1, window) for i in chunk], device=device)  # [n]
+        num_blocks = max(_num_blocks_read(seq_lens[i], window, block_size) for i in chunk)
+        # Row r reads its blocks from the one holding its first key; past its last block, padding (masked).
+        first_blocks = first_keys // block_size
+        columns = (first_blocks[:, None] + torch.arange(num_blocks, device=device)).clamp(max=block_tables.shape[1] - 1)
         rows = torch.tensor(chunk, dtype=torch.long, device=device)
-        block_ids = block_tables[rows, :num_blocks].reshape(-1).long()
-        positions = torch.arange(num_blocks * block_size, device=device)
-        mask = positions[None, :] < torch.tensor(lens, device=device)[:, None]  # [n, S]
+        block_ids = block_tables[rows[:, None], columns].reshape(-1).long()
+        positions = first_blocks[:, None] * block_size + torch.arange(num_blocks * block_size, device=device)  # [n, S]
+        mask = (positions < lens[:, None]) & (positions >= first_keys[:, None])
         return _DecodeChunk(tokens, block_ids, len(chunk), num_blocks, mask[:, None, None, :])
 
     @staticmethod
     def _plan_prefill(
-        i: int, starts: list[int], query_len: int, seq_len: int, block_tables: torch.Tensor, block_size: int, device
+        i: int,
+        starts: list[int],
+        query_len: int,
+        seq_len: int,
+        block_tables: torch.Tensor,
+        block_size: int,
+        window: int | None,
+        device,
     ) -> _Prefill:
-        context_len = seq_len - query_len
-        if context_len == 0:
-            return _Prefill(starts[i], starts[i] + query_len, seq_len, None, None)
-        block_ids = block_tables[i, : -(-seq_len // block_size)].long()
-        key_positions = torch.arange(seq_len, device=device)
-        query_positions = torch.arange(context_len, seq_len, device=device)
-        mask = key_positions[None, :] <= query_positions[:, None]  # [Q, S]
-        return _Prefill(starts[i], starts[i] + query_len, seq_len, block_ids, mask)
+        context_len, start = seq_len - query_len, starts[i]
+        if context_len == 0 and (window is None or window >= seq_len):  # plain causal over the chunk's own keys
+            return _Prefill(start, start + query_len, seq_len, 0, None, None)
+        first = first_key(context_len, window) // block_size * block_size  # 0 without context: the chunk's keys
+        block_ids = block_tables[i, first // block_size : -(-seq_len // block_size)].long() if context_len else None
+        mask = _mask(torch.arange(context_len, seq_len, device=device), first, seq_len, window)
+        return _Prefill(start, start + query_len, seq_len, first, block_ids, mask)
 
     # ------------------------------------------------------------------ compute
 
@@ -271,8 +311,9 @@ class TorchPagedAttention(AttentionBackend):
         if prefill.block_ids is None:  # as the cache holds them, which a later chunk or a prefix hit reads back
             keys, vals = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
         else:
-            keys = self._gather(kv_cache[0], prefill.block_ids)[: prefill.seq_len]  # [S, Hk, D]
-            vals = self._gather(kv_cache[1], prefill.block_ids)[: prefill.seq_len]
+            num_keys = prefill.seq_len - prefill.first_key
+            keys = self._gather(kv_cache[0], prefill.block_ids)[:num_keys]  # [S - first_key, Hk, D]
+            vals = self._gather(kv_cache[1], prefill.block_ids)[:num_keys]
         dtype = product_dtype(q.dtype, q.device)  # float32 for bf16 on CPUs without bf16 matrix instructions
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0).to(dtype),
@@ -284,3 +325,23 @@ class TorchPagedAttention(AttentionBackend):
             enable_gqa=q.shape[1] != hk,
         )  # [1, H, Q, D]
         return out[0].transpose(0, 1).to(q.dtype)
+
+
+def first_key(position: int, window: int | None) -> int:
+    """The first key position a query at ``position`` attends: ``position - window + 1`` (at least 0), or 0."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def _num_blocks_read(seq_len: int, window: int | None, block_size: int) -> int:
+    """Blocks a decode of ``seq_len`` keys reads: from the one holding its window's first key to its last."""
+    return -(-seq_len // block_size) - first_key(seq_len - 1, window) // block_size
+
+
+def _mask(query_positions: torch.Tensor, first: int, seq_len: int, window: int | None) -> torch.Tensor:
+    """[Q, seq_len - first]: True where query position q sees key position k (``first`` on): causal, and
+    ``q - window < k`` with a window."""
+    key_positions = torch.arange(first, seq_len, device=query_positions.device)
+    mask = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        mask &= key_positions[None, :] > query_positions[:, None] - window
+    return mask

@@ -41,6 +41,7 @@ class TritonPagedAttention(AttentionBackend):
         attn_metadata: AttentionMetadata,
         scale: float,
         kv_is_written: bool = False,
+        window: int | None = None,
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
@@ -55,11 +56,11 @@ class TritonPagedAttention(AttentionBackend):
         num_kv_heads = kv_cache.shape[3]
         if md.max_query_len == 1:  # rows are requests; a CUDA graph's padded rows have seq_len 0
             num_splits = choose_num_splits(n, num_kv_heads, md.max_seq_len)
-            out = paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, scale, num_splits)
+            out = paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, scale, num_splits, window)
         else:
             if md.backend_plan is None:
                 md.backend_plan = plan_prefill_tiles(md.host_lens()[0], q.shape[1] // num_kv_heads, q.device)
             out = paged_prefill_attention(
-                q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.backend_plan, scale
+                q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.backend_plan, scale, window
             )
         return out.reshape(n, -1)  # [T, H*D]

@@ -48,6 +48,7 @@ class EngineCore:
             config.kv_transfer_config,
             config.speculative_config,
             max_loras=config.lora_config.max_loras if config.lora_config.enable_lora else 0,
+            kv_cache_groups=self.executor.get_kv_cache_groups(),
         )
         self.structured_outputs = StructuredOutputManager(config)
         self.lora_loading = LoRALoading(self.executor) if config.lora_config.enable_lora else None

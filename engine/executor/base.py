@@ -14,6 +14,7 @@ from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.lora_request import LoRARequest
+from engine.sched.kv_cache_groups import KVCacheGroup
 from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 
 EXECUTOR_IMPORT_PATHS = {
@@ -83,6 +84,10 @@ class Executor(ABC):
     @abstractmethod
     def _init_executor(self) -> None:
         """Starts the workers and loads the model on them."""
+
+    @abstractmethod
+    def get_kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The model's KV cache groups (``engine.sched.kv_cache_groups``), the same on every worker."""
 
     @abstractmethod
     def determine_num_available_blocks(self) -> int:

@@ -6,6 +6,7 @@ from concurrent.futures import Future
 
 from engine.executor.base import Executor
 from engine.lora_request import LoRARequest
+from engine.sched.kv_cache_groups import KVCacheGroup
 from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.worker import Worker
 
@@ -21,6 +22,9 @@ class UniProcExecutor(Executor):
         self.worker = Worker(self.config)
         self.worker.init_device()
         self.worker.load_model()
+
+    def get_kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        return self.worker.get_kv_cache_groups()
 
     def determine_num_available_blocks(self) -> int:
         return self.worker.determine_num_available_blocks()

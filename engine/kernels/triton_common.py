@@ -44,6 +44,7 @@ def load_kv_tile(
     cache_ptr,
     block_table_row_ptr,
     first_position,
+    first_key,
     seq_len,
     kv_head,
     stride_kv,
@@ -56,9 +57,10 @@ def load_kv_tile(
     UPCAST: tl.constexpr,
 ):
     """Keys and values [KV_TILE, HEAD_DIM] of one sequence at positions ``first_position + 0..KV_TILE-1``
-    (zeros at and past ``seq_len``), and those positions [KV_TILE]."""
+    (zeros before ``first_key``, where a sliding window's blocks may be freed, and at and past ``seq_len``),
+    and those positions [KV_TILE]."""
     positions = first_position + tl.arange(0, KV_TILE)
-    is_key = positions < seq_len
+    is_key = (positions >= first_key) & (positions < seq_len)
     # Each position's block, through the table (a tile spans KV_TILE / BLOCK_SIZE blocks, or part of one);
     # int64: a large cache has more than 2**31 elements.
     blocks = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=is_key, other=0).to(tl.int64)
@@ -80,13 +82,14 @@ def load_kv_tile(
 def online_softmax_step(query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION: tl.constexpr):
     """Folds one tile of keys into each query row's (running max, sum of weights, unnormalized output).
 
-    ``is_visible`` [rows, KV_TILE] masks keys out; a row must have seen a visible key by its first tile
-    (else its max stays -inf and the correction is NaN)."""
+    ``is_visible`` [rows, KV_TILE] masks keys out; a row that has seen no visible key yet (a sliding window
+    starting in a later tile) keeps (-inf, 0, 0)."""
     scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale  # [rows, KV_TILE]
     scores = tl.where(is_visible, scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    correction = tl.exp(running_max - new_max)
-    weights = tl.exp(scores - new_max[:, None])
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: every weight exp(-inf) = 0
+    correction = tl.exp(running_max - shift)
+    weights = tl.exp(scores - shift[:, None])
     acc = acc * correction[:, None] + tl.dot(weights.to(values.dtype), values, input_precision=PRECISION)
     running_sum = running_sum * correction + tl.sum(weights, axis=1)
     return new_max, running_sum, acc

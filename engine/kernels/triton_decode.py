@@ -3,7 +3,8 @@
 Each program takes one sequence, one KV head and one split of the sequence's keys: it loads every
 query head that shares the KV head (GQA: the keys are read once for the whole group, and the group,
 padded to 16 rows, feeds ``tl.dot``), reads its keys ``KV_TILE`` positions at a time through the block
-table and keeps an online softmax. Split-K: a long context is cut into ``num_splits`` ranges of tiles
+table (with a sliding window, only the tiles from its window's first key on) and keeps an online
+softmax. Split-K: a long context is cut into ``num_splits`` ranges of tiles
 that run in parallel,
 so a small batch still fills the GPU; a second kernel merges the splits' partial results
 (running max, sum of weights, unnormalized output). A sequence of length 0 (a padded row of a
@@ -24,11 +25,18 @@ MAX_SPLITS = 64
 
 
 @triton.jit
-def _split_tile_range(seq_len, split, NUM_SPLITS: tl.constexpr, KV_TILE: tl.constexpr):
-    """The tiles [first, end) of ``split``'s share of a sequence of ``seq_len`` keys (empty past its tiles)."""
+def _first_key(seq_len, window):
+    """The first key the query at ``seq_len - 1`` attends: its window's (``window`` > 0), else 0."""
+    return tl.where((window > 0) & (seq_len > window), seq_len - window, 0)
+
+
+@triton.jit
+def _split_tile_range(first_key, seq_len, split, NUM_SPLITS: tl.constexpr, KV_TILE: tl.constexpr):
+    """The tiles [first, end) of ``split``'s share of the keys [first_key, seq_len) (empty past its tiles)."""
+    lead_tile = first_key // KV_TILE
     num_tiles = (seq_len + KV_TILE - 1) // KV_TILE
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    first_tile = split * tiles_per_split
+    tiles_per_split = (num_tiles - lead_tile + NUM_SPLITS - 1) // NUM_SPLITS
+    first_tile = lead_tile + split * tiles_per_split
     return first_tile, tl.minimum(first_tile + tiles_per_split, num_tiles)
 
 
@@ -63,6 +71,7 @@ def _attend_split(
     cache_ptr,
     table_row_ptr,
     seq_len,
+    window,
     kv_head,
     split,
     scale,
@@ -75,7 +84,8 @@ def _attend_split(
 ):
     """Online softmax of ``query`` [rows, HEAD_DIM] over ``split``'s tiles of the sequence's keys: per row
     (running max, sum of weights, unnormalized output); (-inf, 0, 0) for an empty split."""
-    first_tile, end_tile = _split_tile_range(seq_len, split, NUM_SPLITS, KV_TILE)
+    first_key = _first_key(seq_len, window)
+    first_tile, end_tile = _split_tile_range(first_key, seq_len, split, NUM_SPLITS, KV_TILE)
     running_max = tl.full((query.shape[0],), float("-inf"), tl.float32)
     running_sum = tl.zeros((query.shape[0],), tl.float32)
     acc = tl.zeros((query.shape[0], query.shape[1]), tl.float32)
@@ -84,6 +94,7 @@ def _attend_split(
             cache_ptr,
             table_row_ptr,
             tile * KV_TILE,
+            first_key,
             seq_len,
             kv_head,
             cache_strides[0],
@@ -95,9 +106,9 @@ def _attend_split(
             query.shape[1],
             UPCAST,
         )
-        # The tile's first position is a key (a split's tiles end at the sequence's last), so every row's max is finite.
+        is_visible = ((positions >= first_key) & (positions < seq_len))[None, :]
         running_max, running_sum, acc = online_softmax_step(
-            query, keys, values, (positions < seq_len)[None, :], scale, running_max, running_sum, acc, PRECISION
+            query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION
         )
     return running_max, running_sum, acc
 
@@ -120,6 +131,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_stats_ptr,
     scale,
+    window,
     q_strides,  # (sequence, head)
     cache_strides,  # (kv, block, slot, head)
     stride_table,
@@ -143,6 +155,7 @@ def _decode_split_kernel(
         cache_ptr,
         block_table_ptr + seq * stride_table,
         seq_len,
+        window,
         kv_head,
         split,
         scale,
@@ -202,11 +215,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int = 1,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``query`` [N, Hq, D] (one token per sequence) over its cached context; returns [N, Hq, D].
 
     ``block_tables`` [N, max_blocks] int32, ``seq_lens`` [N] int32 (the query token's own KV included;
-    0 gives a zero row); ``head_dim`` and ``block_size`` powers of two, at least 16.
+    0 gives a zero row); ``head_dim`` and ``block_size`` powers of two, at least 16. ``window``: each query
+    attends only its last ``window`` keys (blocks before them are never read); None: all.
     """
     num_seqs, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
@@ -214,7 +229,7 @@ def paged_decode_attention(
         return out
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     part_stats = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
-    _launch_splits(query, kv_cache, block_tables, seq_lens, scale, part_out, part_stats)
+    _launch_splits(query, kv_cache, block_tables, seq_lens, scale, window or 0, part_out, part_stats)
     _launch_merge(part_out, part_stats, out)
     return out
 
@@ -225,6 +240,7 @@ def _launch_splits(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int,
     part_out: torch.Tensor,
     part_stats: torch.Tensor,
 ) -> None:
@@ -241,6 +257,7 @@ def _launch_splits(
         part_out,
         part_stats,
         scale,
+        window,
         query.stride()[:2],
         kv_cache.stride()[:4],
         block_tables.stride(0),
@@ -272,7 +289,12 @@ def _launch_merge(part_out: torch.Tensor, part_stats: torch.Tensor, out: torch.T
 
 
 def paged_decode_attention_reference(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     num_heads, num_kv_heads, block_size = query.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     outputs = []
@@ -286,5 +308,7 @@ def paged_decode_attention_reference(
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [S, Hq, D]
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,shd->hs", query[seq].float(), keys) * scale  # [Hq, S]
+        if window is not None:
+            scores[:, : max(0, seq_len - window)] = float("-inf")
         outputs.append(torch.einsum("hs,shd->hd", scores.softmax(-1), values))  # [Hq, D]
     return torch.stack(outputs).to(query.dtype)

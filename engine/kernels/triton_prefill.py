@@ -7,7 +7,8 @@ the paged cache, so the caller writes the step's K/V first.
 A program takes ``QUERIES_PER_TILE`` consecutive query tokens of one request and every query head of
 one KV head: its ``TILE_ROWS`` rows are (token, head in group) pairs, so keys are read once per group
 (GQA). It walks the request's keys, ``KV_TILE`` positions at a time through the block table, up to
-the tile's last causal position, with an online softmax.
+the tile's last causal position (with a sliding window, from the tile holding its first query's first key),
+with an online softmax.
 The host lists the tiles (request, first query token) once per step (``plan_prefill_tiles``), so the
 kernel needs no search over the batch.
 """
@@ -55,12 +56,14 @@ def _program_rows(
     tile_query_ptr,
     query_start_ptr,
     seq_lens_ptr,
+    window,
     QUERIES_PER_KV: tl.constexpr,
     QUERIES_PER_TILE: tl.constexpr,
     TILE_ROWS: tl.constexpr,
 ):
     """What this program computes: its tile's request, KV head and sequence length, its rows' (token in the
-    batch, query head, whether the row is a query, absolute position), and the tile's last query position."""
+    batch, query head, whether the row is a query, absolute position), the first key its first query attends
+    (with ``window`` > 0, that query's window's), and the tile's last query position."""
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     req = tl.load(tile_req_ptr + tile)
     first_query = tl.load(tile_query_ptr + tile)
@@ -74,7 +77,18 @@ def _program_rows(
     heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
     query_position = context_len + query_index  # absolute: it sees keys 0..query_position
     last_query = tl.minimum(first_query + QUERIES_PER_TILE, query_len) - 1
-    return req, kv_head, seq_len, query_start + query_index, heads, is_query, query_position, context_len + last_query
+    first_key = tl.where(window > 0, tl.maximum(context_len + first_query - window + 1, 0), 0)
+    return (
+        req,
+        kv_head,
+        seq_len,
+        query_start + query_index,
+        heads,
+        is_query,
+        query_position,
+        first_key,
+        context_len + last_query,
+    )
 
 
 @triton.jit
@@ -89,13 +103,23 @@ def _load_query_rows(q_ptr, tokens, heads, is_query, q_strides, HEAD_DIM: tl.con
 
 
 @triton.jit
+def _is_visible(key_position, query_position, window):
+    """[rows, KV_TILE]: causal, and with ``window`` > 0 within it (a row whose window starts in a later tile
+    sees nothing of this one)."""
+    is_causal = key_position[None, :] <= query_position[:, None]
+    return is_causal & ((window <= 0) | (key_position[None, :] > query_position[:, None] - window))
+
+
+@triton.jit
 def _attend_causal(
     query,
     query_position,
+    first_key,
     last_position,
     cache_ptr,
     table_row_ptr,
     seq_len,
+    window,
     kv_head,
     scale,
     cache_strides,
@@ -104,16 +128,18 @@ def _attend_causal(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Each row's attention over the request's keys 0..``query_position`` (tiles up to ``last_position``)."""
+    """Each row's attention over the request's keys up to ``query_position`` (tiles up to ``last_position``);
+    with ``window`` > 0 over its last ``window`` only, from ``first_key`` (its first row's) on."""
     running_max = tl.full((query.shape[0],), float("-inf"), tl.float32)
     running_sum = tl.zeros((query.shape[0],), tl.float32)
     acc = tl.zeros((query.shape[0], query.shape[1]), tl.float32)
     num_tiles = (last_position + KV_TILE) // KV_TILE  # tiles up to the last causal key
-    for tile in range(0, num_tiles):
+    for tile in range(first_key // KV_TILE, num_tiles):
         keys, values, key_position = load_kv_tile(
             cache_ptr,
             table_row_ptr,
             tile * KV_TILE,
+            first_key,
             seq_len,
             kv_head,
             cache_strides[0],
@@ -125,9 +151,7 @@ def _attend_causal(
             query.shape[1],
             UPCAST,
         )
-        # Causal. Every row sees key 0 in the first tile (rows past the request's end too: their
-        # positions only grow), as online_softmax_step requires.
-        is_visible = key_position[None, :] <= query_position[:, None]
+        is_visible = _is_visible(key_position, query_position, window)
         running_max, running_sum, acc = online_softmax_step(
             query, keys, values, is_visible, scale, running_max, running_sum, acc, PRECISION
         )
@@ -145,6 +169,7 @@ def _prefill_kernel(
     tile_query_ptr,
     out_ptr,
     scale,
+    window,
     q_strides,  # (token, head)
     cache_strides,  # (kv, block, slot, head)
     stride_table,
@@ -157,17 +182,19 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    req, kv_head, seq_len, tokens, heads, is_query, query_position, last_position = _program_rows(
-        tile_req_ptr, tile_query_ptr, query_start_ptr, seq_lens_ptr, QUERIES_PER_KV, QUERIES_PER_TILE, TILE_ROWS
+    req, kv_head, seq_len, tokens, heads, is_query, query_position, first_key, last_position = _program_rows(
+        tile_req_ptr, tile_query_ptr, query_start_ptr, seq_lens_ptr, window, QUERIES_PER_KV, QUERIES_PER_TILE, TILE_ROWS
     )
     q_offsets, query = _load_query_rows(q_ptr, tokens, heads, is_query, q_strides, HEAD_DIM, UPCAST)
     out = _attend_causal(
         query,
         query_position,
+        first_key,
         last_position,
         cache_ptr,
         block_table_ptr + req * stride_table,
         seq_len,
+        window,
         kv_head,
         scale,
         cache_strides,
@@ -187,9 +214,11 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     tiles: PrefillTiles,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``query`` [T, Hq, D] (every request's new tokens, flattened; see ``engine/attention/metadata.py``);
-    returns [T, Hq, D]: each new token's causal attention over its request's cached sequence.
+    returns [T, Hq, D]: each new token's causal attention over its request's cached sequence (with ``window``,
+    over its last ``window`` positions only; blocks wholly before them are never read).
 
     ``query_start_loc`` [R + 1] and ``seq_lens`` [R] int32, ``block_tables`` [R, max_blocks] int32,
     ``tiles`` from ``plan_prefill_tiles``; ``head_dim`` and ``block_size`` powers of two, at least 16.
@@ -197,7 +226,7 @@ def paged_prefill_attention(
     query = query.contiguous()
     out = torch.empty_like(query)  # contiguous as query: the kernel stores through query's offsets
     if tiles.req.shape[0] > 0:
-        _launch_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, tiles, scale, out)
+        _launch_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, tiles, scale, window or 0, out)
     return out
 
 
@@ -209,6 +238,7 @@ def _launch_prefill(
     seq_lens: torch.Tensor,
     tiles: PrefillTiles,
     scale: float,
+    window: int,
     out: torch.Tensor,
 ) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -223,6 +253,7 @@ def _launch_prefill(
         tiles.first_query,
         out,
         scale,
+        window,
         query.stride()[:2],
         kv_cache.stride()[:4],
         block_tables.stride(0),
@@ -243,6 +274,7 @@ def paged_prefill_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     num_heads, num_kv_heads, block_size = query.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     starts = query_start_loc.tolist()
@@ -254,7 +286,10 @@ def paged_prefill_attention_reference(
         values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().repeat_interleave(num_heads // num_kv_heads, 1)
         scores = torch.einsum("qhd,shd->hqs", query[start:end].float(), keys) * scale  # [Hq, Q, S]
         query_positions = torch.arange(seq_len - (end - start), seq_len, device=query.device)
-        visible = torch.arange(seq_len, device=query.device)[None, :] <= query_positions[:, None]  # [Q, S]
+        key_positions = torch.arange(seq_len, device=query.device)[None, :]
+        visible = key_positions <= query_positions[:, None]  # [Q, S]
+        if window is not None:
+            visible &= key_positions > query_positions[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[start:end] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), values).to(query.dtype)
     return out

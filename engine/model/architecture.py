@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from engine.sched.kv_cache_groups import KVCacheGroup, kv_cache_groups
+
 # Rope types this engine implements (see layers/rotary.py).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -147,6 +149,10 @@ class Architecture:
         """How many positions back layer ``layer`` attends (the query's own included); None: all of them."""
         sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else None
+
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The layers grouped by attention window, each group with its own KV blocks (``kv_cache_groups``)."""
+        return kv_cache_groups([self.attention_window(i) for i in range(self.num_hidden_layers)])
 
     @property
     def eos_token_id(self) -> int | None:

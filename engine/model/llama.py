@@ -26,6 +26,7 @@ from engine.model.layers.mlp import SwiGLUMLP
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.loader import load_named_weights
+from engine.sched.kv_cache_groups import layer_slots
 
 # (packed param name part, checkpoint name part, shard id)
 PACKED_MODULES = [
@@ -39,8 +40,16 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class DecoderLayer(nn.Module):
+    """Layer ``index`` of the stack; its attention takes the layer's window (``Architecture.attention_window``)."""
+
     def __init__(
-        self, cfg: Architecture, rotary: RotaryEmbedding, backend: AttentionBackend, tp_rank: int, tp_size: int
+        self,
+        cfg: Architecture,
+        index: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp_rank: int,
+        tp_size: int,
     ):
         super().__init__()
         self.self_attn = SelfAttention(
@@ -52,6 +61,7 @@ class DecoderLayer(nn.Module):
             backend,
             qkv_bias=cfg.qkv_bias,
             o_bias=cfg.o_proj_bias,
+            window=cfg.attention_window(index),
             qk_norm_eps=cfg.rms_norm_eps if cfg.has_qk_norm else None,
             tp_rank=tp_rank,
             tp_size=tp_size,
@@ -96,6 +106,8 @@ class LlamaModel(nn.Module):
 
     ``embed_tokens`` exists on the first stage only, ``norm`` on the last only
     (``None`` elsewhere); other stages' layers are parameterless ``PPMissingLayer``s.
+    ``kv_cache_groups``: the whole model's layers grouped by attention window; each local layer reads its
+    group's attention metadata (``layer_groups``) and cache slot (``layer_cache_slots``).
     """
 
     def __init__(
@@ -115,13 +127,17 @@ class LlamaModel(nn.Module):
             VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size) if is_first_stage else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary, backend, tp_rank, tp_size)
+            DecoderLayer(cfg, index, self.rotary, backend, tp_rank, tp_size)
             if self.start_layer <= index < self.end_layer
             else PPMissingLayer()
             for index in range(cfg.num_hidden_layers)
         )
         # A plain tuple, not a registered submodule: the layers stay named model.layers.N.
         self.local_layers = tuple(self.layers[self.start_layer : self.end_layer])
+        self.kv_cache_groups = cfg.kv_cache_groups()
+        slots = layer_slots(self.kv_cache_groups)
+        self.layer_groups = tuple(slots[i][0] for i in range(self.start_layer, self.end_layer))
+        self.layer_cache_slots = tuple(slots[i][1] for i in range(self.start_layer, self.end_layer))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage else None
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None):
@@ -131,8 +147,9 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         else:
             hidden, residual = intermediate
-        for layer, kv_cache in zip(self.local_layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata, cos_sin, native_rows)
+        for layer, kv_cache, group in zip(self.local_layers, kv_caches, self.layer_groups, strict=True):
+            metadata = attn_metadata.for_group(group)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, cos_sin, native_rows)
         if self.norm is None:
             return hidden, residual
         return self.norm(hidden, residual)[0]
@@ -154,6 +171,9 @@ class LlamaForCausalLM(nn.Module):
     * ``native_decode_unfit()``: why ``engine.worker.native_decode``'s stack cannot run this model's
       decode steps, None when it can.
     * ``arch_config``: the ``Architecture``; ``num_local_layers``: the layers this stage holds.
+    * ``kv_cache_groups``: the model's KV cache groups (``engine.sched.kv_cache_groups``): ``attn_metadata``
+      is group 0's and carries the others' (``AttentionMetadata.for_group``); ``kv_caches`` holds one tensor
+      per layer, layers of one cache slot sharing it (``num_kv_cache_tensors`` distinct ones on this stage).
     * ``wants_weight(name)``: whether this rank loads checkpoint tensor ``name`` (others are never read).
     """
 
@@ -182,6 +202,14 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_local_layers(self) -> int:
         return self.model.end_layer - self.model.start_layer
+
+    @property
+    def kv_cache_groups(self):
+        return self.model.kv_cache_groups
+
+    @property
+    def num_kv_cache_tensors(self) -> int:
+        return len(set(self.model.layer_cache_slots))
 
     @property
     def num_kv_heads_local(self) -> int:
@@ -222,10 +250,12 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> list[torch.Tensor]:
-        """Zeroed caches, one per layer of this stage (dtype/device default to the model's)."""
+        """Zeroed caches, one per layer of this stage, layers of one cache slot sharing theirs (dtype/device
+        default to the model's)."""
         w = self.model.local_layers[0].input_layernorm.weight
-        return self.backend.allocate_kv_caches(
-            self.num_local_layers,
+        slots = sorted(set(self.model.layer_cache_slots))
+        tensors = self.backend.allocate_kv_caches(
+            len(slots),
             num_blocks,
             block_size,
             self.num_kv_heads_local,
@@ -233,6 +263,8 @@ class LlamaForCausalLM(nn.Module):
             dtype or w.dtype,
             device or w.device,
         )
+        by_slot = dict(zip(slots, tensors))
+        return [by_slot[slot] for slot in self.model.layer_cache_slots]
 
     def wants_weight(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to this stage.

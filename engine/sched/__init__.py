@@ -10,7 +10,8 @@ a model, and it runs wherever the engine core (``engine.core``) lives.
 - ``request``: ``Request``, ``RequestStatus``, the ``Grammar`` protocol, ``check_prompt_fits``.
 - ``request_queue``: the waiting queue under FCFS or priority; ``request_hold``: ``RequestHold``.
 - ``stop_conditions``: token-level stop checks.
-- ``kv_cache_manager``: ``KVCacheManager``, requests to blocks (allocation, prefix hits, freeing).
+- ``kv_cache_manager``: ``KVCacheManager``, requests to blocks per KV cache group (allocation, prefix hits, freeing).
+- ``kv_cache_groups``: ``KVCacheGroup``, the layers grouped by attention window (sliding windows' blocks dropped).
 - ``block_pool``: ``BlockPool``, ``KVCacheBlock``, the free queue and the prefix cache.
 - ``block_hash``: chained block hashes (the cache salt and LoRA adapter in the first block).
 - ``kv_events``: ``KVEventSink`` / ``KVEventFeed``, the prefix cache's events for the KV-aware router.

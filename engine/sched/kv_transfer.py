@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from engine.sched.kv_cache_groups import FULL_ATTENTION, KVCacheGroup
 from engine.sched.request import Request
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -101,7 +102,14 @@ class KVTransferStats:
 class KVConnectorScheduler:
     """Decides, per request, what the workers save and load; see the module docstring."""
 
-    def __init__(self, role: KVRole, block_size: int) -> None:
+    def __init__(
+        self, role: KVRole, block_size: int, kv_cache_groups: tuple[KVCacheGroup, ...] = FULL_ATTENTION
+    ) -> None:
+        if tuple(group.window for group in kv_cache_groups) != (None,):
+            raise ValueError(
+                "KV transfer moves one block table of full attention, not a sliding-window model's "
+                f"({len(kv_cache_groups)} KV cache groups, windows {[group.window for group in kv_cache_groups]})"
+            )
         self.role = role
         self.block_size = block_size
         self._pending_loads: list[KVLoad] = []

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig
 from engine.sampling_params import RequestKind
 from engine.sched.block_pool import KVCacheBlock
+from engine.sched.kv_cache_groups import FULL_ATTENTION, KVCacheGroup
 from engine.sched.kv_cache_manager import KVCacheManager, PrefixCacheStats, check_pool_holds_one_sequence
 from engine.sched.kv_transfer import KVConnectorScheduler, KVTransferStats
 from engine.sched.request import Request, RequestStatus, lora_slot_blocked
@@ -47,13 +48,16 @@ class Scheduler:
         kv_transfer_config: KVTransferConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
         max_loras: int = 0,
+        kv_cache_groups: tuple[KVCacheGroup, ...] = FULL_ATTENTION,
     ) -> None:
+        """``kv_cache_groups``: the model's (the workers report them; ``engine.sched.kv_cache_groups``)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = scheduler_config.max_model_len
         self._long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold  # read per request
-        check_pool_holds_one_sequence(cache_config, self.max_model_len)
-        self.kv_cache_manager = KVCacheManager(cache_config)
+        max_step_tokens = self._long_prefill_token_threshold or scheduler_config.max_num_batched_tokens
+        check_pool_holds_one_sequence(cache_config, self.max_model_len, kv_cache_groups, max_step_tokens)
+        self.kv_cache_manager = KVCacheManager(cache_config, kv_cache_groups)
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -63,7 +67,7 @@ class Scheduler:
         self.kv_connector = (
             None
             if kv_transfer_config is None
-            else KVConnectorScheduler(kv_transfer_config.kv_role, cache_config.block_size)
+            else KVConnectorScheduler(kv_transfer_config.kv_role, cache_config.block_size, kv_cache_groups)
         )
         self.max_loras = max_loras  # multi-LoRA: distinct adapters the running batch may hold; 0: off
         self.spec_decode = (
@@ -160,8 +164,7 @@ class Scheduler:
                 index = running.index(request)  # victims ahead of it (priority policy) moved it forward
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
-            # Most decode steps need no new block: skip building an empty list comprehension.
-            new_block_ids[request.request_id] = [block.block_id for block in new_blocks] if new_blocks else []
+            new_block_ids[request.request_id] = tuple([block.block_id for block in blocks] for blocks in new_blocks)
             if request.spec_token_ids:
                 spec_decode.schedule_drafts(request, num_new_tokens, plan)
             token_budget -= num_new_tokens
@@ -170,7 +173,7 @@ class Scheduler:
 
     def _preempt_until_fits(
         self, request: Request, num_new_tokens: int, num_lookahead_tokens: int, plan: StepPlan
-    ) -> list[KVCacheBlock] | None:
+    ) -> tuple[list[KVCacheBlock], ...] | None:
         """Preempts the policy's victims one by one until ``num_new_tokens`` (and the lookahead) fit for ``request``.
 
         Returns the new blocks; None when ``request`` itself became the victim (it is preempted then).
@@ -222,7 +225,7 @@ class Scheduler:
             kv.record_prefix_cache_query(request, num_hit_tokens)
             if self.kv_connector is not None:
                 self.kv_connector.update_state_after_alloc(
-                    request, kv.get_block_ids(request.request_id), num_hit_tokens, num_external_tokens
+                    request, kv.get_block_ids(request.request_id)[0], num_hit_tokens, num_external_tokens
                 )
             self.waiting.pop()
             self.running.append(request)
@@ -264,7 +267,7 @@ class Scheduler:
             requests[req_id].num_computed_tokens += num_new_tokens
         if self.kv_connector is not None:
             output.kv_connector_metadata = self.kv_connector.build_connector_meta(
-                output.num_scheduled_tokens, self.kv_cache_manager.get_block_ids
+                output.num_scheduled_tokens, lambda req_id: self.kv_cache_manager.get_block_ids(req_id)[0]
             )
         self.finished_req_ids = set()
 

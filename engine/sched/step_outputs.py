@@ -27,7 +27,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only for a request resumed after preemption
     sampling_params: SamplingParams | None
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # one list per KV cache group (engine.sched.kv_cache_groups)
     num_computed_tokens: int  # tokens whose KV is already cached (prefix-cache hit), before this step
     lora_request: LoRARequest | None = None  # multi-LoRA: the request's adapter (None: the base model)
     pooling_params: PoolingParams | None = None  # a pooling request's (its sampling_params are None)
@@ -42,7 +42,7 @@ class CachedRequestData:
     # those are in SchedulerOutput.scheduled_spec_decode_tokens). Workers write them into their copy
     # of the sequence (which lacks the tokens sampled since the last step).
     new_token_ids: list[list[int]] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)  # per request, one list per group
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step
 
     def __len__(self) -> int:

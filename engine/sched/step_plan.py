@@ -32,7 +32,8 @@ class StepPlan:
 
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # running requests' new blocks
+    # Running requests' new blocks, one list per KV cache group.
+    new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     scheduled_running: list[Request] = field(default_factory=list)
     scheduled_new: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -47,11 +48,11 @@ class StepPlan:
 
     def build_output(
         self,
-        get_block_ids: Callable[[str], list[int]],
+        get_block_ids: Callable[[str], tuple[list[int], ...]],
         max_num_batched_tokens: int,
         finished_req_ids: set[str],
     ) -> SchedulerOutput:
-        """The step as the workers see it; ``get_block_ids`` gives a new request's blocks (all of them)."""
+        """The step as the workers see it; ``get_block_ids`` gives a new request's blocks (all of them, per group)."""
         new_reqs_data = [
             NewRequestData(
                 req_id=request.request_id,

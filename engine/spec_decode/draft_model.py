@@ -70,6 +70,12 @@ class DraftModelProposer:
         """The whole draft (no tensor parallelism: it runs on the output rank alone)."""
         backend = resolve_backend_name(self.config.model_config.attention_backend, device)
         self.model = get_model(self.config.speculative_config.model, dtype=dtype, device=device, attn_backend=backend)
+        windows = [group.window for group in (self.input_batch.kv_cache_groups[0], *self.model.kv_cache_groups)]
+        if any(window is not None for window in windows):
+            raise ValueError(
+                "A draft model attends through the target's first KV cache group's blocks: both need full "
+                f"attention there, not sliding windows (target's first group, then the draft's: {windows})"
+            )
         process_weights_after_loading(self.model)
         self.dtype = dtype
 
@@ -77,7 +83,7 @@ class DraftModelProposer:
         num_elements = 1
         for dim in self.model.get_kv_cache_shape(1, self.input_batch.block_size):
             num_elements *= dim
-        return num_elements * self.model.num_local_layers * self.dtype.itemsize
+        return num_elements * self.model.num_kv_cache_tensors * self.dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.model.make_kv_caches(num_blocks, self.input_batch.block_size)

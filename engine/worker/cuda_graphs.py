@@ -67,7 +67,8 @@ class DecodeGraphRunner:
     ``model`` is called as ``model(input_ids, positions, kv_caches, attn_metadata)`` and returns the
     last hidden states ``[T, hidden]``; its attention backend must support CUDA graphs
     (``AttentionBackend.supports_cuda_graphs``). ``max_seq_len`` of the captured metadata is
-    ``max_model_len``: whatever a backend plans from it must hold for every step.
+    ``max_model_len``: whatever a backend plans from it must hold for every step. Each KV cache group of the
+    model (``model.kv_cache_groups``) has its own slot mapping and block tables in the static buffers.
     """
 
     def __init__(
@@ -88,9 +89,10 @@ class DecodeGraphRunner:
         max_batch = self.batch_sizes[-1]
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), PAD_SLOT_ID, dtype=torch.long, device=device)
+        num_groups = len(model.kv_cache_groups)
+        self.slot_mapping = torch.full((num_groups, max_batch), PAD_SLOT_ID, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(max_batch, max_num_blocks_per_req, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(num_groups, max_batch, max_num_blocks_per_req, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # each graph's output buffer [size, hidden]
@@ -140,13 +142,15 @@ class DecodeGraphRunner:
         size = self.padded_size(n)
         self.input_ids[:n].copy_(input_ids[:n])
         self.positions[:n].copy_(positions[:n])
-        self.slot_mapping[:n].copy_(attn_metadata.slot_mapping[:n])
-        self.slot_mapping[n:size].fill_(PAD_SLOT_ID)
         self.seq_lens[:n].copy_(attn_metadata.seq_lens[:n])
         self.seq_lens[n:size].zero_()
-        # Columns past the step's width keep older entries: never read, a row reads only its seq_len's blocks.
-        width = attn_metadata.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(attn_metadata.block_tables[:n])
+        for g in range(self.slot_mapping.shape[0]):
+            group = attn_metadata.for_group(g)
+            self.slot_mapping[g, :n].copy_(group.slot_mapping[:n])
+            self.slot_mapping[g, n:size].fill_(PAD_SLOT_ID)
+            # Columns past the step's width keep older entries: never read, a row reads only its seq_len's blocks.
+            width = group.block_tables.shape[1]
+            self.block_tables[g, :n, :width].copy_(group.block_tables[:n])
         if self.use_cuda_graphs:
             self.graphs[size].replay()
             return self.outputs[size][:n]
@@ -157,15 +161,20 @@ class DecodeGraphRunner:
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the first ``size`` rows of the static buffers (what a graph of that size reads)."""
-        return AttentionMetadata(
-            num_actual_tokens=size,
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[self.max_model_len] * size,
-            num_decodes=size,
-        )
+        metadata, *views = [
+            AttentionMetadata(
+                num_actual_tokens=size,
+                query_start_loc=self.query_start_loc[: size + 1],
+                seq_lens=self.seq_lens[:size],
+                block_tables=self.block_tables[g, :size],
+                slot_mapping=self.slot_mapping[g, :size],
+                max_query_len=1,
+                max_seq_len=self.max_model_len,
+                query_lens_cpu=[1] * size,
+                seq_lens_cpu=[self.max_model_len] * size,
+                num_decodes=size,
+            )
+            for g in range(self.slot_mapping.shape[0])
+        ]
+        metadata.group_views = tuple(views)
+        return metadata

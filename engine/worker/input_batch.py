@@ -15,16 +15,25 @@ from collections.abc import Mapping
 import torch
 
 from engine.sample import make_generator
+from engine.sched.kv_cache_groups import FULL_ATTENTION, KVCacheGroup
 from engine.sched.step_outputs import SchedulerOutput
 from engine.worker.request_state import BlockTable, CachedRequestState
 from engine.worker.step_inputs import StepInputs, build_step_inputs
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+        kv_cache_groups: tuple[KVCacheGroup, ...] = FULL_ATTENTION,
+    ) -> None:
         self.block_size = block_size
         self.device = device
-        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req)
+        self.kv_cache_groups = kv_cache_groups  # the model's: a block table per group
+        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, len(kv_cache_groups))
         self.requests: dict[str, CachedRequestState] = {}
         self.pooling_req_ids: set[str] = set()  # the pooling requests among them (the runner pools theirs)
         # Generators of preempted requests survive until the request finishes, so a seeded

@@ -27,6 +27,7 @@ from engine.distributed.parallel_state import get_parallel_state, recv_from_prev
 from engine.kv_transfer import KVConnectorWorker
 from engine.lora.manager import LoRAManager
 from engine.model import get_model
+from engine.model.architecture import Architecture
 from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS
 from engine.model.layers.linear_method import process_weights_after_loading
 from engine.sample import Sampler
@@ -75,8 +76,10 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         scheduler_config = config.scheduler_config
         self.max_num_blocks_per_req = -(-scheduler_config.max_model_len // self.block_size)
+        # The layers grouped by attention window, each group with its own blocks (engine.sched.kv_cache_groups).
+        self.kv_cache_groups = Architecture.from_model(config.model_config.model).kv_cache_groups()
         self.input_batch = InputBatch(
-            scheduler_config.max_num_seqs, self.max_num_blocks_per_req, self.block_size, device
+            scheduler_config.max_num_seqs, self.max_num_blocks_per_req, self.block_size, device, self.kv_cache_groups
         )
         self.requests: dict[str, CachedRequestState] = self.input_batch.requests  # read-only view
         self.prompt_logprobs = PromptLogprobs()
@@ -131,7 +134,7 @@ class ModelRunner:
         for dim in shape:
             num_elements *= dim
         draft_bytes = 0 if self.spec_decode is None else self.spec_decode.kv_cache_block_bytes()
-        return num_elements * self.model.num_local_layers * self.kv_cache_dtype.itemsize + draft_bytes
+        return num_elements * self.model.num_kv_cache_tensors * self.kv_cache_dtype.itemsize + draft_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates the caches, then (CUDA, unless ``enforce_eager``) captures the decode graphs over them."""

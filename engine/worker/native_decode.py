@@ -55,6 +55,9 @@ class NativeDecodeStep:
         attn = first.self_attn
         self.num_heads, self.num_kv_heads, self.scale = attn.num_heads, attn.num_kv_heads, attn.scale
         self.eps = first.input_layernorm.eps
+        self.windows = [layer.self_attn.window or 0 for layer in stack.local_layers]  # the kernel's 0: full
+        self.layer_groups = list(stack.layer_groups)  # each layer's KV cache group: its slots and block tables
+        self.num_groups = len(stack.kv_cache_groups)
         empty = torch.empty(0)
         self.layer_weights = [
             tensor
@@ -103,9 +106,9 @@ class NativeDecodeStep:
             kv_caches,
             self.final_norm,
             inputs.positions[:n],
-            md.slot_mapping[:n],
+            [md.for_group(g).slot_mapping[:n] for g in range(self.num_groups)],
             table,
-            md.block_tables[:n].to(torch.int32).contiguous(),
+            [md.for_group(g).block_tables[:n].to(torch.int32).contiguous() for g in range(self.num_groups)],
             md.seq_lens[:n].to(torch.int32),
             self.num_heads,
             self.num_kv_heads,
@@ -113,6 +116,8 @@ class NativeDecodeStep:
             self.scale,
             self.native_rows,
             self.weight_formats,
+            self.windows,
+            self.layer_groups,
         )
 
 

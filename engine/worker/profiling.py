@@ -36,13 +36,16 @@ def profile_forward(
         scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len - 1, scheduler_config.max_num_seqs
     )
     num_tokens = sum(lengths)
-    tables, next_block = [], 1
-    for length in lengths:
-        num_blocks = -(-length // block_size)
-        tables.append(list(range(next_block, next_block + num_blocks)))
-        next_block += num_blocks
+    tables, next_block = [], 1  # per KV cache group, each request's own blocks
+    for _ in model.kv_cache_groups:
+        tables.append([])
+        for length in lengths:
+            num_blocks = -(-length // block_size)
+            tables[-1].append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
     kv_caches = model.make_kv_caches(next_block, block_size)
-    metadata = build_attention_metadata(lengths, lengths, tables, block_size, device=device)
+    metadata, *views = [build_attention_metadata(lengths, lengths, t, block_size, device=device) for t in tables]
+    metadata.group_views = tuple(views)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.cat([torch.arange(length) for length in lengths]).to(device)
     intermediate = None

@@ -56,15 +56,20 @@ class CachedRequestState:
 
 
 class BlockTable:
-    """One row of block ids per request slot, kept across steps and updated by deltas."""
+    """One row of block ids per request slot in each KV cache group, kept across steps and updated by deltas.
 
-    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int) -> None:
-        self.table_np = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+    ``table_np[g, slot, b]`` is the block of group ``g`` holding positions ``b * block_size ..`` of the request
+    in ``slot``. Block ids come one list per group; a sliding group's blocks the scheduler has freed since
+    keep their old ids here, never read (the attention reads only its window's blocks).
+    """
+
+    def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, num_groups: int = 1) -> None:
+        self.table_np = np.zeros((num_groups, max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.table = torch.from_numpy(self.table_np)  # the same memory, as a tensor
-        self.num_blocks = [0] * max_num_reqs
+        self.num_blocks = [0] * max_num_reqs  # per slot, alike in every group
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
 
-    def add_request(self, block_ids: list[int]) -> int:
+    def add_request(self, block_ids: tuple[list[int], ...]) -> int:
         """Takes a free slot for a request; returns it."""
         if not self._free_slots:
             raise RuntimeError("More concurrent requests than max_num_seqs.")
@@ -73,12 +78,15 @@ class BlockTable:
         self.append(slot, block_ids)
         return slot
 
-    def append(self, slot: int, block_ids: list[int]) -> None:
-        if not block_ids:
+    def append(self, slot: int, block_ids: tuple[list[int], ...]) -> None:
+        """Appends each group's new blocks (every group gets as many)."""
+        count = len(block_ids[0])
+        if not count:
             return
         start = self.num_blocks[slot]
-        self.table_np[slot, start : start + len(block_ids)] = block_ids
-        self.num_blocks[slot] = start + len(block_ids)
+        for g, ids in enumerate(block_ids):
+            self.table_np[g, slot, start : start + count] = ids
+        self.num_blocks[slot] = start + count
 
     def remove_request(self, slot: int) -> None:
         self._free_slots.append(slot)

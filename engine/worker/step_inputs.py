@@ -8,6 +8,7 @@ does before the step's own forward.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -65,10 +66,10 @@ def build_step_inputs(
     np.cumsum(query_lens_np, out=offsets_np[1:])
     sampled_rows, sample_indices, num_drafts = _sample_rows(states, seq_lens_np, offsets_np)
     slots = np.array([s.slot for s in states])  # [num_reqs]: each request's block-table row
+    max_verify_query_len = 1 + int(num_drafts.max()) if len(num_drafts) else 1
     positions, metadata = _position_tensors(
-        block_table, slots, starts_np, query_lens_np, seq_lens_np, offsets_np, block_size, device
+        block_table, slots, starts_np, query_lens_np, seq_lens_np, offsets_np, block_size, device, max_verify_query_len
     )
-    metadata.max_verify_query_len = 1 + int(num_drafts.max()) if len(num_drafts) else 1
     return StepInputs(
         req_ids=req_ids,
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)).to(device),
@@ -128,32 +129,38 @@ def _position_tensors(
     offsets: np.ndarray,
     block_size: int,
     device: torch.device,
+    max_verify_query_len: int,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
-    """(positions, attention metadata): each token's position and KV slot, the batch's block tables.
-
-    ``starts``, ``query_lens``, ``seq_lens`` are per request [num_reqs]; ``offsets`` [num_reqs + 1]
-    the cumulative query lengths.
+    """(positions, attention metadata): each token's position, and per KV cache group each token's KV slot and
+    the batch's block tables (group 0's metadata, the others' its ``group_views``). ``starts``, ``query_lens``,
+    ``seq_lens`` are per request [num_reqs]; ``offsets`` [num_reqs + 1] the cumulative query lengths.
     """
     num_tokens = int(offsets[-1])
     max_seq_len = int(seq_lens.max())
-    block_tables = block_table.table_np[slots, : -(-max_seq_len // block_size)]  # [num_reqs, max_num_blocks]
+    group_tables = block_table.table_np[:, slots, : -(-max_seq_len // block_size)]  # [groups, num_reqs, max_blocks]
     if num_tokens == len(slots):  # decodes only: one token per request, at its start
         token_rows, positions = np.arange(num_tokens), starts.copy()
     else:  # token t of request i sits at starts[i] + (t - offsets[i])
         token_rows = np.repeat(np.arange(len(slots)), query_lens)  # [num_tokens]
         positions = np.arange(num_tokens) + (starts - offsets[:-1])[token_rows]  # [num_tokens]
-    # Each token's KV slot: its request's block for that position, offset within the block.
-    token_blocks = block_tables[token_rows, positions // block_size].astype(np.int64)  # [num_tokens]
-    slot_mapping = token_blocks * block_size + positions % block_size  # [num_tokens]
-    metadata = AttentionMetadata(
+    group = AttentionMetadata(  # the fields every group shares; each its own tables and slots below
         num_actual_tokens=num_tokens,
         query_start_loc=torch.from_numpy(offsets.astype(np.int32)).to(device),
         seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(block_tables).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        block_tables=torch.empty(0),
+        slot_mapping=torch.empty(0),
         max_query_len=int(query_lens.max()),
         max_seq_len=max_seq_len,
         query_lens_cpu=query_lens.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
+        max_verify_query_len=max_verify_query_len,
     )
-    return torch.from_numpy(positions).to(device), metadata
+    metadata = []
+    for block_tables in group_tables:
+        # Each token's KV slot: its request's block for that position, offset within the block.
+        token_blocks = block_tables[token_rows, positions // block_size].astype(np.int64)  # [num_tokens]
+        slot_mapping = token_blocks * block_size + positions % block_size  # [num_tokens]
+        tensors = torch.from_numpy(block_tables).to(device), torch.from_numpy(slot_mapping).to(device)
+        metadata.append(dataclasses.replace(group, block_tables=tensors[0], slot_mapping=tensors[1]))
+    metadata[0].group_views = tuple(metadata[1:])
+    return torch.from_numpy(positions).to(device), metadata[0]

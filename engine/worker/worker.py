@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.distributed.parallel_state import ParallelState, destroy_distributed, get_parallel_state, init_distributed
 from engine.lora_request import LoRARequest
 from engine.model.architecture import parse_dtype
+from engine.sched.kv_cache_groups import KVCacheGroup
 from engine.sched.step_outputs import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 
@@ -130,6 +131,10 @@ class Worker:
             raise RuntimeError(f"Worker {self.rank}: call init_device (joins the process group) before load_model")
         self.model_runner.load_model()
 
+    def get_kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The model's KV cache groups (after ``load_model``)."""
+        return self.model_runner.kv_cache_groups
+
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit this worker's budget, after loading (and on GPU a profiling forward).
 
@@ -160,7 +165,12 @@ class Worker:
             budget = int(available_cpu_memory_bytes() * cache_config.cpu_kv_cache_fraction / world_size)
         block_bytes = self.model_runner.get_kv_cache_block_bytes()
         scheduler_config = self.config.scheduler_config
-        max_useful = scheduler_config.max_num_seqs * self.model_runner.max_num_blocks_per_req + 1
+        max_useful = (
+            scheduler_config.max_num_seqs
+            * self.model_runner.max_num_blocks_per_req
+            * len(self.model_runner.kv_cache_groups)
+            + 1
+        )
         num_blocks = min(budget // block_bytes, max_useful)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB)",

@@ -303,7 +303,7 @@ def test_check_integrity_runs_between_steps_and_catches_a_corrupt_pool(model_pat
         if not in_process:
             return
         kv = llm._frontend.engine.engine_core.engine_core.scheduler.kv_cache_manager
-        kv.req_to_blocks["ghost"] = [next(iter(kv.block_pool.free_queue))]  # held, and still on the free list
+        kv.req_to_blocks["ghost"] = ([next(iter(kv.block_pool.free_queue))],)  # held, and still on the free list
         try:
             with pytest.raises(AssertionError, match="both free and referenced"):
                 await llm.check_integrity()

@@ -427,7 +427,7 @@ def test_abort_frees_blocks(llm, good_prompts, clean_run):
     engine.step()
     engine.step()
     assert "abort-running" in kv.req_to_blocks and "0_abort-n" in kv.req_to_blocks
-    held = len(kv.req_to_blocks["abort-running"])
+    held = len(kv.req_to_blocks["abort-running"][0])
     free_mid = kv.block_pool.num_free_blocks
     engine.abort_request(["abort-running", "abort-n", "never-existed"])
     assert not {"abort-running", "0_abort-n", "1_abort-n", "2_abort-n"} & set(kv.req_to_blocks)

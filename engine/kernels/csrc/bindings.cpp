@@ -10,7 +10,8 @@
 namespace py = pybind11;
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out);
+                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out,
+                                     int64_t window);
 torch::Tensor argmax_rows(torch::Tensor logits);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 #if SERVAL_FUSED_OPS
@@ -25,9 +26,11 @@ torch::Tensor quant_linear_reference(torch::Tensor x, torch::Tensor w, int64_t q
                                      c10::optional<torch::Tensor> bias);
 torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> layer_weights,
                            std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
-                           torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                           int64_t native_rows, std::vector<int64_t> weight_formats);
+                           std::vector<torch::Tensor> slot_mappings, torch::Tensor cos_sin,
+                           std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens, int64_t num_heads,
+                           int64_t num_kv_heads, double eps, double scale, int64_t native_rows,
+                           std::vector<int64_t> weight_formats, std::vector<int64_t> windows,
+                           std::vector<int64_t> layer_groups);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -36,9 +39,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0 (float32 logits, int32 bitmask)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D], written into out if given)",
+        "Decode attention over a paged KV cache (q [n, H, D] -> [n, H, D], written into out if given); "
+        "window > 0: each query attends its last `window` keys only",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::arg("window") = 0);
 #endif
 #if SERVAL_FUSED_OPS && !SERVAL_QUANT_ONLY
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
@@ -63,8 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_stack", &decode_stack,
         "A Llama decoder stack's decode-only step (one token per request, float32): final-normed hidden [T, hidden]",
         py::arg("hidden"), py::arg("layer_weights"), py::arg("packed_weights"), py::arg("kv_caches"), py::arg("final_norm"), py::arg("positions"),
-        py::arg("slot_mapping"), py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("slot_mappings"), py::arg("cos_sin"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"), py::arg("native_rows"),
-        py::arg("weight_formats"));
+        py::arg("weight_formats"), py::arg("windows"), py::arg("layer_groups"));
 #endif
 }

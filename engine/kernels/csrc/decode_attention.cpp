@@ -47,58 +47,67 @@ struct Scratch {
   std::vector<float> q, scores, row, acc;
 };
 
-// One request: all its query heads over its whole sequence. Each cached token row (all KV heads)
-// is read once, so the memory traffic is one pass over the request's keys and values.
+// One request: all its query heads over its keys [first, seq_len) (first > 0: a sliding window). Each cached
+// token row (all KV heads) is read once, so the memory traffic is one pass over the request's keys and values.
 // kHeadDim > 0 fixes the head size at compile time (fully vectorized inner loops); 0 = runtime head_dim.
 template <typename scalar_t, typename kv_t, int64_t kHeadDim>
 void decode_one_request(const scalar_t* q, const kv_t* k_cache, const kv_t* v_cache,
-                        const int32_t* block_row, int64_t seq_len, int64_t block_size, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t runtime_head_dim, float scale, scalar_t* out, Scratch& s) {
+                        const int32_t* block_row, int64_t first, int64_t seq_len, int64_t block_size,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim, float scale, scalar_t* out,
+                        Scratch& s) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : runtime_head_dim;
   // q, out: [num_heads, head_dim]. Position p lives in block block_row[p / bs] at offset p % bs.
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
+  const int64_t len = seq_len - first;  // the keys read; scores[h * len + (p - first)]
   s.q.resize(num_heads * head_dim);
   to_float(q, s.q.data(), num_heads * head_dim);
   for (auto& x : s.q) x *= scale;
-  s.scores.resize(num_heads * seq_len);
+  s.scores.resize(num_heads * len);
   s.row.resize(token_stride);
   // Walk block by block: no division per position, and each block's rows are contiguous.
-  for (int64_t block_start = 0; block_start < seq_len; block_start += block_size) {
+  for (int64_t block_start = first / block_size * block_size; block_start < seq_len; block_start += block_size) {
     const kv_t* k_block = k_cache + block_row[block_start / block_size] * block_stride;
     const int64_t block_end = std::min(block_start + block_size, seq_len);
-    for (int64_t p = block_start; p < block_end; ++p) {
+    for (int64_t p = std::max(block_start, first); p < block_end; ++p) {
       to_float(k_block + (p - block_start) * token_stride, s.row.data(), token_stride);
       for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; ++kv_head)
         for (int64_t g = 0; g < group; ++g, ++h)
-          s.scores[h * seq_len + p] = dot(s.q.data() + h * head_dim, s.row.data() + kv_head * head_dim, head_dim);
+          s.scores[h * len + p - first] = dot(s.q.data() + h * head_dim, s.row.data() + kv_head * head_dim, head_dim);
     }
   }
   for (int64_t h = 0; h < num_heads; ++h) {  // softmax per query head
-    float* sc = s.scores.data() + h * seq_len;
+    float* sc = s.scores.data() + h * len;
     float max_score = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < seq_len; ++p) max_score = std::max(max_score, sc[p]);
+    for (int64_t p = 0; p < len; ++p) max_score = std::max(max_score, sc[p]);
     float total = 0.f;
-    for (int64_t p = 0; p < seq_len; ++p) {
+    for (int64_t p = 0; p < len; ++p) {
       sc[p] = std::exp(sc[p] - max_score);
       total += sc[p];
     }
     const float inv_total = 1.f / total;
-    for (int64_t p = 0; p < seq_len; ++p) sc[p] *= inv_total;
+    for (int64_t p = 0; p < len; ++p) sc[p] *= inv_total;
   }
   s.acc.assign(num_heads * head_dim, 0.f);
-  for (int64_t block_start = 0; block_start < seq_len; block_start += block_size) {
+  for (int64_t block_start = first / block_size * block_size; block_start < seq_len; block_start += block_size) {
     const kv_t* v_block = v_cache + block_row[block_start / block_size] * block_stride;
     const int64_t block_end = std::min(block_start + block_size, seq_len);
-    for (int64_t p = block_start; p < block_end; ++p) {
+    for (int64_t p = std::max(block_start, first); p < block_end; ++p) {
       to_float(v_block + (p - block_start) * token_stride, s.row.data(), token_stride);
       for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; ++kv_head)
         for (int64_t g = 0; g < group; ++g, ++h)
-          axpy(s.scores[h * seq_len + p], s.row.data() + kv_head * head_dim, s.acc.data() + h * head_dim, head_dim);
+          axpy(s.scores[h * len + p - first], s.row.data() + kv_head * head_dim, s.acc.data() + h * head_dim,
+               head_dim);
     }
   }
   for (int64_t i = 0; i < num_heads * head_dim; ++i) out[i] = static_cast<scalar_t>(s.acc[i]);
+}
+
+
+// The first key a query at position seq_len - 1 attends: the window's (window > 0 keys, its own included), or 0.
+inline int64_t first_key(int64_t seq_len, int64_t window) {
+  return window > 0 && seq_len > window ? seq_len - window : 0;
 }
 
 
@@ -201,14 +210,17 @@ inline void accumulate_slice(const float* __restrict probs, const float* __restr
   }
 }
 
-// One (request, KV head): the `group` query heads q[group, D] -> out[group, D].
-// kChunks = head_dim / kLanes. Rows of one block for this KV head are `row_stride` elements apart.
+// One (request, KV head): the `group` query heads q[group, D] -> out[group, D] over the keys [first, seq_len).
+// kChunks = head_dim / kLanes. Rows of one block for this KV head are `row_stride` elements apart. The slices
+// start at `first` rounded down to kLanes (a slice never straddles blocks, so the rows before `first` that its
+// first slice reads lie in the block `first` is in); their scores are -inf, so they weigh nothing.
 template <typename scalar_t, typename kv_t, int kChunks>
 void decode_one_kv_head(const scalar_t* q, const kv_t* k_base, const kv_t* v_base, const int32_t* block_row,
-                        int64_t seq_len, int64_t block_size, int64_t block_stride, int64_t row_stride, int64_t group,
-                        float scale, scalar_t* out, FastScratch& s) {
+                        int64_t first, int64_t seq_len, int64_t block_size, int64_t block_stride, int64_t row_stride,
+                        int64_t group, float scale, scalar_t* out, FastScratch& s) {
   constexpr int64_t D = kChunks * kLanes;
-  const int64_t padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
+  const int64_t begin = first / kLanes * kLanes, len = seq_len - begin;  // scores[g * padded_len + p - begin]
+  const int64_t padded_len = (len + kLanes - 1) / kLanes * kLanes;
   s.size_for(group, D, padded_len);
   // Raw pointers: stores through float* could alias the vectors' own pointers and force reloads.
   float* __restrict q_scaled = s.q.data();
@@ -221,7 +233,7 @@ void decode_one_kv_head(const scalar_t* q, const kv_t* k_base, const kv_t* v_bas
     return base + block_row[start / block_size] * block_stride + (start % block_size) * row_stride;
   };
   // Pass 1: scores, kLanes tokens at a time (a block, or a kLanes-token slice of a bigger block).
-  for (int64_t start = 0; start < seq_len; start += kLanes) {
+  for (int64_t start = begin; start < seq_len; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, seq_len - start);
     if (start + kLanes < seq_len)  // the next slice's keys and this slice's values, ahead of their use
       serval::prefetch_rows(slice_rows(k_base, start + kLanes), std::min<int64_t>(kLanes, seq_len - start - kLanes),
@@ -229,21 +241,23 @@ void decode_one_kv_head(const scalar_t* q, const kv_t* k_base, const kv_t* v_bas
     serval::prefetch_rows(slice_rows(v_base, start), count, row_stride, D * sizeof(kv_t));
 #if SERVAL_AVX512 && defined(__AVX512BF16__) && !defined(SERVAL_NO_DPBF16)
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>) {  // bf16 pairs
-      score_slice_bf16<kChunks>(q, slice_rows(k_base, start), count, row_stride, group, scale_v, scores + start,
-                                padded_len);
+      score_slice_bf16<kChunks>(q, slice_rows(k_base, start), count, row_stride, group, scale_v,
+                                scores + start - begin, padded_len);
       continue;
     }
 #endif
     widen_rows<kv_t, kChunks>(slice_rows(k_base, start), count, row_stride, rows);
-    score_slice<kChunks>(q_scaled, rows, count, group, scores + start, padded_len);
+    score_slice<kChunks>(q_scaled, rows, count, group, scores + start - begin, padded_len);
   }
+  for (int64_t g = 0; g < group; ++g)  // keys before the window
+    for (int64_t p = begin; p < first; ++p) scores[g * padded_len + p - begin] = -std::numeric_limits<float>::infinity();
   float inv_sums[64];  // group <= 64 (checked by the caller)
-  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / simd::exp_minus_max(scores + g * padded_len, seq_len);
+  for (int64_t g = 0; g < group; ++g) inv_sums[g] = 1.f / simd::exp_minus_max(scores + g * padded_len, len);
   // Pass 2: acc[g] += p[g, t] * v[t], the slice's value rows widened to float once for all heads.
-  for (int64_t start = 0; start < seq_len; start += kLanes) {
+  for (int64_t start = begin; start < seq_len; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, seq_len - start);
     widen_rows<kv_t, kChunks>(slice_rows(v_base, start), count, row_stride, rows);
-    accumulate_slice<kChunks>(scores + start, rows, count, group, padded_len, acc_base);
+    accumulate_slice<kChunks>(scores + start - begin, rows, count, group, padded_len, acc_base);
   }
   for (int64_t g = 0; g < group; ++g) {
     const vfloat inv = simd::set1(inv_sums[g]);
@@ -255,9 +269,9 @@ void decode_one_kv_head(const scalar_t* q, const kv_t* k_base, const kv_t* v_bas
 // The fast path for all requests; returns false (nothing done) where it does not apply.
 template <typename scalar_t, typename kv_t>
 bool decode_fast(const scalar_t* q, const kv_t* k_cache, const kv_t* v_cache, const int32_t* tables,
-                 const int32_t* lens, int64_t n, int64_t max_blocks, int64_t block_size, int64_t num_heads,
-                 int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out, int64_t out_stride,
-                 int64_t q_stride) {
+                 const int32_t* lens, int64_t window, int64_t n, int64_t max_blocks, int64_t block_size,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, scalar_t* out,
+                 int64_t out_stride, int64_t q_stride) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim, block_stride = block_size * row_stride;
   // kLanes-token slices must not straddle blocks.
@@ -271,7 +285,8 @@ bool decode_fast(const scalar_t* q, const kv_t* k_cache, const kv_t* v_cache, co
         const int64_t head_offset = kv_head * group * head_dim;
         decode_one_kv_head<scalar_t, kv_t, kChunks>(
             q + i * q_stride + head_offset, k_cache + kv_head * head_dim, v_cache + kv_head * head_dim,
-            tables + i * max_blocks, lens[i], block_size, block_stride, row_stride, group, scale,
+            tables + i * max_blocks, first_key(lens[i], window), lens[i], block_size, block_stride, row_stride,
+            group, scale,
             out + i * out_stride + head_offset, scratch);
       }
     });
@@ -289,10 +304,13 @@ bool decode_fast(const scalar_t* q, const kv_t* k_cache, const kv_t* v_cache, co
 
 // q: [n, H, D]; kv_cache: [2, num_blocks, block_size, Hk, D]; block_tables: [n, max_blocks] int32;
 // seq_lens: [n] int32 (keys per request, the new token included); the cache in q's dtype, or bf16 / half under
-// float32 q (serval::dispatch_kv_type). Returns [n, H, D] in q's dtype,
-// written into `out` when given (any [n, H, D] tensor whose rows are contiguous, e.g. a slice).
+// float32 q (serval::dispatch_kv_type). window > 0: each query attends only its last `window` keys (its own
+// included; a sliding window), and the blocks before them are never read (they may be the null block); 0: all.
+// Returns [n, H, D] in q's dtype, written into `out` when given (any [n, H, D] tensor whose rows are contiguous,
+// e.g. a slice).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out_arg) {
+                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out_arg,
+                                     int64_t window) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "q must be [n, H, D] and kv_cache [2, blocks, bs, Hk, D]");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
@@ -321,7 +339,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
       const int64_t out_stride = out.stride(0), q_stride = q.stride(0);
 #if SERVAL_SIMD
       if constexpr (!std::is_same_v<scalar_t, double>) {
-        if (decode_fast<scalar_t, kv_t>(q_ptr, k_cache, v_cache, tables, lens, n, max_blocks, block_size, num_heads,
+        if (decode_fast<scalar_t, kv_t>(q_ptr, k_cache, v_cache, tables, lens, window, n, max_blocks, block_size,
+                                        num_heads,
                                         num_kv_heads, head_dim, static_cast<float>(scale), out_ptr, out_stride,
                                         q_stride))
           return;
@@ -333,7 +352,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
           Scratch scratch;
           for (int64_t i = begin; i < end; ++i) {
             decode_one_request<scalar_t, kv_t, kHeadDim>(q_ptr + i * q_stride, k_cache, v_cache,
-                                                         tables + i * max_blocks, lens[i], block_size, num_heads,
+                                                         tables + i * max_blocks, first_key(lens[i], window),
+                                                         lens[i], block_size, num_heads,
                                                          num_kv_heads, head_dim, static_cast<float>(scale),
                                                          out_ptr + i * out_stride, scratch);
           }

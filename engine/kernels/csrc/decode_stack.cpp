@@ -18,12 +18,13 @@
 // post_attention_layernorm [hidden], gate_up_proj weight [2 I, hidden], down_proj weight [hidden, I];
 // packed_weights is empty or holds 4 per layer, the packed copies of qkv, o, gate_up and down (cpu_prepack), an
 // empty tensor for a product with none;
-// kv_caches one [2, blocks, block_size, Hk, D] per layer (float32, bf16 or half); positions and slot_mapping
-// int64 [T]; cos_sin the rope table [P, 2, D] float32; block_tables int32 [T, max_blocks] and seq_lens int32
-// [T]; weight_formats 4 per layer, in the products' order: -1 (float32 weights), the kernel_id of the
+// kv_caches one [2, blocks, block_size, Hk, D] per layer (float32, bf16 or half); positions int64 [T]; per KV
+// cache group (engine/sched/kv_cache_groups.py) a slot_mapping int64 [T] and block_tables int32 [T, max_blocks],
+// layer_groups the group of each layer; cos_sin the rope table [P, 2, D] float32; seq_lens int32 [T]; weight_formats 4 per layer, in the products' order: -1 (float32 weights), the kernel_id of the
 // weight's block format, or -2 (parted: the weight its runs' bytes back to back, its packed_weights entry the
-// runs' table int64 [runs, 3]: kernel_id, rows, row bytes). Writes each layer's new K/V into its cache and returns the final norm of the last
-// layer's output [T, hidden].
+// runs' table int64 [runs, 3]: kernel_id, rows, row bytes); windows one per layer, its sliding window
+// (paged_decode_attention's window: 0 for full attention). Writes each layer's new K/V into its cache and returns
+// the final norm of the last layer's output [T, hidden].
 #include "torch_ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -35,7 +36,8 @@
 #if SERVAL_FUSED_OPS
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out);
+                                     torch::Tensor seq_lens, double scale, c10::optional<torch::Tensor> out,
+                                     int64_t window);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
@@ -50,7 +52,8 @@ constexpr int64_t kTensorsPerLayer = 7;
 constexpr int64_t kPackedPerLayer = 4;
 
 struct StepArgs {
-  torch::Tensor positions, slot_mapping, cos_sin, block_tables, seq_lens;
+  torch::Tensor positions, cos_sin, seq_lens;
+  std::vector<torch::Tensor> slot_mappings, block_tables;  // per KV cache group
   int64_t num_heads, num_kv_heads, head_dim, native_rows;
   double eps, scale;
 };
@@ -97,7 +100,8 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& w, const torc
 
 // One layer: (hidden, residual) -> (its MLP output, the residual stream before it), like DecoderLayer.forward.
 torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const int64_t* formats,
-                    const torch::Tensor& kv_cache, torch::Tensor hidden, torch::Tensor& residual, const StepArgs& a) {
+                    const torch::Tensor& kv_cache, int64_t window, int64_t group, torch::Tensor hidden,
+                    torch::Tensor& residual, const StepArgs& a) {
   const torch::Tensor none;
   const int64_t t = hidden.size(0), d = a.head_dim;
   if (!residual.defined()) {
@@ -111,9 +115,9 @@ torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const i
   torch::Tensor q = qkv.narrow(1, 0, q_size).view({t, a.num_heads, d});
   torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, a.num_kv_heads, d});
   torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, a.num_kv_heads, d});
-  rotary_embedding_and_cache(a.positions, q, k, v, a.cos_sin, kv_cache, a.slot_mapping);
+  rotary_embedding_and_cache(a.positions, q, k, v, a.cos_sin, kv_cache, a.slot_mappings[group]);
   torch::Tensor attn = torch::empty({t, a.num_heads, d}, hidden.options());
-  paged_decode_attention(q, kv_cache, a.block_tables, a.seq_lens, a.scale, attn);
+  paged_decode_attention(q, kv_cache, a.block_tables[group], a.seq_lens, a.scale, attn, window);
   torch::Tensor out = product(attn.view({t, q_size}), w[3], packed ? packed[1] : none, none, formats[1], a);
   fused_add_rms_norm(out, residual, w[4], a.eps);  // out = norm(out + residual), residual = the sum
   const torch::Tensor gate_up = product(out, w[5], packed ? packed[2] : none, none, formats[2], a);
@@ -124,9 +128,11 @@ torch::Tensor layer(const torch::Tensor* w, const torch::Tensor* packed, const i
 
 torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> layer_weights,
                            std::vector<torch::Tensor> packed_weights, std::vector<torch::Tensor> kv_caches, torch::Tensor final_norm, torch::Tensor positions,
-                           torch::Tensor slot_mapping, torch::Tensor cos_sin, torch::Tensor block_tables,
-                           torch::Tensor seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                           int64_t native_rows, std::vector<int64_t> weight_formats) {
+                           std::vector<torch::Tensor> slot_mappings, torch::Tensor cos_sin,
+                           std::vector<torch::Tensor> block_tables, torch::Tensor seq_lens, int64_t num_heads,
+                           int64_t num_kv_heads, double eps, double scale, int64_t native_rows,
+                           std::vector<int64_t> weight_formats, std::vector<int64_t> windows,
+                           std::vector<int64_t> layer_groups) {
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layer_weights.size()) == kTensorsPerLayer * num_layers,
               "decode_stack: 7 weight tensors per layer expected");
@@ -134,18 +140,24 @@ torch::Tensor decode_stack(torch::Tensor hidden, std::vector<torch::Tensor> laye
               "decode_stack: no packed weights or 4 per layer expected");
   TORCH_CHECK(static_cast<int64_t>(weight_formats.size()) == kPackedPerLayer * num_layers,
               "decode_stack: 4 weight formats per layer expected");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == num_layers && static_cast<int64_t>(layer_groups.size()) ==
+              num_layers, "decode_stack: one window and one KV cache group per layer expected");
+  TORCH_CHECK(!block_tables.empty() && block_tables.size() == slot_mappings.size(),
+              "decode_stack: one slot mapping and block table per KV cache group expected");
+  for (const int64_t group : layer_groups)
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(block_tables.size()), "decode_stack: no such group");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32 && hidden.is_contiguous(),
               "decode_stack: contiguous float32 hidden [T, hidden] expected");
-  TORCH_CHECK(block_tables.size(0) == hidden.size(0) && seq_lens.size(0) == hidden.size(0),
+  TORCH_CHECK(block_tables[0].size(0) == hidden.size(0) && seq_lens.size(0) == hidden.size(0),
               "decode_stack: one token per request");
   const int64_t head_dim = kv_caches.empty() ? 0 : kv_caches[0].size(4);
-  const StepArgs args{positions, slot_mapping, cos_sin, block_tables, seq_lens, num_heads, num_kv_heads,
-                      head_dim,  native_rows,  eps, scale};
+  const StepArgs args{positions, cos_sin,     seq_lens, slot_mappings, block_tables, num_heads, num_kv_heads,
+                      head_dim,  native_rows, eps,      scale};
   torch::Tensor residual;
   for (int64_t i = 0; i < num_layers; ++i) {
     const torch::Tensor* packed = packed_weights.empty() ? nullptr : packed_weights.data() + i * kPackedPerLayer;
     hidden = layer(layer_weights.data() + i * kTensorsPerLayer, packed, weight_formats.data() + i * kPackedPerLayer,
-                   kv_caches[i], hidden, residual, args);
+                   kv_caches[i], windows[i], layer_groups[i], hidden, residual, args);
   }
   fused_add_rms_norm(hidden, residual, final_norm, eps);
   return hidden;

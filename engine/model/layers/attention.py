@@ -15,7 +15,11 @@ from engine.model.layers.rotary import RotaryEmbedding
 
 
 class SelfAttention(nn.Module):
-    """[T, hidden] -> [T, hidden]. HF ``q_proj``/``k_proj``/``v_proj`` load into ``qkv_proj`` shards q/k/v."""
+    """[T, hidden] -> [T, hidden]. HF ``q_proj``/``k_proj``/``v_proj`` load into ``qkv_proj`` shards q/k/v.
+
+    ``window``: a sliding window (each query attends its last ``window`` positions, its own included), or None
+    for full causal attention; the backend applies it. No default: whoever builds a layer says which
+    (``Architecture.attention_window(layer)``), so no model gets full attention by forgetting it."""
 
     def __init__(
         self,
@@ -26,6 +30,7 @@ class SelfAttention(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         *,
+        window: int | None,
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
@@ -47,6 +52,7 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.rotary = rotary  # shared by all layers; holds no parameters or buffers
         self.backend = backend
+        self.window = window
 
     def forward(
         self,
@@ -72,10 +78,12 @@ class SelfAttention(nn.Module):
             fused_cpu_ops(q).rotary_embedding_and_cache(
                 positions, q, k, v, table, kv_cache, attn_metadata.slot_mapping[:t]
             )
-            out = self.backend.forward(kv_cache, q, k, v, attn_metadata, self.scale, kv_is_written=True)
+            out = self.backend.forward(
+                kv_cache, q, k, v, attn_metadata, self.scale, kv_is_written=True, window=self.window
+            )
         else:
             q, k = self.rotary(positions, q, k, cos_sin)
-            out = self.backend.forward(kv_cache, q, k, v, attn_metadata, self.scale)  # [T, H*D]
+            out = self.backend.forward(kv_cache, q, k, v, attn_metadata, self.scale, window=self.window)  # [T, H*D]
         return self.o_proj(out, native_rows)
 
     def _can_fuse_rope_and_cache(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata) -> bool:

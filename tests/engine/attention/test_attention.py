@@ -12,14 +12,18 @@ from engine.attention.torch_paged import TorchPagedAttention
 from engine.kernels.cpu import load_cpu_kernels
 
 
-def _reference(q, k_full, v_full, ctx, scale):
-    """Dense causal attention of one request: q [Q, H, D] over k/v [S, Hk, D] -> [Q, H*D] (float64)."""
+def _reference(q, k_full, v_full, ctx, scale, window=None):
+    """Dense causal attention of one request: q [Q, H, D] over k/v [S, Hk, D] -> [Q, H*D] (float64); with a
+    ``window``, query position p sees keys p - window < k <= p only."""
     h, hk = q.shape[1], k_full.shape[1]
     k = k_full.double().repeat_interleave(h // hk, dim=1)  # [S, H, D]
     v = v_full.double().repeat_interleave(h // hk, dim=1)
     scores = torch.einsum("qhd,shd->hqs", q.double(), k) * scale  # [H, Q, S]
     q_pos = torch.arange(ctx, ctx + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(k_pos <= q_pos - window, float("-inf"))
     out = torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
     return out.reshape(q.shape[0], -1)
 
@@ -54,6 +58,7 @@ class Batch:
             self.v.append(torch.randn(seq, num_kv_heads, head_dim, generator=g).to(dtype))
             self.tables.append([free.pop() for _ in range(-(-seq // block_size))])
         self.q = [torch.randn(qlen, num_heads, head_dim, generator=g).to(dtype) for _, qlen in specs]
+        self.spare_block = free.pop()
         self._write_context()
 
     def _write_context(self):
@@ -67,14 +72,24 @@ class Batch:
             [q for _, q in self.specs], [c + q for c, q in self.specs], self.tables, self.block_size
         )
 
-    def run(self, scale=0.3):
+    def run(self, scale=0.3, window=None):
         md = self.metadata()
         new_k = torch.cat([k[c:] for k, (c, _) in zip(self.k, self.specs)])
         new_v = torch.cat([v[c:] for v, (c, _) in zip(self.v, self.specs)])
-        return self.backend.forward(self.cache, torch.cat(self.q), new_k, new_v, md, scale), md
+        return self.backend.forward(self.cache, torch.cat(self.q), new_k, new_v, md, scale, window=window), md
 
-    def reference(self, scale=0.3):
-        return torch.cat([_reference(q, k, v, c, scale) for q, k, v, (c, _) in zip(self.q, self.k, self.v, self.specs)])
+    def reference(self, scale=0.3, window=None):
+        return torch.cat(
+            [_reference(q, k, v, c, scale, window) for q, k, v, (c, _) in zip(self.q, self.k, self.v, self.specs)]
+        )
+
+    def free_blocks_before(self, window):
+        """What a sliding-window KV cache group does: the blocks wholly before every query's window are freed,
+        and may be another request's by now; here they all are one block full of NaN, so a read of one shows."""
+        for table, (ctx, _) in zip(self.tables, self.specs):
+            num_freed = max(0, ctx - window + 1) // self.block_size  # before the first new token's window
+            table[:num_freed] = [self.spare_block] * num_freed
+        self.cache[:, self.spare_block] = float("nan")
 
 
 MIXED = [(0, 7), (5, 1), (12, 6), (0, 1), (9, 1), (3, 5), (30, 1), (16, 16)]
@@ -101,13 +116,42 @@ def test_short_queries_go_to_the_native_kernel_as_one_row_per_token():
     new_k = torch.cat([k[c:] for k, (c, _) in zip(b.k, specs)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(b.v, specs)])
     out = b.backend.forward(b.cache, torch.cat(b.q), new_k, new_v, md, 0.3)
-    plan = md.backend_plan
+    plan = md.backend_plan[None]  # full attention's plan
     expected_lens = [4, *range(41, 46), 8, 9, 10, 1, *range(101, 109), 3, 4]  # each token's causal length
     assert plan.native_decode.seq_lens.tolist() == expected_lens
     assert [p.end - p.start for p in plan.prefills] == [9]  # longer than MAX_NATIVE_QUERY_LEN
     torch.testing.assert_close(out.double(), b.reference(), atol=1e-5, rtol=1e-5)
     _, md = b.run()  # not a speculative step: each query longer than one token is a prefill
-    assert len(md.backend_plan.native_decode.seq_lens) == 2 and len(md.backend_plan.prefills) == 5
+    assert len(md.backend_plan[None].native_decode.seq_lens) == 2 and len(md.backend_plan[None].prefills) == 5
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False], ids=["native-decode", "torch-decode"])
+@pytest.mark.parametrize("block_size,window", [(4, 6), (16, 20), (8, 1)])
+def test_a_sliding_window_matches_the_dense_masked_reference(block_size, window, use_cpu_kernel):
+    """Prefills (fresh and over a context), decodes and speculative rows, each query over its last ``window``
+    keys only; the blocks wholly before the windows are the null block, full of NaN, and never read."""
+    specs = [(0, 30), (5, 1), (37, 6), (0, 1), (61, 1), (3, 5), (100, 1), (16, 16), (44, 3)]
+    b = Batch(specs, block_size=block_size, num_blocks=160)
+    b.backend = TorchPagedAttention(use_cpu_kernel=use_cpu_kernel)
+    b.free_blocks_before(window)
+    out, md = b.run(window=window)
+    torch.testing.assert_close(out.double(), b.reference(window=window), atol=1e-5, rtol=1e-5)
+    md.max_verify_query_len = 8  # the same batch as a speculative step: short queries as decode rows
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(b.k, specs)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(b.v, specs)])
+    out = b.backend.forward(b.cache, torch.cat(b.q), new_k, new_v, md, 0.3, window=window)
+    torch.testing.assert_close(out.double(), b.reference(window=window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 24])  # the vector paths and the generic one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_decode_kernel_applies_a_window(head_dim, dtype):
+    specs = [(ctx, 1) for ctx in (0, 3, 15, 16, 17, 40, 63, 100)]
+    b = Batch(specs, head_dim=head_dim, block_size=16, dtype=dtype, num_blocks=128)
+    b.free_blocks_before(21)
+    out, _ = b.run(window=21)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), b.reference(window=21), atol=tolerance, rtol=tolerance)
 
 
 def test_decodes_first_and_small_decode_chunks():

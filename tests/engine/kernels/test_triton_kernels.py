@@ -118,6 +118,47 @@ def test_paged_prefill_attention_equals_the_reference(block_size, head_dim, num_
     assert relative_error(out, expected) < TOLERANCE[dtype]
 
 
+def poison_blocks_before(cache, block_tables, first_keys):
+    """A sliding-window group's freed blocks: each row's blocks wholly before its ``first_keys`` become one
+    extra block full of NaN (``cache`` gets it appended), so a kernel that reads one returns NaN."""
+    block_size = cache.shape[2]
+    poisoned = torch.cat([cache, torch.full_like(cache[:, :1], float("nan"))], dim=1)
+    tables = block_tables.clone()
+    for row, first_key in enumerate(first_keys):
+        tables[row, : first_key // block_size] = cache.shape[1]
+    return poisoned, tables
+
+
+@pytest.mark.parametrize("block_size, head_dim, num_heads, num_kv_heads, dtype", [SHAPES[1], SHAPES[3]])
+def test_windowed_decode_and_prefill_equal_the_references(block_size, head_dim, num_heads, num_kv_heads, dtype):
+    """A sliding window: each query over its last ``window`` keys; the blocks before them are never read."""
+    generator = torch.Generator().manual_seed(3)
+    window, scale = block_size + 5, head_dim**-0.5
+    requests = [(1, 1), (1, 9 * block_size + 7), (40, 40), (17, 17 + 3 * block_size), (1, 2 * block_size)]
+    query_lens, lens = [q for q, _ in requests], [s for _, s in requests]
+    max_blocks = max(-(-s // block_size) for s in lens)
+    cache = random_cache(1 + len(requests) * max_blocks, block_size, num_kv_heads, head_dim, dtype, generator)
+    block_tables = shuffled_block_tables(len(requests), max_blocks, generator)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    starts = torch.tensor([0] + list(itertools.accumulate(query_lens)), dtype=torch.int32, device=DEVICE)
+    tiles = triton_prefill.plan_prefill_tiles(query_lens, num_heads // num_kv_heads, DEVICE)
+    first_keys = [max(0, s - q - window + 1) for q, s in requests]  # each request's first query's window
+    poisoned, tables = poison_blocks_before(cache, block_tables, first_keys)
+    out = triton_prefill.paged_prefill_attention(query, poisoned, tables, starts, seq_lens, tiles, scale, window)
+    expected = triton_prefill.paged_prefill_attention_reference(
+        query, cache, block_tables, starts, seq_lens, scale, window
+    )
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+    decode_query = query[starts[1:].long() - 1]  # each request's last token, as a decode
+    poisoned, tables = poison_blocks_before(cache, block_tables, [max(0, s - window) for s in lens])
+    out = triton_decode.paged_decode_attention(decode_query, poisoned, tables, seq_lens, scale, 4, window)
+    expected = triton_decode.paged_decode_attention_reference(
+        decode_query, cache, block_tables, seq_lens, scale, window
+    )
+    assert relative_error(out, expected) < TOLERANCE[dtype]
+
+
 def test_prefill_tiles_cover_every_query_token_once():
     tiles = triton_prefill.plan_prefill_tiles([1, 20, 9, 3], queries_per_kv=7, device="cpu")
     assert tiles.queries_per_tile == 9  # 64 rows // 7 heads per KV head
@@ -129,21 +170,32 @@ def test_prefill_tiles_cover_every_query_token_once():
 def test_the_triton_backend_generates_the_torch_backends_greedy_tokens(tiny_checkpoint, arch):
     """The whole engine on the Triton backend: mixed prefill/decode steps, prompts chunked by a small token
     budget, prefix-cache hits (the prompts share prefixes): the same greedy tokens as the torch backend."""
+    tokens = {backend: _greedy_tokens(tiny_checkpoint(arch), backend) for backend in ("torch", "triton")}
+    assert tokens["triton"] == tokens["torch"]
+
+
+def test_the_triton_backend_keeps_sliding_windows_and_kv_cache_groups(tiny_checkpoint, tmp_path):
+    """Qwen2 with layer 0 full and layer 1 sliding (window 20, two KV cache groups) on prompts past the window."""
+    from tests.engine.test_llm_sliding_window import SLIDING, write_sliding_checkpoint
+
+    path = write_sliding_checkpoint(tiny_checkpoint("qwen2"), tmp_path / "qwen2", SLIDING["qwen2"])
+    tokens = {backend: _greedy_tokens(path, backend, (3, 40, 70, 45)) for backend in ("torch", "triton")}
+    assert tokens["triton"] == tokens["torch"]
+
+
+def _greedy_tokens(path: str, backend: str, lengths=(3, 17, 40, 21)) -> list[list[int]]:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    prompts = [{"prompt_token_ids": list(range(5, 5 + length))} for length in (3, 17, 40, 21)]
+    prompts = [{"prompt_token_ids": list(range(5, 5 + length))} for length in lengths]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens = {}
-    for backend in ("torch", "triton"):
-        llm = LLM(
-            tiny_checkpoint(arch),
-            attention_backend=backend,
-            max_model_len=128,
-            dtype="float32",
-            num_gpu_blocks_override=32,
-            max_num_seqs=4,
-            max_num_batched_tokens=16,
-        )
-        tokens[backend] = [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
-    assert tokens["triton"] == tokens["torch"]
+    llm = LLM(
+        path,
+        attention_backend=backend,
+        max_model_len=128,
+        dtype="float32",
+        num_gpu_blocks_override=32,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params)]

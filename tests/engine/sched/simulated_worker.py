@@ -115,9 +115,10 @@ class SimulatedWorker:
             assert new.req_id not in self.requests, f"{new.req_id} sent as new twice"
             num_hit_blocks = new.num_computed_tokens // self.block_size
             assert new.num_computed_tokens % self.block_size == 0, "prefix hits are whole blocks"
-            self.hit_blocks[new.req_id] = new.block_ids[:num_hit_blocks]
+            (block_ids,) = new.block_ids  # one KV cache group: full attention
+            self.hit_blocks[new.req_id] = block_ids[:num_hit_blocks]
             self.requests[new.req_id] = _ReqState(
-                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids), new.num_computed_tokens
+                list(new.prompt_token_ids) + list(new.output_token_ids), list(block_ids), new.num_computed_tokens
             )
         cached = output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -127,7 +128,7 @@ class SimulatedWorker:
             new_token_ids = cached.new_token_ids[i]
             assert state.token_ids[start : start + len(new_token_ids)] == new_token_ids[: len(state.token_ids) - start]
             state.token_ids[start : start + len(new_token_ids)] = new_token_ids
-            state.block_ids.extend(cached.new_block_ids[i])
+            state.block_ids.extend(cached.new_block_ids[i][0])
 
     def _write_kv(self, state: _ReqState, req_id: str, num_tokens: int) -> None:
         end = state.num_computed_tokens + num_tokens

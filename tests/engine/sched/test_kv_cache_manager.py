@@ -3,6 +3,7 @@ import pytest
 from engine.config import CacheConfig
 from engine.sampling_params import SamplingParams
 from engine.sched.block_hash import ROOT_HASH, get_hash_function, hash_block_tokens
+from engine.sched.kv_cache_groups import KVCacheGroup, kv_cache_groups, layer_slots
 from engine.sched.kv_cache_manager import KVCacheManager
 from engine.sched.request import Request
 
@@ -42,7 +43,7 @@ def test_hit_never_covers_the_last_token():
     run_prefill(manager, first)
     manager.free(first)
     blocks, num_hit = manager.get_computed_blocks(make_request("b", list(range(8))))
-    assert num_hit == 4 and len(blocks) == 1
+    assert num_hit == 4 and [len(group) for group in blocks] == [1]
 
 
 def test_salts_keep_tenants_apart():
@@ -92,8 +93,8 @@ def test_shared_blocks_are_reference_counted_and_integrity_detects_corruption():
     first, second = make_request("a", list(range(10))), make_request("b", list(range(10)))
     run_prefill(manager, first)
     run_prefill(manager, second)
-    shared = manager.req_to_blocks["a"][0]
-    assert shared is manager.req_to_blocks["b"][0] and shared.ref_cnt == 2
+    shared = manager.req_to_blocks["a"][0][0]  # group 0's first block
+    assert shared is manager.req_to_blocks["b"][0][0] and shared.ref_cnt == 2
     manager.check_integrity()
     shared.ref_cnt = 1
     with pytest.raises(AssertionError):
@@ -108,7 +109,7 @@ def test_shared_blocks_are_reference_counted_and_integrity_detects_corruption():
 def test_caching_disabled_never_hits():
     manager = make_manager(caching=False)
     run_prefill(manager, make_request("a", list(range(10))))
-    assert manager.get_computed_blocks(make_request("b", list(range(10)))) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", list(range(10)))) == (([],), 0)
 
 
 def test_lookahead_slots_are_allocated_but_never_hashed():
@@ -116,8 +117,95 @@ def test_lookahead_slots_are_allocated_but_never_hashed():
     # the blocks this step fills with known tokens enter the prefix cache (the rest are computed later).
     manager = KVCacheManager(CacheConfig(block_size=4, num_blocks=20))
     request = make_request("a", list(range(40)))
-    new_blocks = manager.allocate_slots(request, 8, num_lookahead_tokens=4)
+    (new_blocks,) = manager.allocate_slots(request, 8, num_lookahead_tokens=4)
     assert len(new_blocks) == 3  # 8 tokens + 4 lookahead slots
-    assert manager.num_cached_blocks["a"] == 2  # the two blocks the chunk fills, not the third
+    assert manager.num_cached_blocks["a"] == [2]  # the two blocks the chunk fills, not the third
     assert len(manager.block_pool.cached_blocks) == 2
+    manager.check_integrity()
+
+
+def test_layers_group_by_window_in_groups_of_equal_size():
+    # Gemma 3's pattern: five sliding layers per full one (here 12 layers: 2 full, 10 sliding).
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(12)]
+    groups = kv_cache_groups(windows)
+    assert [(g.window, g.layers) for g in groups] == [
+        (None, (5, 11)),
+        (512, (0, 1)),
+        (512, (2, 3)),
+        (512, (4, 6)),
+        (512, (7, 8)),
+        (512, (9, 10)),
+    ]
+    assert layer_slots(groups)[6] == (3, 1)  # layer 6: the fourth group's second slot
+    assert kv_cache_groups([None] * 4) == (KVCacheGroup(None, (0, 1, 2, 3)),)  # one group: no grouping at all
+
+
+def sliding_manager(num_blocks=40, caching=True):
+    """Blocks of 4 tokens; group 0 full attention, group 1 a window of 8 positions."""
+    groups = (KVCacheGroup(None, (0,)), KVCacheGroup(8, (1,)))
+    return KVCacheManager(CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching), groups)
+
+
+def run_in_chunks(manager, request, chunk):
+    blocks, num_hit = manager.get_computed_blocks(request)
+    request.num_computed_tokens = 0
+    assert manager.allocate_slots(request, min(chunk, request.num_tokens - num_hit), num_hit, blocks) is not None
+    request.num_computed_tokens = min(num_hit + chunk, request.num_tokens)
+    held = []
+    while request.num_computed_tokens < request.num_tokens:
+        num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
+        assert manager.allocate_slots(request, num_new) is not None
+        request.num_computed_tokens += num_new
+        held.append(
+            [
+                sum(1 for b in blocks if b is not manager.block_pool.null_block)
+                for blocks in manager.req_to_blocks[request.request_id]
+            ]
+        )
+        manager.check_integrity()
+    return num_hit, held
+
+
+def test_a_sliding_group_returns_the_blocks_its_window_left_behind():
+    manager = sliding_manager()
+    request = make_request("a", list(range(40)))
+    _, held = run_in_chunks(manager, request, chunk=3)
+    # The full group keeps every block; the sliding one the window's (7 keys back) and the chunk's: at most 4.
+    assert [full for full, _ in held] == [-(-n // 4) for n in range(6, 40, 3)] + [10]
+    assert max(sliding for _, sliding in held) == 4 and held[-1][1] <= 4
+    full_ids, sliding_ids = manager.get_block_ids("a")
+    assert 0 not in full_ids and sliding_ids[:6] == [0] * 6  # freed: the null block in their places
+    manager.free(request)
+    manager.check_integrity()
+    assert manager.block_pool.num_free_blocks == 39
+
+
+def finished_sliding_prompt(manager):
+    """A 30-token prompt run in chunks of 4 and freed: 8 blocks per group, all cached, in the free queue from
+    its head: sliding blocks 0-4 (dropped as it ran), full blocks 7..0, then sliding blocks 7..5."""
+    first = make_request("a", list(range(30)))
+    run_in_chunks(manager, first, chunk=4)
+    full, sliding = manager.req_to_blocks["a"]
+    manager.free(first)
+    return full, sliding
+
+
+def test_a_prefix_hit_needs_only_the_sliding_blocks_its_window_reads():
+    manager = sliding_manager(num_blocks=17)  # just what the prompt held
+    full, sliding = finished_sliding_prompt(manager)
+    manager.allocate_slots(make_request("x", list(range(100, 104))), 4)  # a block per group: evicts two
+    blocks, num_hit = manager.get_computed_blocks(make_request("c", list(range(30))))
+    assert num_hit == 28  # 7 blocks: the last token's logits are computed
+    null = manager.block_pool.null_block
+    assert blocks[0] == full[:7]
+    assert blocks[1] == [null] * 5 + sliding[5:7]  # the window (7 keys back) reads blocks 5 and 6 only
+
+
+def test_a_prefix_hit_counts_only_where_every_group_has_what_its_window_reads():
+    manager = sliding_manager(num_blocks=17)
+    full, _ = finished_sliding_prompt(manager)
+    manager.allocate_slots(make_request("x", list(range(100, 116))), 16)  # 4 blocks per group: evicts eight
+    assert [manager.block_pool.get_cached_block(b.block_hash) for b in full[:5]] == full[:5]  # full blocks 0-4
+    blocks, num_hit = manager.get_computed_blocks(make_request("c", list(range(30))))
+    assert num_hit == 0 and blocks == ([], [])  # no prefix has its sliding blocks: none counts
     manager.check_integrity()

@@ -1,7 +1,10 @@
 """The scheduler side of KV transfer, driven by hand-made runner outputs, no model and no transport."""
 
+import pytest
+
 from engine.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_cache_groups import KVCacheGroup
 from engine.sched.kv_transfer import KVHandle, KVTransferOutput
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
@@ -62,7 +65,7 @@ def test_the_decode_side_loads_all_but_the_last_prompt_token_and_computes_that_o
     assert output.scheduled_new_reqs[0].num_computed_tokens == 39
     (load,) = output.kv_connector_metadata.loads
     assert load.src_block_indices == [0, 1, 2]
-    assert load.dst_block_ids == output.scheduled_new_reqs[0].block_ids[:3]
+    assert load.dst_block_ids == output.scheduled_new_reqs[0].block_ids[0][:3]
     assert results["a"].new_token_ids == [7]  # the first token is sampled here, not taken from the prefill
     step(scheduler)
     _, results = step(scheduler)
@@ -118,7 +121,7 @@ def test_the_prefill_side_saves_when_the_prompt_completes_and_returns_the_handle
     output = scheduler.schedule()
     (save,) = output.kv_connector_metadata.saves
     assert save.num_tokens == 70
-    assert save.block_ids == scheduler.kv_cache_manager.get_block_ids("p") and len(save.block_ids) == 5
+    assert save.block_ids == scheduler.kv_cache_manager.get_block_ids("p")[0] and len(save.block_ids) == 5
     handle = handle_for(70)
     results = scheduler.update_from_output(
         output, ModelRunnerOutput(["p"], [[7]], kv_transfer_output=KVTransferOutput(saved={"p": handle}))
@@ -148,3 +151,15 @@ def test_a_handle_saved_for_a_request_aborted_during_the_step_is_dropped():
         output, ModelRunnerOutput(["p"], [[7]], kv_transfer_output=KVTransferOutput(saved={"p": handle_for(40)}))
     )
     assert results == [] and not scheduler.kv_connector._handles
+
+
+def test_a_sliding_window_model_is_refused():
+    """KV transfer moves one block table of full attention; a model of sliding groups has more to move."""
+    groups = (KVCacheGroup(None, (0,)), KVCacheGroup(16, (1,)))
+    with pytest.raises(ValueError, match="not a sliding-window model's"):
+        Scheduler(
+            SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256),
+            CacheConfig(block_size=BLOCK, num_blocks=64),
+            KVTransferConfig(kv_role="kv_consumer"),
+            kv_cache_groups=groups,
+        )

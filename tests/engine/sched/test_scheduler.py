@@ -263,11 +263,11 @@ def test_new_blocks_are_shipped_as_deltas():
     scheduler = make_scheduler(block_size=4)
     add(scheduler, "a", 4, max_tokens=6)
     output, _ = step(scheduler)
-    assert len(output.scheduled_new_reqs[0].block_ids) == 1
+    assert [len(ids) for ids in output.scheduled_new_reqs[0].block_ids] == [1]  # one list per KV cache group
     output, _ = step(scheduler)  # token 5 needs a second block
-    assert len(output.scheduled_cached_reqs.new_block_ids[0]) == 1
+    assert [len(ids) for ids in output.scheduled_cached_reqs.new_block_ids[0]] == [1]
     output, _ = step(scheduler)
-    assert output.scheduled_cached_reqs.new_block_ids == [[]]
+    assert output.scheduled_cached_reqs.new_block_ids == [([],)]
 
 
 def test_an_engine_core_output_pickles_to_an_equal_one():

@@ -80,3 +80,43 @@ def test_mixed_and_oversized_steps_are_left_to_eager(model):
     too_big = build_attention_metadata([1, 1, 1], [2, 2, 2], [[1], [2], [3]], BLOCK_SIZE, DEVICE)
     assert not runner.fits(mixed) and not runner.fits(too_big)
     assert runner.padded_size(1) == 1 and runner.padded_size(2) == 2
+
+
+def _grouped_metadata(query_lens, seq_lens, tables_per_group):
+    """One step's metadata with each KV cache group's own block tables (group 0's, the others its views)."""
+    metadata, *views = [
+        build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, device=DEVICE) for tables in tables_per_group
+    ]
+    metadata.group_views = tuple(views)
+    return metadata
+
+
+def test_each_kv_cache_group_replays_with_its_own_block_tables(tiny_checkpoint, tmp_path):
+    """Qwen2 with a full and a sliding layer (two groups, sharing one cache tensor): a decode step through the
+    runner's per-group static buffers equals the eager forward, and writes the same slots."""
+    from tests.engine.test_llm_sliding_window import SLIDING, write_sliding_checkpoint
+
+    path = write_sliding_checkpoint(tiny_checkpoint("qwen2"), tmp_path / "qwen2", SLIDING["qwen2"])
+    model = get_model(path, dtype=torch.float32, device=DEVICE, attn_backend="triton")
+    assert len(model.kv_cache_groups) == 2
+    rng, lengths, max_blocks = random.Random(1), [30, 45], MAX_MODEL_LEN // BLOCK_SIZE
+    tables = [
+        [list(range(1 + (2 * g + i) * max_blocks, 1 + (2 * g + i + 1) * max_blocks)) for i in range(2)]
+        for g in range(2)
+    ]
+    kv_caches = model.make_kv_caches(1 + 4 * max_blocks, BLOCK_SIZE)
+    ids = torch.tensor([rng.randrange(5, 512) for _ in range(sum(lengths))], device=DEVICE)
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(DEVICE)
+    model(ids, positions, kv_caches, _grouped_metadata(lengths, lengths, tables))
+    runner = DecodeGraphRunner(
+        model, kv_caches, [1, 4], max_blocks, MAX_MODEL_LEN, torch.device(DEVICE), use_cuda_graphs=DEVICE == "cuda"
+    )
+    runner.capture()
+    metadata = _grouped_metadata([1, 1], [n + 1 for n in lengths], tables)
+    ids, positions = torch.tensor([7, 9], device=DEVICE), torch.tensor(lengths, device=DEVICE)
+    clones = {id(cache): cache.clone() for cache in kv_caches}  # the layers share one tensor: so do the clones
+    eager_caches = [clones[id(cache)] for cache in kv_caches]
+    expected = model(ids, positions, eager_caches, metadata)
+    torch.testing.assert_close(runner.replay(ids, positions, metadata), expected, rtol=1e-5, atol=1e-5)
+    for cache, eager_cache in zip(kv_caches, eager_caches):
+        torch.testing.assert_close(cache, eager_cache, rtol=1e-5, atol=1e-6)

@@ -18,7 +18,7 @@ BLOCK_SIZE = 4
 def _new_request_step(
     req_id: str, prompt: list[int], block_ids: list[int], num_computed: int, num_scheduled: int
 ) -> SchedulerOutput:
-    new = NewRequestData(req_id, prompt, [], SamplingParams(temperature=0.0), block_ids, num_computed)
+    new = NewRequestData(req_id, prompt, [], SamplingParams(temperature=0.0), (block_ids,), num_computed)
     return SchedulerOutput([new], CachedRequestData(), {req_id: num_scheduled}, num_scheduled, set(), set())
 
 
@@ -51,10 +51,10 @@ def test_deltas_write_tokens_and_blocks_and_finished_requests_free_their_slot():
     batch.apply_deltas(_new_request_step("a", [1, 2, 3], [2], num_computed=0, num_scheduled=3))
     batch.advance(batch.prepare_inputs({"a": 3}))
     batch.append_sampled_tokens(["a"], [9])
-    cached = CachedRequestData(["a"], [[9]], [[6]], [3])
+    cached = CachedRequestData(["a"], [[9]], [([6],)], [3])
     batch.apply_deltas(SchedulerOutput([], cached, {"a": 1}, 1, set(), set()))
     assert batch.requests["a"].token_ids == [1, 2, 3, 9]
-    assert batch.block_table.table[batch.requests["a"].slot, :2].tolist() == [2, 6]
+    assert batch.block_table.table[0, batch.requests["a"].slot, :2].tolist() == [2, 6]  # group 0
     slot = batch.requests["a"].slot
     batch.apply_deltas(SchedulerOutput([], CachedRequestData(), {}, 0, set(), {"a"}))
     assert "a" not in batch.requests
