@@ -16,7 +16,9 @@
 #   q4_k_m     SmolLM2 as users download it: llama.cpp's quantizer (../shared/peers/quantize_gguf.sh Q4_K_M) on the
 #              converter's float32 file (its widths are not multiples of 256: Q5_0 and Q8_0 blocks);
 #   1b_q8_0, 1b_q4_k_m   `serval make-model --size 1b` (Llama-3.2-1B's shapes, random weights, SmolLM2's
-#              tokenizer; 4.3 GB of float32), converted and quantized the same way (Q4_K, Q6_K, ... blocks).
+#              tokenizer; 4.3 GB of float32), converted and quantized the same way (Q4_K, Q6_K, ... blocks);
+#   gemma3     models/gemma3-270m.gguf, the registry's Gemma 3 270M as llama.cpp's quantizer wrote it (Q4_K_M:
+#              Q5_0, Q8_0, Q4_K, Q6_K), `make models`; the bench client reads its tokenizer from models/gemma3-270m.
 # llama-server runs with --parallel set
 # to the load's concurrency. Serval serves configs/serve/default.yaml with model_source set to the file and, on a
 # GGUF file, kv_cache_dtype KV_CACHE_DTYPE (default float16: llama-server's own default K and V type; "auto" for
@@ -60,12 +62,19 @@ if [[ ${ISA:-native} == avx2 ]]; then
   .venv/bin/python -m engine.kernels.cpu >&2  # the x86-64-v3 build, before the replicas need it
 fi
 
-checkpoint_of() { [[ $1 == 1b_* ]] && echo "$FILES_DIR/llama-1b" || echo "$PWD/models/$MODEL_ID"; }
+checkpoint_of() {
+  case $1 in
+    1b_*) echo "$FILES_DIR/llama-1b" ;;
+    gemma3) echo "$PWD/models/gemma3-270m" ;;
+    *) echo "$PWD/models/$MODEL_ID" ;;
+  esac
+}
 gguf_of() {  # gguf_of FILE -> its path
   case $1 in
     q4_1) echo "$PWD/models/$MODEL_ID.gguf" ;;
     q8_0 | q4_k_m) echo "$FILES_DIR/$MODEL_ID.$1.gguf" ;;
     1b_q8_0 | 1b_q4_k_m) echo "$FILES_DIR/llama-1b.${1#1b_}.gguf" ;;
+    gemma3) echo "$PWD/models/gemma3-270m.gguf" ;;
     *) echo "unknown file $1" >&2; exit 2 ;;
   esac
 }
@@ -73,6 +82,7 @@ make_file() {  # make_file FILE: writes gguf_of FILE where it is missing (minute
   local path dir f32
   path=$(gguf_of "$1") dir=$(checkpoint_of "$1")
   [[ -f $path ]] && return
+  [[ $1 == gemma3 ]] && { echo "$path is missing: make models writes it" >&2; exit 2; }
   echo "making $path ..." >&2
   if [[ $1 == 1b_* && ! -f $dir/config.json ]]; then
     .venv/bin/serval make-model "$dir" --size 1b --threads 2 >&2
