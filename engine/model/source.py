@@ -157,14 +157,19 @@ def _not_a_model(path: str) -> str:
     return f"{path!r} does not exist: a model is a Hugging Face checkpoint directory or a .gguf file.{hint}"
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template: str | None = None):
     """The tokenizer of the model (or tokenizer directory) at ``path``: a .gguf file's embedded one, else
-    ``AutoTokenizer.from_pretrained`` (a tokenizer directory needs no config.json)."""
+    ``AutoTokenizer.from_pretrained`` (a tokenizer directory needs no config.json); ``chat_template``
+    (``ModelConfig.chat_template``), when given, replaces its own."""
     if is_gguf_path(path):
-        return open_model_source(path).load_tokenizer()
-    from transformers import AutoTokenizer
+        tokenizer = open_model_source(path).load_tokenizer()
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 # generation_config.json's sampling keys -> SamplingParams' names (vLLM's ``--generation-config auto``).
