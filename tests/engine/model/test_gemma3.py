@@ -112,3 +112,22 @@ def test_attention_softcapping_is_refused(tmp_path):
     make_gemma3(tmp_path, attn_logit_softcapping=50.0)
     with pytest.raises(NotImplementedError, match="attn_logit_softcapping=50.0: no attention backend caps"):
         get_model(str(tmp_path), torch.float32)
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_a_single_kv_head_is_replicated_under_tensor_parallelism(tmp_path, tp_rank):
+    """Gemma 3 270M has one KV head: under TP=2 each rank holds it whole beside its half of the q heads."""
+    hf = make_gemma3(tmp_path)
+    model = get_model(str(tmp_path), torch.float32, tp_rank=tp_rank, tp_size=2)
+    attn, weights = model.model.layers[0].self_attn, hf.state_dict()
+    q = 2 * 32  # 2 of 4 q heads of dim 32
+    want = torch.cat(
+        [
+            weights["model.layers.0.self_attn.q_proj.weight"][tp_rank * q : (tp_rank + 1) * q],
+            weights["model.layers.0.self_attn.k_proj.weight"],
+            weights["model.layers.0.self_attn.v_proj.weight"],
+        ]
+    )
+    assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+    torch.testing.assert_close(attn.qkv_proj.weight, want, rtol=0, atol=0)
+    torch.testing.assert_close(attn.k_norm.weight, weights["model.layers.0.self_attn.k_norm.weight"], rtol=0, atol=0)
