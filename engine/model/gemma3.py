@@ -75,13 +75,13 @@ class Gemma3Model(LlamaModel):
 
     def __init__(self, cfg: Architecture, backend: AttentionBackend, *args, **kwargs):
         super().__init__(cfg, backend, *args, **kwargs)
-        self.embed_scale = cfg.hidden_size**0.5
+        # transformers multiplies in the model's dtype (built under it: get_model's default dtype), by the scale
+        # rounded to it (bfloat16: 25.25 for 640).
+        self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5).to(torch.get_default_dtype()))
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None):
         if intermediate is None:
-            hidden = self.embed_tokens(input_ids)
-            # transformers multiplies in the model's dtype, by the scale rounded to it (bfloat16: 25.25 for 640).
-            intermediate = (hidden * torch.tensor(self.embed_scale).to(hidden.dtype), None)
+            intermediate = (self.embed_tokens(input_ids) * self.embed_scale, None)
         return super().forward(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
 

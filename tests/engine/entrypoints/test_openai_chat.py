@@ -219,15 +219,14 @@ def test_a_model_without_a_chat_template_refuses_chats_unless_given_one(model_pa
 
 
 def test_the_servers_chat_template_file_replaces_the_tokenizers(model_path, templateless_tokenizer, tmp_path):
-    """``--chat-template FILE`` (ModelConfig.chat_template): read once into the config, then every chat uses it."""
-    from engine.engine_args import EngineArgs
+    """``--chat-template FILE`` (ModelConfig.chat_template): the tokenizer loads with it, so every chat uses it."""
+    from engine.model.source import load_tokenizer
 
     template_file = tmp_path / "template.jinja"
     template_file.write_text(TEMPLATE)
-    config = EngineArgs(model=model_path, chat_template=str(template_file)).create_engine_config()
-    assert config.model_config.chat_template == TEMPLATE
+    assert load_tokenizer(templateless_tokenizer, TEMPLATE).chat_template == TEMPLATE
     with pytest.raises(ValueError, match="is no Jinja template and no readable file"):
-        EngineArgs(model=model_path, chat_template=str(tmp_path / "missing.jinja")).create_engine_config()
+        load_tokenizer(templateless_tokenizer, str(tmp_path / "missing.jinja"))
     engine, server = _serve_templateless(model_path, templateless_tokenizer, chat_template=str(template_file))
     with server:
         response = _chat(server.base_url)

@@ -111,6 +111,9 @@ def test_the_dequantized_engine_continues_as_transformers(dequantized, hf_model)
     assert list(output.outputs[0].token_ids) == _hf_greedy(hf_model, prompt_ids, 24)
     [france] = dequantized.generate([FRANCE], greedy(16), use_tqdm=False)
     assert france.outputs[0].text.startswith(" the capital of the country of France. It is the largest city in France")
+    # Streamed detokenization of byte-fallback and multi-byte tokens equals a one-shot decode.
+    [cjk] = dequantized.generate(["日本語のテキストと한국어"], greedy(16), use_tqdm=False)
+    assert cjk.outputs[0].text == tokenizer.decode(cjk.outputs[0].token_ids, skip_special_tokens=True)
     assert_pool_clean(dequantized)
 
 
