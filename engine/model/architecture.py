@@ -3,9 +3,9 @@
 ``Architecture`` is the only view of the HF config the rest of the engine
 sees: a frozen dataclass with every field the model code, the KV cache sizing
 and the tokenizer glue need, normalised across transformers 4.x / 5.x spellings
-(5.x writes ``rope_parameters`` holding ``rope_theta``; 4.x writes top-level
-``rope_theta`` plus an optional ``rope_scaling`` dict, sometimes with ``type``
-instead of ``rope_type``).
+(5.x writes ``rope_parameters`` holding ``rope_theta``, per layer type for Gemma 3;
+4.x writes top-level ``rope_theta`` plus an optional ``rope_scaling`` dict, sometimes
+with ``type`` instead of ``rope_type``, and Gemma 3's ``rope_local_base_freq``).
 """
 
 from __future__ import annotations
