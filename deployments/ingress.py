@@ -86,7 +86,8 @@ class RayModelRouter:
         info = await self.servers[model_id].routing_info.remote()
         if not info["kv_routed"]:
             return None
-        return PromptTokenizer(await asyncio.to_thread(load_tokenizer, info["tokenizer_path"]))
+        tokenizer = await asyncio.to_thread(load_tokenizer, info["tokenizer_path"], info["chat_template"])
+        return PromptTokenizer(tokenizer)
 
     async def _routing_kwargs(self, model_id: str, endpoint: Endpoint, request: BaseModel) -> dict[str, Any]:
         if not endpoint.generates:

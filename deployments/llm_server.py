@@ -134,8 +134,9 @@ class LLMServer:
 
     async def routing_info(self) -> dict:
         """What the ingress needs to give ``KVAwareRouter`` its hints: whether this deployment uses it,
-        and the tokenizer to tokenize prompts with."""
-        return {"kv_routed": self.kv_routed, "tokenizer_path": self.tokenizer_path}
+        and the tokenizer to tokenize prompts with (and the chat template that replaces its own, if any)."""
+        chat_template = self.engine.model_config.chat_template
+        return {"kv_routed": self.kv_routed, "tokenizer_path": self.tokenizer_path, "chat_template": chat_template}
 
     def record_routing_stats(self) -> dict:
         """Serve polls this every ``request_routing_stats_period_s`` and hands the result to every

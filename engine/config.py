@@ -1,11 +1,9 @@
 """Engine configuration: one frozen, validated model per concern.
 
-Every config rejects unknown keys (``extra="forbid"``) so a typo in a YAML
-file is an error at deploy time instead of a silently ignored setting. Each
-engine knob's type, default, bounds and one-line description are declared
-here and only here: ``EngineArgs`` (the keys a user writes) is generated from
-these fields (``engine/engine_args.py``, which lists the few vLLM names that
-differ from the field names).
+Every config rejects unknown keys (``extra="forbid"``) so a typo in a YAML file is an error at deploy time
+instead of a silently ignored setting. Each engine knob's type, default, bounds and one-line description are
+declared here and only here: ``EngineArgs`` (the keys a user writes) is generated from these fields
+(``engine/engine_args.py``, which lists the few vLLM names that differ from the field names).
 """
 
 from __future__ import annotations
@@ -107,6 +105,7 @@ class ModelConfig(_FrozenConfig):
         "Q5_0/1, Q4_K, Q5_K, Q6_K); int8: a float checkpoint's linears quantized to Q8_0 as they load (vLLM's "
         "W8A16 idea); none: every weight dequantized to dtype; None: gguf for a .gguf file of blocks, else none.",
     )
+    chat_template: str | None = Field(None, description="A Jinja chat template, or its file, over the tokenizer's.")
     seed: int = Field(0, description="Seed of the sampler's random draws.")
     reasoning_parser: ReasoningParserName | None = Field(
         None, description="How the model marks its reasoning (<think>...</think>: engine/reasoning.py); None: none."

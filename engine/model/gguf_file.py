@@ -9,7 +9,9 @@ parameter's ``weight_loader`` to the engine's dtype.
   (``model.layers.N.self_attn.q_proj.weight``) by ``GGUF_TO_HF``; a name it does not know is passed on
   unchanged, so the loader reports it as unexpected.
 * llama.cpp's converter permutes the rows of a Llama's q and k projections (its rope pairs neighbouring
-  dimensions, Hugging Face's pairs the two halves); ``_unpermute`` undoes it, as transformers does.
+  dimensions, Hugging Face's pairs the two halves); ``_unpermute`` undoes it, as transformers does. It leaves
+  Gemma's alone, but stores Gemma's norm weights as 1 + w (its ``norm_shift``): 1 is taken off again, as
+  transformers does, so that the model's norms compute Hugging Face's x * (1 + w).
 * Types: those the ``gguf`` package dequantizes (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants
   and others it lists); any other raises ``ValueError`` naming the tensor and its type before anything loads.
   Tensors stored as Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 can also be read as their block bytes (``stored_types``,
@@ -24,6 +26,7 @@ import mmap
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -38,6 +41,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose q/k rows llama.cpp's converter permuted (its LlamaModel and subclasses).
 _PERMUTED_QK = frozenset({"llama", "mistral"})
@@ -60,6 +64,16 @@ GGUF_BLOCK_TO_HF = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's block tensors differ from the above (Gemma's four norms a layer).
+GGUF_ARCH_BLOCK_TO_HF = {
+    "gemma3": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Architectures whose norm weights llama.cpp's converter stored as 1 + w.
+_SHIFTED_NORMS = frozenset({"gemma3"})
 # Tensors a GGUF file may carry that the config already expresses (llama3's rope frequencies).
 _SKIPPED = frozenset({"rope_freqs.weight"})
 # GGUF's general.sampling.* keys -> generation_config.json's names.
@@ -74,13 +88,15 @@ _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _UNQUANTIZED = {"F32": np.float32, "F16": np.float16}
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; unknown names unchanged."""
+def hf_tensor_name(gguf_name: str, architecture: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (in ``architecture``, llama.cpp's
+    name); unknown names unchanged."""
     match = _BLOCK_NAME.match(gguf_name)
     if match is not None:
         index, part, kind = match.groups()
-        if part in GGUF_BLOCK_TO_HF:
-            return f"model.layers.{index}.{GGUF_BLOCK_TO_HF[part]}.{kind}"
+        parts = {**GGUF_BLOCK_TO_HF, **GGUF_ARCH_BLOCK_TO_HF.get(architecture, {})}
+        if part in parts:
+            return f"model.layers.{index}.{parts[part]}.{kind}"
         return gguf_name
     stem, _, kind = gguf_name.rpartition(".")
     return f"{GGUF_TO_HF[stem]}.{kind}" if stem in GGUF_TO_HF else gguf_name
@@ -98,11 +114,35 @@ def _free_parse() -> None:
     gc.collect()
 
 
-def _drop_pages(reader, tensor) -> None:
+@dataclass(frozen=True)
+class _StoredTensor:
+    """Where one tensor lies in the file, kept from the first parse (``iter_weights`` maps its bytes with no
+    parse of its own)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: the fastest-varying dim first
+    data_offset: int
+    n_bytes: int
+
+    def data(self, mapping: np.ndarray) -> np.ndarray:
+        """Its values (F32, F16) or block bytes [..., row bytes] in ``mapping`` (the file's bytes), as a
+        ``gguf.GGUFReader`` tensor's ``data``: rows first."""
+        from gguf.quants import quant_shape_to_byte_shape
+
+        raw = mapping[self.data_offset : self.data_offset + self.n_bytes]
+        rows_first = tuple(reversed(self.shape))
+        kind = self.tensor_type.name
+        if kind in _UNQUANTIZED:
+            return raw.view(_UNQUANTIZED[kind]).reshape(rows_first)
+        return raw.reshape(quant_shape_to_byte_shape(rows_first, self.tensor_type))
+
+
+def _drop_pages(mapping: np.memmap, tensor: _StoredTensor) -> None:
     """Unmaps ``tensor``'s bytes, read, from this process: its resident memory would otherwise hold the whole
     file beside the weights read out of it until the reader goes. The page cache keeps them; a read maps them
     back."""
-    mapping = getattr(reader.data, "_mmap", None)  # numpy's memmap of the whole file, from offset 0
+    mapping = getattr(mapping, "_mmap", None)  # numpy's memmap of the whole file, from offset 0
     if mapping is None or not hasattr(mapping, "madvise"):
         return
     start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
@@ -112,11 +152,12 @@ def _drop_pages(reader, tensor) -> None:
 class GGUFFile:
     """A ``.gguf`` file read as a model source (see the module docstring); metadata is read once.
 
-    What it keeps of the parse is small: the single-valued fields and each tensor's name and type. A parsed
-    ``gguf.GGUFReader`` costs far more than the file's metadata (about 166 MB for SmolLM2's 98 MB file: a
-    numpy view per token of its vocabulary and merges), and an open file is cached for the process's life
-    (``engine.model.source``); each later parse (``iter_weights``, transformers' config and tokenizer) is
-    freed before the next one starts (``_free_parse``), so that no two are held at once."""
+    What it keeps of the parse is small: the single-valued fields and each tensor's name, type, shape and
+    place. A parsed ``gguf.GGUFReader`` costs far more than the file's metadata (about 166 MB for SmolLM2's
+    98 MB file: a numpy view per token of its vocabulary and merges; seconds to build for Gemma's 262,144
+    tokens), and an open file is cached for the process's life (``engine.model.source``); each later parse
+    (transformers' config and tokenizer) is freed before the next one starts (``_free_parse``), so that no two
+    are held at once."""
 
     def __init__(self, path: str) -> None:
         import gguf
@@ -124,7 +165,10 @@ class GGUFFile:
         self.path = path
         reader = gguf.GGUFReader(path)
         self._fields = {key: field.contents() for key, field in reader.fields.items() if len(field.data) == 1}
-        self._tensors = [(tensor.name, tensor.tensor_type) for tensor in reader.tensors]
+        self._tensors = [
+            _StoredTensor(t.name, t.tensor_type, tuple(int(n) for n in t.shape), int(t.data_offset), int(t.n_bytes))
+            for t in reader.tensors
+        ]
         del reader
         _free_parse()
         self._check_types()
@@ -139,10 +183,11 @@ class GGUFFile:
     def _check_types(self) -> None:
         from gguf.quants import _type_traits
 
-        for tensor_name, kind in self._tensors:
+        for tensor in self._tensors:
+            kind = tensor.tensor_type
             if kind.name not in _UNQUANTIZED and kind not in _type_traits:
                 raise ValueError(
-                    f"{self.path}: tensor {tensor_name!r} is stored as GGUF type {kind.name}, which Serval "
+                    f"{self.path}: tensor {tensor.name!r} is stored as GGUF type {kind.name}, which Serval "
                     f"cannot dequantize (supported: F32, F16, {', '.join(t.name for t in _type_traits)})."
                 )
 
@@ -185,7 +230,8 @@ class GGUFFile:
 
     def stored_types(self) -> dict[str, str]:
         """Hugging Face name -> its GGUF tensor type (``Q4_K``, ``F32``, ...)."""
-        return {hf_tensor_name(name): kind.name for name, kind in self._tensors if name not in _SKIPPED}
+        arch = self.gguf_architecture
+        return {hf_tensor_name(t.name, arch): t.tensor_type.name for t in self._tensors if t.name not in _SKIPPED}
 
     def iter_weights(
         self, name_filter: Callable[[str], bool] | None = None, blocks: Mapping[str, QuantType] = {}
@@ -193,50 +239,50 @@ class GGUFFile:
         """(Hugging Face name, CPU tensor), one tensor at a time, in the file's order: float32 values, or
         block bytes for the names in ``blocks`` (as stored, or quantized from the dequantized values).
 
-        The tensors are read through a reader of their own, dropped at the end, and each tensor's pages are
-        unmapped once it is read: the file is never resident beside the weights."""
-        import gguf
+        The tensors are read through a mapping of the file of their own, dropped at the end, and each tensor's
+        pages are unmapped once it is read: the file is never resident beside the weights."""
         from tqdm import tqdm
 
-        permuted = self.gguf_architecture in _PERMUTED_QK
+        arch = self.gguf_architecture
+        permuted, shifted_norms = arch in _PERMUTED_QK, arch in _SHIFTED_NORMS
         heads = {
             "q_proj": self.hf_config["num_attention_heads"],
             "k_proj": self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"],
         }
-        reader = gguf.GGUFReader(self.path)
-        tensors = tqdm(reader.tensors, desc=f"Reading {os.path.basename(self.path)}", unit="tensor")
+        mapping = np.memmap(self.path, mode="r")
+        tensors = tqdm(self._tensors, desc=f"Reading {os.path.basename(self.path)}", unit="tensor")
         for tensor in tensors:
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, arch)
             if tensor.name in _SKIPPED or (name_filter is not None and not name_filter(name)):
                 continue
-            values = self._read(tensor, blocks.get(name))  # a copy
-            _drop_pages(reader, tensor)
+            values = self._read(tensor, tensor.data(mapping), blocks.get(name))  # a copy
+            _drop_pages(mapping, tensor)
             projection = name.split(".")[-2]
             if permuted and projection in heads:
                 values = _unpermute(values, heads[projection])  # rows: of values or of blocks alike
+            if shifted_norms and name.endswith("norm.weight"):
+                values = values - np.float32(1)  # float32 norms, never blocks (the quantization plan's)
             yield name, torch.from_numpy(np.ascontiguousarray(values))
-        del reader, tensors
-        _free_parse()
+        del mapping, tensors
 
     @classmethod
-    def _read(cls, tensor, qtype: QuantType | None) -> np.ndarray:
+    def _read(cls, tensor: _StoredTensor, data: np.ndarray, qtype: QuantType | None) -> np.ndarray:
         """The tensor as float32 values, or as ``qtype``'s block bytes [rows, row_bytes] when asked."""
         if qtype is not None and QuantType.of_gguf(tensor.tensor_type.name) is qtype:
-            return np.array(tensor.data).reshape(int(tensor.shape[-1]), -1)  # a copy: the file is read-only
-        values = cls._dequantize(tensor)
+            return np.array(data).reshape(tensor.shape[-1], -1)  # a copy: the file is read-only
+        values = cls._dequantize(tensor, data)
         return values if qtype is None else quantize(torch.from_numpy(values), qtype).numpy()
 
     @staticmethod
-    def _dequantize(tensor) -> np.ndarray:
+    def _dequantize(tensor: _StoredTensor, data: np.ndarray) -> np.ndarray:
         """The tensor's values as float32, in Hugging Face's (rows, columns) order."""
         from gguf.quants import dequantize
 
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest-varying dim first
-        kind = tensor.tensor_type.name
-        if kind in _UNQUANTIZED:
-            values = np.asarray(tensor.data).view(_UNQUANTIZED[kind]).astype(np.float32)
+        shape = tuple(reversed(tensor.shape))  # GGUF lists the fastest-varying dim first
+        if tensor.tensor_type.name in _UNQUANTIZED:
+            values = np.asarray(data).astype(np.float32)
         else:
-            values = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32, copy=False)
+            values = dequantize(np.asarray(data), tensor.tensor_type).astype(np.float32, copy=False)
         return values.reshape(shape)
 
     @property
@@ -246,8 +292,8 @@ class GGUFFile:
     def describe(self) -> dict[str, Any]:
         """What a model card names: the model, its license, and how many tensors each GGUF type holds."""
         types: dict[str, int] = {}
-        for _, kind in self._tensors:
-            types[kind.name] = types.get(kind.name, 0) + 1
+        for tensor in self._tensors:
+            types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
         return {
             "name": self._field("general.name"),
             "organization": self._field("general.organization"),

@@ -22,7 +22,7 @@ from engine.model.architecture import Architecture
 from engine.model.layers.attention import SelfAttention
 from engine.model.layers.cpu_prepack import NO_NATIVE_ROWS, native_rows_of_step
 from engine.model.layers.linear import LMHead, VocabEmbedding
-from engine.model.layers.mlp import SwiGLUMLP
+from engine.model.layers.mlp import GatedMLP
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary import RotaryEmbedding
 from engine.model.loader import load_named_weights
@@ -41,6 +41,8 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 class DecoderLayer(nn.Module):
     """Layer ``index`` of the stack; its attention takes the layer's window (``Architecture.attention_window``)."""
+
+    norm_class = RMSNorm  # every norm's, the q/k norms' included
 
     def __init__(
         self,
@@ -63,12 +65,14 @@ class DecoderLayer(nn.Module):
             o_bias=cfg.o_proj_bias,
             window=cfg.attention_window(index),
             qk_norm_eps=cfg.rms_norm_eps if cfg.has_qk_norm else None,
+            norm_class=self.norm_class,
+            scale=cfg.attention_scale,
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
-        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, tp_rank, tp_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, tp_rank, tp_size)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self, positions, hidden, residual, kv_cache, attn_metadata, cos_sin, native_rows=NO_NATIVE_ROWS
@@ -91,6 +95,8 @@ class DecoderLayer(nn.Module):
             return "has q/k norms"
         if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
             return "has o_proj or MLP biases"
+        if not mlp.is_silu:
+            return "has an MLP activation other than SwiGLU's"
         return None
 
 
@@ -105,10 +111,13 @@ class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage: layers ``[start_layer, end_layer)``.
 
     ``embed_tokens`` exists on the first stage only, ``norm`` on the last only
-    (``None`` elsewhere); other stages' layers are parameterless ``PPMissingLayer``s.
+    (``None`` elsewhere); other stages' layers are parameterless ``PPMissingLayer``s. One rotary per rope
+    the layers use (``Architecture.rope_of``: Gemma 3's sliding layers have their own); ``rotary``: layer 0's.
     ``kv_cache_groups``: the whole model's layers grouped by attention window; each local layer reads its
     group's attention metadata (``layer_groups``) and cache slot (``layer_cache_slots``).
     """
+
+    layer_class = DecoderLayer
 
     def __init__(
         self,
@@ -121,13 +130,16 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.start_layer, self.end_layer = get_pp_indices(cfg.num_hidden_layers, pp_rank, pp_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_scaling, cfg.max_position_embeddings)
+        ropes = [cfg.rope_of(index) for index in range(cfg.num_hidden_layers)]
+        distinct = [rope for index, rope in enumerate(ropes) if rope not in ropes[:index]]
+        self.rotaries = tuple(RotaryEmbedding(cfg.head_dim, rope, cfg.max_position_embeddings) for rope in distinct)
+        self.rotary = self.rotaries[0]
         is_first_stage, is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         self.embed_tokens = (
             VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank, tp_size) if is_first_stage else None
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, index, self.rotary, backend, tp_rank, tp_size)
+            self.layer_class(cfg, index, self.rotaries[distinct.index(ropes[index])], backend, tp_rank, tp_size)
             if self.start_layer <= index < self.end_layer
             else PPMissingLayer()
             for index in range(cfg.num_hidden_layers)
@@ -138,17 +150,17 @@ class LlamaModel(nn.Module):
         slots = layer_slots(self.kv_cache_groups)
         self.layer_groups = tuple(slots[i][0] for i in range(self.start_layer, self.end_layer))
         self.layer_cache_slots = tuple(slots[i][1] for i in range(self.start_layer, self.end_layer))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage else None
+        self.norm = self.layer_class.norm_class(cfg.hidden_size, cfg.rms_norm_eps) if is_last_stage else None
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, intermediate=None):
-        cos_sin = self.rotary.cos_sin_for(positions, attn_metadata.max_seq_len - 1)  # [T, 2, D]
+        cos_sins = {id(r): r.cos_sin_for(positions, attn_metadata.max_seq_len - 1) for r in self.rotaries}  # [T, 2, D]
         native_rows = native_rows_of_step(attn_metadata.max_verify_query_len)  # a verify step's few rows
         if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         else:
             hidden, residual = intermediate
         for layer, kv_cache, group in zip(self.local_layers, kv_caches, self.layer_groups, strict=True):
-            metadata = attn_metadata.for_group(group)
+            metadata, cos_sin = attn_metadata.for_group(group), cos_sins[id(layer.self_attn.rotary)]
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata, cos_sin, native_rows)
         if self.norm is None:
             return hidden, residual
@@ -177,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
     * ``wants_weight(name)``: whether this rank loads checkpoint tensor ``name`` (others are never read).
     """
 
+    model_class = LlamaModel
+
     def __init__(
         self,
         arch_config: Architecture,
@@ -191,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
-        self.model = LlamaModel(arch_config, backend, tp_rank, tp_size, pp_rank, pp_size)
+        self.model = self.model_class(arch_config, backend, tp_rank, tp_size, pp_rank, pp_size)
         self.lm_head = None
         if pp_rank == pp_size - 1:
             # Tied with pp_size > 1: the embedding lives on the first stage, so the last stage holds its

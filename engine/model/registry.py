@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.attention.backend import get_attention_backend
 from engine.model.architecture import Architecture, parse_dtype
+from engine.model.gemma3 import Gemma3ForCausalLM
 from engine.model.llama import PACKED_MODULES, LlamaForCausalLM
 from engine.model.quantization.plan import plan_quantization
 from engine.model.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -23,6 +24,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,  # its language model (text only)
 }
 
 

@@ -157,14 +157,31 @@ def _not_a_model(path: str) -> str:
     return f"{path!r} does not exist: a model is a Hugging Face checkpoint directory or a .gguf file.{hint}"
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template: str | None = None):
     """The tokenizer of the model (or tokenizer directory) at ``path``: a .gguf file's embedded one, else
-    ``AutoTokenizer.from_pretrained`` (a tokenizer directory needs no config.json)."""
+    ``AutoTokenizer.from_pretrained`` (a tokenizer directory needs no config.json); ``chat_template``
+    (``ModelConfig.chat_template``, vLLM's ``--chat-template``: a template, or a file holding one), when given,
+    replaces its own; a chat request's own ``chat_template`` wins over both."""
     if is_gguf_path(path):
-        return open_model_source(path).load_tokenizer()
-    from transformers import AutoTokenizer
+        tokenizer = open_model_source(path).load_tokenizer()
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """The template ``value`` is, or the one in the file it names; ValueError when it is neither."""
+    if "{" in value:  # every Jinja template has a tag; no file name needs a brace
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as error:
+        raise ValueError(f"chat_template {value!r} is no Jinja template and no readable file: {error}") from None
 
 
 # generation_config.json's sampling keys -> SamplingParams' names (vLLM's ``--generation-config auto``).

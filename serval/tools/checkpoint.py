@@ -75,7 +75,12 @@ ARCHS: dict[str, tuple[str, str, bool, bool, float]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", False, True, 1000000.0),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", True, False, 1000000.0),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", True, False, 1000000.0),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", True, True, 1000000.0),
 }
+# Gemma 3's sliding layers (every other one here): their rope base and window. The window is wider than any
+# prompt the tests give a tiny model, until the attention backends honour windows.
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_SLIDING_WINDOW = 1024
 
 
 def build_config(
@@ -113,7 +118,23 @@ def build_config(
         kwargs["sliding_window"] = None
     if arch == "qwen3":
         kwargs["attention_bias"] = False
+    if arch == "gemma3":
+        kwargs.update(_gemma3_kwargs(preset, head_dim, rope_theta))
     return getattr(transformers, class_name)(**kwargs)
+
+
+def _gemma3_kwargs(preset: SizePreset, head_dim: int, rope_theta: float) -> dict:
+    """Gemma 3's own fields, each set off its default (a score scale other than head_dim's, two rope bases)."""
+    return dict(
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim * 3 // 2,
+        sliding_window=GEMMA3_SLIDING_WINDOW,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(preset.layers)],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_THETA},
+        },
+    )
 
 
 def is_complete(path: Path, spec: dict) -> bool:

@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tie-word-embeddings",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="default: tied for qwen2/qwen3, untied for llama/mistral",
+        help="default: tied for qwen2/qwen3/gemma3, untied for llama/mistral",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
     parser.add_argument(

@@ -53,7 +53,8 @@ def single_device_tokens(tiny_checkpoint):
 CONTROL_PATHS = [pytest.param(False, id="tasks"), pytest.param(True, id="graph")]
 
 
-# Each layout on the actor-task path; Qwen3 (its per-head q/k norms sharded under TP) and the compiled graph
+# Each layout on the actor-task path; Qwen3 and Gemma 3 (per-head q/k norms sharded under TP; Gemma's four norms
+# a layer, its scaled embedding on the first stage and its two rotaries) and the compiled graph
 # (its collectives and stage transfers) under TP=2 x PP=2, which holds both a TP group and a stage boundary.
 # The compiled graph's pipeline is also test_pipeline_keeps_two_micro_batches_in_flight's.
 @pytest.mark.parametrize(
@@ -63,9 +64,17 @@ CONTROL_PATHS = [pytest.param(False, id="tasks"), pytest.param(True, id="graph")
         ("llama", False, 1, 2),
         ("llama", False, 2, 2),
         ("qwen3", False, 2, 2),
+        ("gemma3", False, 2, 2),
         ("llama", True, 2, 2),
     ],
-    ids=["tp2-llama-tasks", "pp2-llama-tasks", "tp2xpp2-llama-tasks", "tp2xpp2-qwen3-tasks", "tp2xpp2-llama-graph"],
+    ids=[
+        "tp2-llama-tasks",
+        "pp2-llama-tasks",
+        "tp2xpp2-llama-tasks",
+        "tp2xpp2-qwen3-tasks",
+        "tp2xpp2-gemma3-tasks",
+        "tp2xpp2-llama-graph",
+    ],
 )
 def test_greedy_tokens_equal_single_device(
     local_ray, tiny_checkpoint, single_device_tokens, arch, compiled_graph, tp, pp

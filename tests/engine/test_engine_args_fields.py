@@ -40,6 +40,7 @@ NON_DEFAULTS = dict(
     generation_config="vllm",
     dtype="bfloat16",
     quantization="int8",
+    chat_template="{{ messages[0].content }}",
     seed=7,
     reasoning_parser="qwen3",
     runner="pooling",

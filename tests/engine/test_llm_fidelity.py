@@ -1,6 +1,7 @@
 """End-to-end fidelity: Serval's ``LLM`` against Hugging Face transformers, float32, tiny random checkpoints.
 
-For every architecture (plus an untied Qwen2 and a tied Llama), greedy token
+For every architecture (plus an untied Qwen2 and a tied Llama; Gemma 3's sliding window wider than every
+prompt), greedy token
 ids must be *identical* to ``transformers``' ``generate(do_sample=False)`` for a
 batch of mixed-length prompts under each way the engine can split the work:
 the default configuration, chunked prefill forced small (mixed prefill and
@@ -41,10 +42,11 @@ VARIANTS = [
     pytest.param(("mistral", None), id="mistral"),
     pytest.param(("qwen2", None), id="qwen2"),
     pytest.param(("qwen3", None), id="qwen3"),
+    pytest.param(("gemma3", None), id="gemma3"),
     pytest.param(("qwen2", False), id="qwen2-untied"),
     pytest.param(("llama", True), id="llama-tied"),
 ]
-BASE_VARIANTS = VARIANTS[:4]
+BASE_VARIANTS = VARIANTS[:5]
 
 
 def _token_prompts() -> list[list[int]]:

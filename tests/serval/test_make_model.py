@@ -60,7 +60,7 @@ def test_tiny_loads_in_transformers(tiny, arch):
     assert config.tie_word_embeddings == ARCHS[arch][2]
     names = dict(model.named_parameters())
     assert any(n.endswith("q_proj.bias") for n in names) == (arch == "qwen2")
-    assert any(n.endswith("q_norm.weight") for n in names) == (arch == "qwen3")
+    assert any(n.endswith("q_norm.weight") for n in names) == (arch in ("qwen3", "gemma3"))
     tokenizer = AutoTokenizer.from_pretrained(tiny[arch])
     assert len(tokenizer) == config.vocab_size == 512
     assert tokenizer.eos_token_id == EOS_ID and tokenizer.pad_token_id == PAD_ID

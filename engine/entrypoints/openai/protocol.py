@@ -219,6 +219,7 @@ class ChatTemplateFields(ToolList):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # the template already holds the special tokens
+    chat_template: str | None = None  # vLLM's: a Jinja template for this request, in place of the model's
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")

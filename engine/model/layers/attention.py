@@ -34,9 +34,13 @@ class SelfAttention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        norm_class: type[RMSNorm] = RMSNorm,
+        scale: float | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
     ):
+        """``norm_class``: the q/k norms' (with ``qk_norm_eps``); ``scale``: the scores' factor (default
+        ``head_dim ** -0.5``)."""
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias, tp_rank=tp_rank, tp_size=tp_size
@@ -44,12 +48,12 @@ class SelfAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.o_proj = RowParallelLinear(
             num_heads * head_dim, hidden_size, bias=o_bias, tp_rank=tp_rank, tp_size=tp_size
         )
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.q_norm = norm_class(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = norm_class(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.rotary = rotary  # shared by all layers; holds no parameters or buffers
         self.backend = backend
         self.window = window

@@ -1,4 +1,4 @@
-"""RMSNorm, computed like Hugging Face (normalise in float32, scale in the input dtype).
+"""RMSNorm, computed like Hugging Face (normalise in float32, scale in the input dtype), and Gemma's.
 
 With a ``residual`` it is vLLM's fused add + norm: ``residual = x + residual`` then the norm of that
 (the decoder layers carry the residual stream this way). On CPU with the native ops both forms are
@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = fused_cpu_ops(x) if x.dtype == self.weight.dtype else None
+        ops = self._fused_ops(x)
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps) if ops is not None else self._norm(x)
         if ops is not None and x.is_contiguous() and residual.is_contiguous() and residual.dtype == x.dtype:
@@ -40,8 +40,29 @@ class RMSNorm(nn.Module):
         residual = x + residual
         return self._norm(residual), residual
 
+    def _fused_ops(self, x: torch.Tensor):
+        return fused_cpu_ops(x) if x.dtype == self.weight.dtype else None
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's (transformers' ``Gemma3RMSNorm``): y = (x / sqrt(mean(x^2) + eps)) * (1 + weight), all in float32,
+    then cast to x's dtype; the weight is stored zero-centred. The same two forms as ``RMSNorm``, in plain torch
+    (the native ops compute Llama's form)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()
+
+    def _fused_ops(self, x: torch.Tensor):
+        return None
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)

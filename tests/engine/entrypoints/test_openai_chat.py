@@ -3,7 +3,8 @@ ChatML template), checked against the offline ``LLM.chat`` on the same checkpoin
 
 Covers the template (roles, text parts), greedy equality, streaming (role first, same text,
 ``include_usage``), ``max_completion_tokens`` / ``max_tokens`` / unset, ``n``, ``stop``, ``seed``
-and logprobs with ``top_logprobs``.
+and logprobs with ``top_logprobs``; a model without a chat template (a 400 saying so, the request's
+``chat_template`` and the server's ``--chat-template``).
 """
 
 from __future__ import annotations
@@ -153,3 +154,89 @@ def test_logprobs_with_top_logprobs(client, offline):
     assert [entry.token for entry in streamed_content] == [entry.token for entry in content]
     no_top = greedy_chat(client, 4, logprobs=True).choices[0].logprobs.content
     assert len(no_top) == 4 and all(entry.top_logprobs == [] for entry in no_top)
+
+
+# A model without a chat template (a base model's, as Gemma 3 270M's file): the tiny model's tokenizer, its
+# template removed. vLLM's answer: a 400 that says what works instead.
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+
+
+@pytest.fixture(scope="module")
+def templateless_tokenizer(model_path, tmp_path_factory) -> str:
+    import json
+    import shutil
+    from pathlib import Path
+
+    path = tmp_path_factory.mktemp("no-chat-template")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(model_path) / name, path / name)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    assert config.pop("chat_template")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _serve_templateless(model_path: str, tokenizer: str, **overrides):
+    from engine.entrypoints.openai.serving import OpenAIServing
+    from tests.engine.entrypoints.conftest import make_async_llm, serve_models
+
+    engine = make_async_llm(model_path, tokenizer=tokenizer, max_num_seqs=2, **overrides)
+    return engine, serve_models({MODEL: OpenAIServing(engine, MODEL)})
+
+
+def _chat(base_url: str, **body):
+    import httpx
+
+    body = {"model": MODEL, "messages": MESSAGES[:2], "max_tokens": 4, "temperature": 0, **body}
+    return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+def _template_tokens(base_url: str, **body) -> int:
+    import httpx
+
+    response = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "messages": MESSAGES[:2], **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["count"]
+
+
+def test_a_model_without_a_chat_template_refuses_chats_unless_given_one(model_path, templateless_tokenizer):
+    from engine.entrypoints.openai.chat_template import NO_CHAT_TEMPLATE
+    from tests.engine.entrypoints.test_openai_errors import error_body
+
+    engine, server = _serve_templateless(model_path, templateless_tokenizer)
+    with server:
+        response = _chat(server.base_url)
+        assert response.status_code == 400
+        error = error_body(response)
+        assert error["type"] == "BadRequestError" and error["message"] == NO_CHAT_TEMPLATE
+        assert "use /v1/completions, or pass chat_template" in error["message"]
+        completion = _completion(server.base_url)
+        assert completion.status_code == 200, completion.text
+        given = _chat(server.base_url, chat_template=TEMPLATE)  # vLLM's request field
+        assert given.status_code == 200, given.text
+        assert given.json()["usage"]["prompt_tokens"] == _template_tokens(server.base_url, chat_template=TEMPLATE)
+    engine.shutdown()
+
+
+def test_the_servers_chat_template_file_replaces_the_tokenizers(model_path, templateless_tokenizer, tmp_path):
+    """``--chat-template FILE`` (ModelConfig.chat_template): the tokenizer loads with it, so every chat uses it."""
+    from engine.model.source import load_tokenizer
+
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(TEMPLATE)
+    assert load_tokenizer(templateless_tokenizer, TEMPLATE).chat_template == TEMPLATE
+    with pytest.raises(ValueError, match="is no Jinja template and no readable file"):
+        load_tokenizer(templateless_tokenizer, str(tmp_path / "missing.jinja"))
+    engine, server = _serve_templateless(model_path, templateless_tokenizer, chat_template=str(template_file))
+    with server:
+        response = _chat(server.base_url)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == _template_tokens(server.base_url)
+    engine.shutdown()
+
+
+def _completion(base_url: str):
+    import httpx
+
+    body = {"model": MODEL, "prompt": "Name three colours.", "max_tokens": 4, "temperature": 0}
+    return httpx.post(f"{base_url}/v1/completions", json=body, timeout=60)
