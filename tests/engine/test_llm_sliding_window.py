@@ -1,7 +1,8 @@
 """Sliding-window attention end to end: Serval's ``LLM`` against transformers, float32, tiny random checkpoints.
 
-A Mistral checkpoint whose every layer slides (window 12), and a Qwen2 one with ``use_sliding_window`` and
-``max_window_layers=1`` (layer 0 full, layer 1 sliding, window 20), both written by transformers, with
+A Mistral checkpoint whose every layer slides (window 12), a Qwen2 one with ``use_sliding_window`` and
+``max_window_layers=1`` (layer 0 full, layer 1 sliding, window 20), and a Gemma 3 one (layer 0 sliding, window
+12, with its own rope base; layer 1 full), all written by transformers, with
 prompts several windows long and blocks of 8 tokens. One engine per checkpoint runs every scheduling
 stress at once: prefill chunked small, prefix caching, and a KV pool of the fewest blocks the scheduler
 accepts (so it preempts). Greedy tokens must equal transformers' and logprobs its ``log_softmax``. After
@@ -31,12 +32,13 @@ MAX_TOKENS = 20
 SLIDING = {
     "mistral": dict(sliding_window=12),
     "qwen2": dict(use_sliding_window=True, sliding_window=20, max_window_layers=1),
+    "gemma3": dict(sliding_window=12, layer_types=["sliding_attention", "full_attention"]),
 }
 # The most blocks a request holds in a sliding group: its window and a step's tokens, block-aligned.
 MAX_SLIDING_BLOCKS = {window: -(-(window - 1 + MAX_STEP_TOKENS) // BLOCK_SIZE) + 1 for window in (12, 20)}
 # The fewest the scheduler accepts, one max_model_len sequence (+ the null block): Mistral's one sliding
-# group holds 4 blocks of it; Qwen2's full group all 20, its sliding one 5.
-NUM_BLOCKS = {"mistral": 1 + 4, "qwen2": 1 + 20 + 5}
+# group holds 4 blocks of it; Qwen2's full group all 20, its sliding one 5; Gemma 3's 20 and 4.
+NUM_BLOCKS = {"mistral": 1 + 4, "qwen2": 1 + 20 + 5, "gemma3": 1 + 20 + 4}
 
 
 def engine_kwargs(arch: str) -> dict:
@@ -100,7 +102,8 @@ def generate_checking_blocks(llm, prompts, params: SamplingParams) -> list:
 def test_the_checkpoints_slide(case):
     arch = Architecture.from_model(case.path)
     windows = [arch.attention_window(i) for i in range(arch.num_hidden_layers)]
-    assert windows == {"MistralForCausalLM": [12, 12], "Qwen2ForCausalLM": [None, 20]}[arch.architecture]
+    expected = {"MistralForCausalLM": [12, 12], "Qwen2ForCausalLM": [None, 20], "Gemma3ForCausalLM": [12, None]}
+    assert windows == expected[arch.architecture]
     assert max(len(ids) for ids in case.prompt_token_ids) > 5 * max(w for w in windows if w)
 
 
@@ -113,8 +116,10 @@ def test_greedy_tokens_and_logprobs_match_hf(case, llm):
         check_logprobs_close(output, case.ref, 5, f"sliding prompt {i}", check_prompt=False)
     assert llm.llm_engine.engine_core.engine_core.scheduler.num_preemptions > 0
     assert_pool_clean(llm)
-    # Its decode steps ran on the native decode stack, each layer with its group's block tables and window.
-    assert isinstance(llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_step, NativeDecodeStep)
+    # Llama-shaped decode steps ran on the native decode stack, each layer with its group's block tables and
+    # window; Gemma's layers (four norms each) are not the stack's: they decode one by one.
+    decode_step = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_step
+    assert isinstance(decode_step, NativeDecodeStep) == (case.arch != "gemma3")
 
 
 def test_prefix_caching_matches_hf(case, llm):

@@ -6,13 +6,12 @@ transformers' own loading of the same file and llama.cpp's tokenizer.
   non-ASCII text included.
 * The tensors Serval reads are transformers' dequantization of the file, name for name and bit for bit (the
   norm weights llama.cpp stored as 1 + w given back as w; Gemma's q/k rows are not permuted).
-* Dequantized (``quantization="none"``), the engine's greedy continuation of a 32-token prompt is transformers'
-  token for token, and "The capital of France is" continues as llama.cpp continues it.
+* Dequantized (``quantization="none"``), the engine's greedy continuations of prompts of 32, 600 and 1,500
+  tokens (the last two past the 512-token sliding window of 15 of its 18 layers, prefilled in chunks) are
+  transformers' token for token, and "The capital of France is" continues as llama.cpp continues it.
 * Kept as blocks (the default), the first 16 greedy tokens are the dequantized model's on most prompts,
   parting only at near-ties.
 * The directory fetch-model writes has the file's architecture, the Gemma terms and a card naming them.
-
-The prompts are far shorter than the 512-token sliding window (the attention backends do not honour windows yet).
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ PROMPTS = [
     "Photosynthesis is the process by which plants",
     "Once upon a time, in a small village by the sea,",
 ]
-ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20)
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=2048, max_num_batched_tokens=512, kv_cache_memory_bytes=96 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +104,15 @@ def _hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
 
 def test_the_dequantized_engine_continues_as_transformers(dequantized, hf_model):
     tokenizer = dequantized.get_tokenizer()
-    prompt_ids = tokenizer(LONG_TEXT)["input_ids"][:32]
-    assert len(prompt_ids) == 32
-    [output] = dequantized.generate([{"prompt_token_ids": prompt_ids}], greedy(24), use_tqdm=False)
-    assert list(output.outputs[0].token_ids) == _hf_greedy(hf_model, prompt_ids, 24)
+    text_ids = tokenizer(LONG_TEXT)["input_ids"]
+    assert len(text_ids) >= 32
+    # 32 tokens of text; then 600 and 1,500: the text, then tokens of its own vocabulary's first 20,000 in a
+    # fixed random order (each sliding layer then attends to the last 512 alone).
+    filler = torch.randperm(20000, generator=torch.Generator().manual_seed(0))[:1500].add(1000).tolist()
+    for n, new in ((32, 24), (600, 8), (1500, 8)):
+        prompt_ids = (text_ids + filler)[:n]
+        [output] = dequantized.generate([{"prompt_token_ids": prompt_ids}], greedy(new), use_tqdm=False)
+        assert list(output.outputs[0].token_ids) == _hf_greedy(hf_model, prompt_ids, new), n
     [france] = dequantized.generate([FRANCE], greedy(16), use_tqdm=False)
     assert france.outputs[0].text.startswith(" the capital of the country of France. It is the largest city in France")
     # Streamed detokenization of byte-fallback and multi-byte tokens equals a one-shot decode.

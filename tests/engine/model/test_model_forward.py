@@ -65,18 +65,23 @@ def hf_logits(hf, tokens):
 
 
 class PagedRunner:
-    """Minimal model runner: feeds scheduled chunks of known token lists through a paged cache."""
+    """Minimal model runner: feeds scheduled chunks of known token lists through a paged cache. ``blocks[rid]`` are
+    the request's blocks in KV cache group 0; a model with more groups (sliding-window layers) gets blocks of its
+    own in each (``group_blocks``), none ever freed."""
 
     def __init__(self, model, block_size=4, num_blocks=96, seed=0):
         self.model, self.block_size = model, block_size
         self.caches = model.make_kv_caches(num_blocks, block_size)
         self.free = list(range(1, num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous block ids, block 0 reserved
-        self.tokens, self.done, self.blocks = {}, {}, {}
+        self.tokens, self.done, self.blocks, self.group_blocks = {}, {}, {}, {}
+        self.groups = len(model.model.kv_cache_groups)
 
     def add(self, rid, tokens, share_prefix_blocks_of=None, shared_blocks=0):
         self.tokens[rid], self.done[rid] = tokens, 0
         self.blocks[rid] = list(self.blocks[share_prefix_blocks_of][:shared_blocks]) if share_prefix_blocks_of else []
+        shared = self.group_blocks[share_prefix_blocks_of] if share_prefix_blocks_of else [[]] * (self.groups - 1)
+        self.group_blocks[rid] = [list(blocks[:shared_blocks]) for blocks in shared]
         if shared_blocks:
             self.done[rid] = shared_blocks * self.block_size  # prefix-cache hit
 
@@ -86,13 +91,18 @@ class PagedRunner:
         for rid, n in schedule:
             start, end = self.done[rid], self.done[rid] + n
             assert end <= len(self.tokens[rid]), "test schedule runs past the prompt"
-            while len(self.blocks[rid]) * self.block_size < end:
-                self.blocks[rid].append(self.free.pop())
+            for blocks in [self.blocks[rid], *self.group_blocks[rid]]:
+                while len(blocks) * self.block_size < end:
+                    blocks.append(self.free.pop())
             ids += self.tokens[rid][start:end]
             pos += range(start, end)
             qlens.append(n), slens.append(end), tables.append(self.blocks[rid])
             self.done[rid] = end
         md = build_attention_metadata(qlens, slens, tables, self.block_size)
+        md.group_views = tuple(
+            build_attention_metadata(qlens, slens, [self.group_blocks[rid][g] for rid, _ in schedule], self.block_size)
+            for g in range(self.groups - 1)
+        )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, md)
             logits = self.model.compute_logits(hidden)
