@@ -4,8 +4,8 @@ chunks and mixed batches (``check_fidelity``), for ``Gemma3ForCausalLM`` and for
 
 Every Gemma-specific field is set off its default so that an engine ignoring it fails: norms not at their
 zero init, a score scale other than head_dim's, two rope bases, logits soft-capped. Windows are wider than
-every prompt here (tests/engine/test_llm_sliding_window.py runs a window shorter than its prompts). The transformers 4.x spelling of the rope
-fields gives the same architecture as 5.x's, and what no backend computes is refused.
+every prompt here (tests/engine/test_llm_sliding_window.py runs one shorter than its prompts). The transformers
+4.x spelling of the rope fields gives the same architecture as 5.x's, and what no backend computes is refused.
 """
 
 from __future__ import annotations
