@@ -33,15 +33,19 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ops = self._fused_ops(x)
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps) if ops is not None else self._norm(x)
+            return ops.rms_norm(x, self.native_weight(), self.eps) if ops is not None else self._norm(x)
         if ops is not None and x.is_contiguous() and residual.is_contiguous() and residual.dtype == x.dtype:
-            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place: x = norm, residual = sum
+            ops.fused_add_rms_norm(x, residual, self.native_weight(), self.eps)  # in place: x = norm, residual = sum
             return x, residual
         residual = x + residual
         return self._norm(residual), residual
 
     def _fused_ops(self, x: torch.Tensor):
         return fused_cpu_ops(x) if x.dtype == self.weight.dtype else None
+
+    def native_weight(self) -> torch.Tensor:
+        """The weight the native ops scale by (Llama's form: weight * normed x)."""
+        return self.weight
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -52,15 +56,22 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's (transformers' ``Gemma3RMSNorm``): y = (x / sqrt(mean(x^2) + eps)) * (1 + weight), all in float32,
-    then cast to x's dtype; the weight is stored zero-centred. The same two forms as ``RMSNorm``, in plain torch
-    (the native ops compute Llama's form)."""
+    then cast to x's dtype; the weight is stored zero-centred. The same two forms as ``RMSNorm``. On float32
+    activations that is Llama's form over the weight 1 + weight, which the native ops compute; on others, plain
+    torch (Llama's scales in the activations' dtype, Gemma's in float32)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
         self.weight.data.zero_()
+        self._scale: tuple[int, torch.Tensor] | None = None  # (the weight's version, 1 + weight)
 
     def _fused_ops(self, x: torch.Tensor):
-        return None
+        return fused_cpu_ops(x) if x.dtype == torch.float32 == self.weight.dtype else None
+
+    def native_weight(self) -> torch.Tensor:
+        if self._scale is None or self._scale[0] != self.weight._version:  # made again should the weight change
+            self._scale = (self.weight._version, 1.0 + self.weight)
+        return self._scale[1]
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
